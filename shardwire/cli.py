@@ -1,0 +1,134 @@
+"""The `shardwire` command: worker, generate, serve, plan, bench, demo."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+from .launch import add_cluster_args
+from .pipeline import PipelineError
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (llama.cpp's defaults)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=40, help="0 = off (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, help="1.0 = off (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.05, help="0.0 = off (default: %(default)s)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 = off (default: %(default)s)")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back (default: %(default)s)")
+    g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a random one)")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a .gguf file (first part of a split model) or a Hugging Face folder")
+    p.add_argument("-d", "--device", default=None,
+                   help="device for local stages: cpu, cuda:N or mps (default: the first accelerator, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="compute dtype (default: float32 on cpu, bfloat16 on cuda, float16 on mps)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096,
+                   help="context size per sequence, capped at the model's (default: %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwire", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"shardwire {__version__}")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="(default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="continue a prompt, printing tokens as they come")
+    _add_model_args(p)
+    p.add_argument("-p", "--prompt", required=True, help="prompt text")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the model's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_sampling_args(p)
+    add_cluster_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("worker", help="serve stages of a model to a coordinator")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=50052, help="(default: %(default)s)")
+    p.add_argument("-d", "--device", default=None,
+                   help="devices to serve, comma-separated: cuda:N, mps, cpu (CPU devices may be named "
+                        "cpu:0,cpu:1) (default: every accelerator, else cpu)")
+    p.add_argument("--mem", default=None, help="memory budget per device, e.g. 20G or 512M (default: free memory)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
+    p.add_argument("--cache-dir", default=None, help="weight cache folder (default: ~/.cache/shardwire)")
+    p.add_argument("--cache-size", default=None, help="evict least recently used weights beyond this, e.g. 100G")
+    p.add_argument("--model-dir", action="append", default=[],
+                   help="folder holding this machine's own copies of model files (repeatable)")
+    p.add_argument("--token", default=None, help="shared secret (prefer env SHARDWIRE_TOKEN)")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("plan", help="print how a model would be split, without loading weights")
+    _add_model_args(p)
+    add_cluster_args(p)
+    p.add_argument("-np", "--parallel", type=int, default=1, help="sequence slots (default: %(default)s)")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def parse_size(text: str | None) -> int | None:
+    """'20G', '512M', '1.5T' or a plain number of bytes."""
+    if not text:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ValueError(f"bad size '{text}' (use e.g. 20G or 512M)") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, PipelineError) as e:
+        logging.debug("failed", exc_info=True)
+        print(f"shardwire: error: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import run_generate
+    return run_generate(args)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from .worker import Worker
+    worker = Worker(host=args.host, port=args.port, devices=args.device.split(",") if args.device else None,
+                    mem=parse_size(args.mem), cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                    cache_max_bytes=parse_size(args.cache_size), model_dirs=[Path(d) for d in args.model_dir],
+                    token=args.token or os.environ.get("SHARDWIRE_TOKEN"), threads=args.threads)
+    port = worker.bind()
+    desc = worker.describe()
+    print(f"shardwire worker {desc['worker_id']} listening on {args.host}:{port}", flush=True)
+    for d in desc["devices"]:
+        print(f"  {d['name']}: {d['free'] / 2**30:.1f} GiB available", flush=True)
+    try:
+        worker.serve_forever()
+    finally:
+        worker.close()
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .formats import open_model
+    from .launch import plan_only
+    print(plan_only(open_model(args.model), args))
+    return 0

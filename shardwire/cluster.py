@@ -1,0 +1,364 @@
+"""The coordinator's view of its workers: connect, describe, plan, assign, ship weights, and
+the pipeline that sends steps into the ring and collects sampled tokens from its end."""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .cache import HashIndex, default_cache_dir
+from .devices import default_dtype
+from .formats import ModelFile, TensorReader
+from .pipeline import PipelineError, Step, StepResult
+from .plan import Plan, PlanDevice, PlannedStage, make_plan
+from .sampling import Sampled
+from .wire.conn import Connection, RemoteError, connect
+from .wire.frames import FrameError, MessageType
+from .wire.messages import Devices, Need, Result
+
+log = logging.getLogger("shardwire.cluster")
+
+WEIGHT_CHUNK = 8 << 20
+
+
+def parse_address(text: str, default_port: int = 50052) -> tuple[str, int]:
+    text = text.strip()
+    if text.startswith("["):  # [ipv6]:port
+        host, _, port = text[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    if not host:
+        raise ValueError(f"bad worker address '{text}' (expected host:port)")
+    try:
+        return host, int(port) if port else default_port
+    except ValueError:
+        raise ValueError(f"bad port in worker address '{text}'") from None
+
+
+@dataclass
+class WorkerLink:
+    """One worker as the coordinator sees it."""
+    name: str  # host:port, or "local" / "local:cpu" for the coordinator's own
+    host: str
+    port: int
+    conn: Connection | None = None
+    worker_id: str = ""
+    devices: list = field(default_factory=list)
+    alive: bool = False
+    reader: threading.Thread | None = None
+    local: object | None = None  # the in-process Worker behind a local link
+
+
+class Cluster:
+    def __init__(self, addresses: list[str], *, token: str | None = None, local_devices: list[str] = (),
+                 local_cpu: bool = False, cache_dir: Path | None = None, connect_timeout: float = 10.0,
+                 tls=None, show_progress: bool = True):
+        self.token, self.tls = token, tls
+        self.connect_timeout = connect_timeout
+        self.cache_dir = cache_dir or default_cache_dir()
+        self.show_progress = show_progress
+        self.links = [WorkerLink(a, *parse_address(a)) for a in addresses]
+        self._local_devices, self._local_cpu = list(local_devices), local_cpu
+        self.model: ModelFile | None = None
+        self.plan: Plan | None = None
+        self.plan_id = ""
+        self.pipeline: RemotePipeline | None = None
+        self.load_stats: dict = {}
+
+    # -- connecting ----------------------------------------------------------------------
+
+    def _start_local(self, name: str, devices: list[str], model: ModelFile) -> WorkerLink:
+        from .worker import Worker  # the coordinator runs its own stages as an in-process worker
+        folder = model.path.parent
+        # Local stages talk to remote workers as peers, so they share the cluster's token.
+        worker = Worker(host="127.0.0.1", port=0, devices=devices, token=self.token,
+                        cache_dir=self.cache_dir, model_dirs=[folder])
+        port = worker.bind()
+        worker.start()
+        return WorkerLink(name, "127.0.0.1", port, local=worker)
+
+    def connect(self, model: ModelFile) -> None:
+        """Reach every worker and learn its devices; a worker that cannot be reached is an error
+        naming it."""
+        self.model = model
+        if self._local_cpu and not any(l.name == "local:cpu" for l in self.links):
+            self.links.insert(0, self._start_local("local:cpu", ["cpu"], model))
+        if self._local_devices and not any(l.name == "local" for l in self.links):
+            self.links.append(self._start_local("local", self._local_devices, model))
+        for link in self.links:
+            self._connect_link(link)
+
+    def _connect_link(self, link: WorkerLink) -> None:
+        try:
+            conn, challenge = connect(link.host, link.port, token=self.token,
+                                      timeout=self.connect_timeout, tls=None if link.local else self.tls)
+        except (OSError, ConnectionError) as e:
+            raise ConnectionError(f"worker {link.name} is unreachable: {e}") from None
+        link.conn, link.worker_id = conn, challenge.worker_id
+        conn.send(MessageType.DESCRIBE)
+        link.devices = Devices.parse(conn.expect(MessageType.DEVICES).header).devices
+        link.alive = True
+
+    # -- planning ------------------------------------------------------------------------
+
+    def plan_devices(self, dtype: str | None) -> tuple[list[PlanDevice], PlanDevice | None]:
+        devices, cpu = [], None
+        for link in self.links:
+            for d in link.devices:
+                pd = PlanDevice(link.name, d.name, d.free, dtype or default_dtype(d.name))
+                if link.name == "local:cpu":
+                    cpu = pd
+                else:
+                    devices.append(pd)
+        return devices, cpu
+
+    def make_plan(self, *, tensor_split=None, n_gpu_layers=None, n_slots=1, ctx=4096,
+                  dtype: str | None = None, prefill_chunk: int = 512) -> Plan:
+        devices, cpu = self.plan_devices(dtype)
+        return make_plan(self.model, devices, cpu=cpu, tensor_split=tensor_split, n_gpu_layers=n_gpu_layers,
+                         n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk)
+
+    # -- loading -------------------------------------------------------------------------
+
+    def load(self, plan: Plan, pipeline: "RemotePipeline | None" = None) -> "RemotePipeline":
+        """Assign every worker its stages, ship the weights it lacks, wait until all are ready.
+        A given `pipeline` (one that broke) is pointed at the newly loaded stages."""
+        plan.check_fits()
+        self.plan, self.plan_id = plan, uuid.uuid4().hex[:16]
+        model = self.model
+        reader = TensorReader()
+        try:
+            names = {n for s in plan.stages for n in model.stage_tensors(s.start, s.end, s.first, s.last)}
+            hashes = HashIndex(self.cache_dir).hashes([model.tensors[n] for n in sorted(names)], reader)
+            groups = self._stages_by_worker(plan)
+            stats = {"file": 0, "cache": 0, "streamed": 0}
+            for i, (link, stages) in enumerate(groups):
+                nxt = groups[i + 1][0] if i + 1 < len(groups) else None
+                ready = self._assign(link, stages, nxt, hashes, reader)
+                for kind, n in ready.get("sources", {}).items():
+                    stats[kind] = stats.get(kind, 0) + n
+            self.load_stats = stats
+        finally:
+            reader.close()
+        if pipeline is None:
+            pipeline = RemotePipeline(self)
+        pipeline.attach(groups[0][0], groups[-1][0], plan, self.plan_id)
+        self.pipeline = pipeline
+        for link, _ in groups:
+            self._start_reader(link, pipeline)
+        return pipeline
+
+    def _stages_by_worker(self, plan: Plan) -> list[tuple[WorkerLink, list[tuple[int, PlannedStage]]]]:
+        by_name = {l.name: l for l in self.links}
+        groups: list[tuple[WorkerLink, list]] = []
+        for i, stage in enumerate(plan.stages):
+            link = by_name[stage.device.worker]
+            if groups and groups[-1][0] is link:
+                groups[-1][1].append((i, stage))
+            else:
+                groups.append((link, [(i, stage)]))
+        return groups
+
+    def _assign(self, link: WorkerLink, stages, nxt: WorkerLink | None, hashes: dict[str, str],
+                reader: TensorReader) -> dict:
+        model = self.model
+        specs = []
+        for index, stage in stages:
+            tensors = []
+            for name, info in model.stage_tensors(stage.start, stage.end, stage.first, stage.last).items():
+                tensors.append({"name": name, "dtype": info.dtype, "shape": list(info.shape),
+                                "nbytes": info.nbytes, "hash": hashes[name], "file": info.path.name,
+                                "file_size": info.path.stat().st_size, "offset": info.offset})
+            specs.append({"index": index, "device": stage.device.name, "start": stage.start, "end": stage.end,
+                          "first": stage.first, "last": stage.last, "dtype": stage.device.dtype,
+                          "tensors": tensors})
+        header = {"plan": self.plan_id, "config": model.config.to_dict(), "qk_interleaved": model.qk_interleaved,
+                  "n_slots": self.plan.n_slots, "ctx": self.plan.ctx, "stages": specs,
+                  "next": None if nxt is None else {"host": nxt.host, "port": nxt.port}}
+        conn = link.conn
+        try:
+            conn.send(MessageType.ASSIGN, header)
+            need = Need.parse(conn.expect(MessageType.NEED).header)
+            by_hash = {}
+            for s in specs:
+                for t in s["tensors"]:
+                    by_hash[t["hash"]] = model.tensors[t["name"]]
+            total = sum(by_hash[h].nbytes for h in need.hashes if h in by_hash)
+            with _progress(self.show_progress and total > 0, f"sending weights to {link.name}", total) as bar:
+                for digest in need.hashes:
+                    if digest not in by_hash:
+                        raise FrameError(f"worker {link.name} asked for weights it was not assigned")
+                    data = reader.read(by_hash[digest])
+                    for offset in range(0, len(data), WEIGHT_CHUNK):
+                        chunk = data[offset:offset + WEIGHT_CHUNK]
+                        conn.send(MessageType.WEIGHTS, {"hash": digest, "offset": offset, "total": len(data)}, chunk)
+                        bar(len(chunk))
+            return conn.expect(MessageType.READY).header
+        except RemoteError as e:
+            raise PipelineError(str(e), link.name) from None
+        except (OSError, ConnectionError) as e:
+            raise PipelineError(f"worker {link.name} failed while loading: {e}", link.name) from None
+
+    # -- running -------------------------------------------------------------------------
+
+    def _start_reader(self, link: WorkerLink, pipeline: "RemotePipeline") -> None:
+        def run():
+            while True:
+                try:
+                    frame = link.conn.recv()
+                except RemoteError as e:
+                    if e.code in ("step", "next_hop"):  # one step failed; the worker carries on
+                        pipeline._on_step_error(e, link)
+                        continue
+                    pipeline._on_link_lost(link, str(e))
+                    return
+                except (OSError, ConnectionError, FrameError) as e:
+                    pipeline._on_link_lost(link, f"worker {link.name} is gone ({e})")
+                    return
+                if frame.type == MessageType.RESULT:
+                    pipeline._on_result(Result.parse(frame.header))
+                elif frame.type not in (MessageType.PONG, MessageType.OK):
+                    pipeline._on_link_lost(link, f"worker {link.name} sent an unexpected {frame.type.name}")
+                    return
+        link.reader = threading.Thread(target=run, daemon=True, name=f"link-{link.name}")
+        link.reader.start()
+
+    def restore(self) -> None:
+        """Reconnect to every worker and load the same plan again (from their caches)."""
+        for link in self.links:
+            was_alive, link.alive = link.alive, False
+            if link.conn is not None and was_alive:
+                link.conn.close()
+        for link in self.links:
+            self._connect_link(link)
+        self.load(self.plan, self.pipeline)
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.broken = self.pipeline.broken or "the coordinator closed its cluster"
+        for link in self.links:
+            was_alive, link.alive = link.alive, False
+            if link.conn is not None and was_alive:
+                try:
+                    link.conn.send(MessageType.RELEASE)
+                except OSError:
+                    pass
+                link.conn.close()
+            if link.local is not None:
+                link.local.close()
+
+
+class RemotePipeline:
+    """Steps go to the first stage's worker; sampled tokens come back from the last one's."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.on_result = lambda result: None
+        self._in_flight: dict[int, Step] = {}
+        self._lock = threading.Lock()
+        self.broken: str | None = None
+
+    def attach(self, first: WorkerLink, last: WorkerLink, plan: Plan, plan_id: str) -> None:
+        self.first, self.last, self.plan_id = first, last, plan_id
+        self.n_slots, self.ctx, self.n_stages = plan.n_slots, plan.ctx, len(plan.stages)
+        self.broken = None
+
+    def recover(self) -> None:
+        """Bring a broken pipeline back: reconnect and reload the same plan, or raise."""
+        try:
+            self.cluster.restore()
+        except (OSError, ConnectionError) as e:
+            raise PipelineError(f"{self.broken}; reconnecting failed: {e}") from None
+
+    def submit(self, step: Step) -> None:
+        if self.broken is not None:
+            raise PipelineError(self.broken)
+        header = {"plan": self.plan_id, "step": step.id,
+                  "rows": [[r.slot, r.start, len(r.tokens)] for r in step.rows],
+                  "sampling": [r.sampling.to_dict() if r.sampling is not None else None for r in step.rows],
+                  "recent": [r.recent for r in step.rows],
+                  "dtype": "int32", "shape": [len(step.rows), step.width]}
+        payload = np.array([r.tokens for r in step.rows], dtype=np.int32)
+        with self._lock:
+            self._in_flight[step.id] = step
+        try:
+            self.first.conn.send(MessageType.FORWARD, header, payload, request=step.id)
+        except OSError as e:
+            self._on_link_lost(self.first, f"worker {self.first.name} is gone ({e})")
+
+    def free(self, slot: int) -> None:
+        if self.broken is not None:
+            return
+        for link in self.cluster.links:
+            if link.alive:
+                try:
+                    link.conn.send(MessageType.FREE, {"slot": slot})
+                except OSError:
+                    pass
+
+    def _on_result(self, result: Result) -> None:
+        with self._lock:
+            step = self._in_flight.pop(result.step, None)
+        if step is None:
+            return
+        sampled = []
+        for token, lp in zip(result.tokens, result.logprobs):
+            if token is None:
+                sampled.append(None)
+            elif lp is None:
+                sampled.append(Sampled(token))
+            else:
+                sampled.append(Sampled(token, lp[0], [tuple(t) for t in lp[1]]))
+        self.on_result(StepResult(step.id, sampled))
+
+    def _on_step_error(self, error: RemoteError, link: WorkerLink) -> None:
+        with self._lock:
+            step = self._in_flight.pop(error.request, None)
+        if step is not None:
+            self.on_result(StepResult(step.id, error=PipelineError(str(error), link.name)))
+
+    def _on_link_lost(self, link: WorkerLink, message: str) -> None:
+        if not link.alive:
+            return  # closed on purpose, or already reported
+        link.alive = False
+        if self.broken is None:
+            self.broken = message
+            log.error("%s", message)
+        with self._lock:
+            failed = list(self._in_flight)
+            self._in_flight.clear()
+        for step_id in failed:
+            self.on_result(StepResult(step_id, error=PipelineError(message, link.name)))
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
+class _progress:
+    """A rich progress bar on stderr, or nothing; used as `with _progress(...) as advance:`."""
+
+    def __init__(self, enabled: bool, label: str, total: int):
+        self.enabled, self.label, self.total = enabled, label, total
+        self._progress = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
+        self._progress.start()
+        task = self._progress.add_task(self.label, total=self.total)
+        return lambda n: self._progress.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.stop()
+        return False
+

@@ -1,0 +1,307 @@
+"""Sequences, scheduling and the prefill/decode loop, over any pipeline of stages.
+
+One engine thread owns all sequence state. Requests, step results and cancellations reach it
+through one inbox, so nothing here needs a lock. Every sequence keeps its whole token history
+(prompt and generated), which is all a replay needs to rebuild its KV cache.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from .pipeline import PipelineError, Row, Step, StepResult
+from .sampling import Sampled, SamplingParams
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError("the prompt is empty")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+
+
+@dataclass
+class Event:
+    text: str = ""
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    t_submit: float = 0.0
+    t_first_token: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        elapsed = self.t_first_token - self.t_submit
+        return self.prompt_tokens / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        elapsed = self.t_end - self.t_first_token
+        return (self.completion_tokens - 1) / elapsed if elapsed > 0 and self.completion_tokens > 1 else 0.0
+
+
+class Handle:
+    """The caller's side of one request: a stream of events, cancellable from any thread."""
+
+    def __init__(self, engine: "Engine", request: Request):
+        self.request, self._engine = request, engine
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.stats = Stats(prompt_tokens=len(request.prompt), t_submit=time.perf_counter())
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def cancel(self) -> None:
+        self._engine._inbox.put(("cancel", self))
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self.events.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self) -> str:
+        """Wait for the end; the whole generated text."""
+        return "".join(e.text for e in self)
+
+
+class _Sequence:
+    def __init__(self, handle: Handle, slot: int, detok, stop_ids: frozenset[int]):
+        self.handle, self.request, self.slot = handle, handle.request, slot
+        self.tokens = list(handle.request.prompt)
+        self.n_prompt = len(self.tokens)
+        self.in_flight = 0  # steps sent and not yet answered
+        self.detok, self.stop_ids = detok, stop_ids
+        self.pending_text = ""
+        self.finished = False
+        self.cancelled = False
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+
+class Engine:
+    def __init__(self, pipeline, tokenizer=None, *, prefill_chunk: int = 512):
+        self.pipeline, self.tokenizer = pipeline, tokenizer
+        self.prefill_chunk = prefill_chunk
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: list[Handle] = []
+        self._running: dict[int, _Sequence] = {}  # slot -> sequence
+        self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
+        self._free_slots = list(range(pipeline.n_slots))
+        pipeline.on_result = lambda result: self._inbox.put(("result", result))
+        self._thread = threading.Thread(target=self._loop, name="shardwire-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side ---------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Handle:
+        if request.sampling.seed is None:
+            request.sampling = SamplingParams(**{**request.sampling.to_dict(), "seed": random.getrandbits(31)})
+        handle = Handle(self, request)
+        self._inbox.put(("request", handle))
+        return handle
+
+    def close(self) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            kind, item = self._inbox.get()
+            while True:
+                if kind == "stop":
+                    self._fail_all("the engine is shutting down", "cancelled")
+                    return
+                getattr(self, f"_on_{kind}")(item)
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            self._schedule()
+
+    def _on_request(self, handle: Handle) -> None:
+        ctx = self.pipeline.ctx
+        if len(handle.request.prompt) >= ctx:
+            self._finish_handle(handle, "error", f"the prompt has {len(handle.request.prompt)} tokens; "
+                                                 f"the context holds {ctx}")
+            return
+        self._waiting.append(handle)
+
+    def _on_cancel(self, handle: Handle) -> None:
+        if handle in self._waiting:
+            self._waiting.remove(handle)
+            self._finish_handle(handle, "cancelled")
+            return
+        for seq in self._running.values():
+            if seq.handle is handle:
+                seq.cancelled = True
+                self._finish(seq, "cancelled")
+
+    def _on_result(self, result: StepResult) -> None:
+        seqs = self._steps.pop(result.step_id, [])
+        for i, seq in enumerate(seqs):
+            seq.in_flight -= 1
+            if result.error is not None:
+                if not seq.finished:
+                    self._finish(seq, "error", str(result.error))
+            elif result.sampled and result.sampled[i] is not None and not seq.finished:
+                self._accept(seq, result.sampled[i])
+            if seq.finished and seq.in_flight == 0:
+                self._release(seq)
+
+    def _schedule(self) -> None:
+        if self._waiting and getattr(self.pipeline, "broken", None) and not self._steps:
+            try:
+                self.pipeline.recover()
+            except PipelineError as e:
+                for handle in self._waiting:
+                    self._finish_handle(handle, "error", str(e))
+                self._waiting.clear()
+                return
+        while self._waiting and self._free_slots:
+            handle = self._waiting.pop(0)
+            slot = self._free_slots.pop(0)
+            detok = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+            stop_ids = frozenset() if handle.request.ignore_eos or self.tokenizer is None else self.tokenizer.stop_ids
+            seq = _Sequence(handle, slot, detok, stop_ids)
+            self._running[slot] = seq
+            if handle.request.max_tokens == 0:
+                self._finish(seq, "length")
+                self._release(seq)
+                continue
+            self._prefill(seq)
+        ready = [s for s in self._running.values() if not s.finished and s.in_flight == 0]
+        if not ready:
+            return
+        groups = min(len(ready), max(1, self.pipeline.n_stages))
+        size = -(-len(ready) // groups)
+        for i in range(0, len(ready), size):
+            group = ready[i:i + size]
+            self._send(Step([self._decode_row(s) for s in group]), group)
+
+    def _prefill(self, seq: _Sequence) -> None:
+        tokens = seq.tokens
+        for start in range(0, len(tokens), self.prefill_chunk):
+            chunk = tokens[start:start + self.prefill_chunk]
+            last = start + len(chunk) == len(tokens)
+            row = Row(seq.slot, start, chunk, seq.request.sampling if last else None,
+                      self._recent(seq) if last else [])
+            self._send(Step([row]), [seq])
+
+    def _decode_row(self, seq: _Sequence) -> Row:
+        return Row(seq.slot, len(seq.tokens) - 1, [seq.tokens[-1]], seq.request.sampling, self._recent(seq))
+
+    @staticmethod
+    def _recent(seq: _Sequence) -> list[int]:
+        params = seq.request.sampling
+        return seq.tokens[-params.repeat_last_n:] if params.penalized and params.repeat_last_n else []
+
+    def _send(self, step: Step, seqs: list[_Sequence]) -> None:
+        self._steps[step.id] = seqs
+        for seq in seqs:
+            seq.in_flight += 1
+        try:
+            self.pipeline.submit(step)
+        except PipelineError as e:
+            self._on_result(StepResult(step.id, error=e))
+
+    def _accept(self, seq: _Sequence, sampled: Sampled) -> None:
+        handle, token = seq.handle, sampled.token
+        stats = handle.stats
+        if seq.n_generated == 0:
+            stats.t_first_token = time.perf_counter()
+        seq.tokens.append(token)
+        handle.tokens.append(token)
+        stats.completion_tokens = seq.n_generated
+        if token in seq.stop_ids:
+            self._emit(seq, "", sampled)
+            self._finish(seq, "stop")
+            return
+        text = seq.detok.feed(token) if seq.detok is not None else ""
+        released, stopped = self._release_text(seq, text)
+        self._emit(seq, released, sampled)
+        if stopped:
+            seq.detok = None  # what follows the stop string is not shown
+            self._finish(seq, "stop")
+        elif seq.n_generated >= seq.request.max_tokens or len(seq.tokens) >= self.pipeline.ctx:
+            self._finish(seq, "length")
+
+    @staticmethod
+    def _release_text(seq: _Sequence, text: str) -> tuple[str, bool]:
+        """Text safe to show now, holding back what may be the start of a stop string."""
+        stops = seq.request.stop
+        if not stops:
+            return text, False
+        pending = seq.pending_text + text
+        hits = [pending.find(s) for s in stops if s and s in pending]
+        if hits:
+            seq.pending_text = ""
+            return pending[:min(hits)], True
+        hold = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(pending)), 0, -1):
+                if pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        seq.pending_text = pending[len(pending) - hold:] if hold else ""
+        return pending[:len(pending) - hold], False
+
+    def _emit(self, seq: _Sequence, text: str, sampled: Sampled) -> None:
+        seq.handle.events.put(Event(text, sampled.token, sampled.logprob, sampled.top))
+
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        tail = ""
+        if reason in ("stop", "length"):
+            tail = seq.pending_text + (seq.detok.flush() if seq.detok is not None else "")
+        self._finish_handle(seq.handle, reason, error, tail)
+        if seq.in_flight == 0:
+            self._release(seq)
+
+    def _release(self, seq: _Sequence) -> None:
+        if self._running.get(seq.slot) is seq:
+            del self._running[seq.slot]
+            self.pipeline.free(seq.slot)
+            self._free_slots.append(seq.slot)
+            self._free_slots.sort()
+
+    @staticmethod
+    def _finish_handle(handle: Handle, reason: str, error: str | None = None, text: str = "") -> None:
+        handle.stats.t_end = time.perf_counter()
+        handle.finish_reason, handle.error = reason, error
+        handle.events.put(Event(text=text, finish_reason=reason, error=error))
+
+    def _fail_all(self, message: str, reason: str) -> None:
+        for handle in self._waiting:
+            self._finish_handle(handle, reason, message)
+        self._waiting.clear()
+        for seq in list(self._running.values()):
+            self._finish(seq, reason, message)

@@ -1,0 +1,123 @@
+"""Open a model (GGUF file or Hugging Face folder) as a config plus a lazy tensor index."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError, ModelConfig, from_gguf_metadata, from_hf_config
+from .gguf import GGUFError, read_gguf_model
+from .safetensors import SafetensorsError, read_hf_folder
+from .tensors import TensorInfo, TensorReader
+
+__all__ = ["ModelFile", "ModelError", "TensorInfo", "TensorReader", "block_of", "expected_shape", "open_model",
+           "required_tensors"]
+
+ModelError = (ConfigError, GGUFError, SafetensorsError, FileNotFoundError)
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+_REQUIRED_BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                   "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                   "ffn_down.weight")
+
+
+def block_of(name: str) -> int | None:
+    m = _BLOCK.match(name)
+    return int(m[1]) if m else None
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    format: str  # "gguf" | "hf"
+    config: ModelConfig
+    tensors: dict[str, TensorInfo]
+    metadata: dict  # GGUF metadata, or config.json for Hugging Face folders
+    # llama.cpp's converter stores the Q/K rows of llama-arch models interleaved for its RoPE.
+    qk_interleaved: bool
+
+    def block_tensors(self, index: int) -> dict[str, TensorInfo]:
+        prefix = f"blk.{index}."
+        return {n: t for n, t in self.tensors.items() if n.startswith(prefix)}
+
+    def stage_tensors(self, start: int, end: int, first: bool, last: bool) -> dict[str, TensorInfo]:
+        """Every tensor a stage holding blocks [start, end) needs."""
+        names = [n for n, _ in self.tensors.items()
+                 if (b := block_of(n)) is not None and start <= b < end]
+        if "rope_freqs.weight" in self.tensors:
+            names.append("rope_freqs.weight")
+        if first:
+            names.append("token_embd.weight")
+        if last:
+            names.append("output_norm.weight")
+            names.append("token_embd.weight" if self.config.tied_embeddings else "output.weight")
+        return {n: self.tensors[n] for n in dict.fromkeys(names)}
+
+
+def open_model(path: str | Path) -> ModelFile:
+    """Read a model's header only: config, tokenizer metadata and where every tensor lies."""
+    path = Path(path)
+    if path.is_dir():
+        config_json, tensors = read_hf_folder(path)
+        cfg = from_hf_config(config_json, str(path / "config.json"))
+        if cfg.tied_embeddings:
+            tensors.pop("output.weight", None)
+        model = ModelFile(path, "hf", cfg, tensors, config_json, qk_interleaved=False)
+    elif path.suffix == ".gguf" or path.is_file():
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such model file or folder")
+        metadata, tensors = read_gguf_model(path)
+        cfg = from_gguf_metadata(metadata, set(tensors), str(path))
+        model = ModelFile(path, "gguf", cfg, tensors, metadata,
+                          qk_interleaved=cfg.arch in ("llama", "mistral"))
+    else:
+        raise FileNotFoundError(f"{path}: no such model file or folder")
+    _check_tensors(model)
+    return model
+
+
+def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape a tensor of this name must have in a model of `cfg`; None for unknown names."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    if block_of(name) is None:
+        return {"token_embd.weight": (cfg.vocab_size, cfg.dim), "output.weight": (cfg.vocab_size, cfg.dim),
+                "output_norm.weight": (cfg.dim,), "rope_freqs.weight": (cfg.head_dim // 2,)}.get(name)
+    return {
+        "attn_norm.weight": (cfg.dim,), "ffn_norm.weight": (cfg.dim,),
+        "attn_q.weight": (q, cfg.dim), "attn_q.bias": (q,),
+        "attn_k.weight": (kv, cfg.dim), "attn_k.bias": (kv,),
+        "attn_v.weight": (kv, cfg.dim), "attn_v.bias": (kv,),
+        "attn_output.weight": (cfg.dim, q), "attn_output.bias": (cfg.dim,),
+        "attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,),
+        "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
+        "ffn_down.weight": (cfg.dim, cfg.ffn_dim),
+    }.get(name.split(".", 2)[2])
+
+
+def required_tensors(cfg: ModelConfig, start: int, end: int, first: bool, last: bool) -> list[str]:
+    """Tensors a stage holding blocks [start, end) cannot do without."""
+    names = ["token_embd.weight"] if first else []
+    for i in range(start, end):
+        names += [f"blk.{i}.{s}" for s in _REQUIRED_BLOCK]
+        if cfg.arch == "qwen3":
+            names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+    if last:
+        names += ["output_norm.weight", "token_embd.weight" if cfg.tied_embeddings else "output.weight"]
+    return list(dict.fromkeys(names))
+
+
+def _check_tensors(model: ModelFile) -> None:
+    cfg, where = model.config, model.path
+    missing = [n for n in required_tensors(cfg, 0, cfg.n_layers, True, True) if n not in model.tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"{where}: missing tensor '{missing[0]}'{more}")
+    for name, info in model.tensors.items():
+        block = block_of(name)
+        if block is not None and block >= cfg.n_layers:
+            raise ConfigError(f"{where}: tensor '{name}' belongs to block {block} but the model "
+                              f"has {cfg.n_layers} blocks")
+        expected = expected_shape(cfg, name)
+        if expected is not None and tuple(info.shape) != expected:
+            raise ConfigError(f"{where}: tensor '{name}' has shape {list(info.shape)}, "
+                              f"expected {list(expected)} for this model's config")

@@ -1,0 +1,122 @@
+"""Hugging Face folders: safetensors headers (single file or sharded) under canonical names."""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+from .tensors import TensorInfo
+
+_DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "BOOL": 1}
+_MAX_HEADER = 100 << 20
+
+# Hugging Face Llama-family parameter names -> the GGUF names used everywhere in shardwire.
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_BLOCK_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file or Hugging Face folder that cannot be read."""
+
+
+def canonical_name(hf_name: str) -> str | None:
+    """The GGUF-style name of a Hugging Face parameter, or None for parameters we do not use."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _BLOCK_RE.match(hf_name)
+    if m and m[2] in _BLOCK_NAMES:
+        return f"blk.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    return None
+
+
+def hf_name(canonical: str) -> str:
+    """Inverse of canonical_name, for writing Hugging Face files."""
+    for hf, name in _GLOBAL_NAMES.items():
+        if name == canonical:
+            return hf
+    _, layer, short, kind = canonical.split(".")
+    hf_short = {v: k for k, v in _BLOCK_NAMES.items()}[short]
+    return f"model.layers.{layer}.{hf_short}.{kind}"
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor index of one .safetensors file, keyed by the names in the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise SafetensorsError(f"{path}: truncated safetensors file (no header length)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > min(_MAX_HEADER, size - 8):
+            raise SafetensorsError(f"{path}: safetensors header of {header_len} bytes does not fit "
+                                   f"in a file of {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SafetensorsError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    base = 8 + header_len
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        if dtype not in _DTYPE_SIZES:
+            raise SafetensorsError(f"{path}: tensor '{name}' has unsupported dtype {dtype}")
+        n = 1
+        for d in shape:
+            n *= d
+        if end - start != n * _DTYPE_SIZES[dtype] or base + end > size:
+            raise SafetensorsError(f"{path}: tensor '{name}' data [{start}, {end}) does not match "
+                                   f"its shape {list(shape)} {dtype} or the file size {size}")
+        out[name] = TensorInfo(name=name, dtype=dtype, shape=shape, path=path,
+                               offset=base + start, nbytes=end - start)
+    return out
+
+
+def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
+    """config.json and the canonical tensor index of a Hugging Face model folder."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder}: not a model folder (no config.json)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise SafetensorsError(f"{config_path}: invalid JSON ({e})") from None
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: shard listed in {index_path.name} is missing")
+        for name, info in read_safetensors_header(file).items():
+            canon = canonical_name(name)
+            if canon is not None:
+                tensors[canon] = TensorInfo(canon, info.dtype, info.shape, info.path, info.offset,
+                                            info.nbytes)
+    return config, tensors

@@ -1,0 +1,52 @@
+"""Where a tensor lives in a model file, and a lazy reader that maps only what is asked for."""
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str  # canonical (GGUF) name, e.g. "blk.3.attn_q.weight"
+    dtype: str  # GGML type name ("F16", "Q4_K", ...); safetensors dtypes use the same names
+    shape: tuple[int, ...]  # PyTorch order: (rows, columns)
+    path: Path
+    offset: int  # absolute byte offset of the data in `path`
+    nbytes: int
+
+
+class TensorReader:
+    """Reads tensors by memory map, one file mapping each, and counts the bytes it hands out."""
+
+    def __init__(self):
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _map(self, path: Path) -> mmap.mmap:
+        with self._lock:
+            if path not in self._maps:
+                with open(path, "rb") as f:
+                    self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return self._maps[path]
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's raw bytes as a read-only uint8 view into the mapping."""
+        data = self._map(info.path)
+        if info.offset + info.nbytes > len(data):
+            raise ValueError(f"{info.path}: tensor '{info.name}' lies past the end of the file")
+        self.bytes_read += info.nbytes
+        return np.frombuffer(data, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:
+                pass  # a tensor still views it; the mapping goes when that tensor does

@@ -1,0 +1,85 @@
+"""From command-line options to a running pipeline: in this process, or split across workers."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .cluster import Cluster
+from .devices import check_device, default_devices, default_dtype, torch_device
+from .formats import ModelFile
+from .loading import load_stage, parse_dtype
+from .pipeline import LocalPipeline
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("splitting across workers (llama.cpp's RPC flags)")
+    g.add_argument("--rpc", default=os.environ.get("SHARDWIRE_RPC"),
+                   help="comma-separated worker addresses host:port (env SHARDWIRE_RPC)")
+    g.add_argument("-ts", "--tensor-split", default=None,
+                   help="share of blocks per device in plan order, e.g. 3,1,1 (default: by free memory)")
+    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="blocks placed on devices; the first n_layers - N stay on this machine's CPU "
+                        "(default: all)")
+    g.add_argument("-sm", "--split-mode", default="layer", choices=["layer"],
+                   help="how to split the model (default: %(default)s)")
+    g.add_argument("--token", default=None, help="shared secret for the workers (prefer env SHARDWIRE_TOKEN)")
+    g.add_argument("--cache-dir", default=None, help="where tensor hashes are remembered (default: ~/.cache/shardwire)")
+
+
+def parse_split(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--tensor-split '{text}' is not a comma-separated list of numbers") from None
+
+
+def build_pipeline(model: ModelFile, args: argparse.Namespace, n_slots: int = 1, quiet: bool = False):
+    """A LocalPipeline, or a loaded cluster's RemotePipeline when --rpc or -ngl asks for one."""
+    ctx = min(args.ctx_size, model.config.context_length)
+    workers = [a for a in (args.rpc or "").split(",") if a.strip()]
+    n_layers = model.config.n_layers
+    ngl = args.n_gpu_layers
+    if not workers and (ngl is None or ngl >= n_layers):
+        device = check_device(args.device or default_devices()[0])
+        dtype = parse_dtype(args.dtype or default_dtype(device))
+        stage = load_stage(model, 0, n_layers, device=torch_device(device), dtype=dtype)
+        return LocalPipeline([stage], n_slots=n_slots, ctx=ctx)
+    local = [check_device(d) for d in args.device.split(",")] if args.device else (
+        [d for d in default_devices() if d != "cpu"])
+    cluster = Cluster(workers, token=args.token or os.environ.get("SHARDWIRE_TOKEN"), local_devices=local,
+                      local_cpu=ngl is not None and ngl < n_layers,
+                      cache_dir=Path(args.cache_dir) if args.cache_dir else None, show_progress=not quiet)
+    try:
+        cluster.connect(model)
+        plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=ngl,
+                                 n_slots=n_slots, ctx=ctx, dtype=args.dtype)
+        if not quiet:
+            print(plan.table(), file=sys.stderr)
+        return cluster.load(plan)
+    except BaseException:
+        cluster.close()
+        raise
+
+
+def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
+    """The plan table for `shardwire plan`: workers are asked for their devices, nothing is loaded."""
+    ctx = min(args.ctx_size, model.config.context_length)
+    workers = [a for a in (args.rpc or "").split(",") if a.strip()]
+    ngl = args.n_gpu_layers
+    local = [check_device(d) for d in args.device.split(",")] if args.device else (
+        [d for d in default_devices() if d != "cpu"] if workers else ["cpu"])
+    cluster = Cluster(workers, token=args.token or os.environ.get("SHARDWIRE_TOKEN"), local_devices=local,
+                      local_cpu=ngl is not None and ngl < model.config.n_layers, show_progress=False)
+    try:
+        cluster.connect(model)
+        plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=ngl,
+                                 n_slots=args.parallel, ctx=ctx, dtype=args.dtype)
+    finally:
+        cluster.close()
+    table = plan.table()
+    plan.check_fits()
+    return table

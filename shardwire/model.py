@@ -1,0 +1,200 @@
+"""Llama-family decoder blocks and the Stage: blocks [start, end) of one model on one device.
+
+One forward pass runs B sequences with T new tokens each; every sequence owns a KV cache slot
+and brings its own start position, so a batch mixes sequences at different lengths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kvcache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
+    """Per-pair rotation frequencies, with Llama 3.1 or linear scaling applied."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    if freq_factors is not None:
+        return inv_freq / freq_factors.float()
+    if scaling.get("type") == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling.get("type") == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [B, H, T, D] with cos/sin of [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class StepContext:
+    """What every block of a forward pass shares: where the new tokens go and what they see."""
+    rows: slice | torch.Tensor
+    positions: torch.Tensor  # [B, T]
+    n_keys: int
+    mask: torch.Tensor | None  # [B, 1, T, n_keys], True where attention is allowed
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = Linear(w["attn_q.weight"], w.get("attn_q.bias"))
+        self.wk = Linear(w["attn_k.weight"], w.get("attn_k.bias"))
+        self.wv = Linear(w["attn_v.weight"], w.get("attn_v.bias"))
+        self.wo = Linear(w["attn_output.weight"], w.get("attn_output.bias"))
+        self.q_norm = RMSNorm(w["attn_q_norm.weight"], cfg.norm_eps) if "attn_q_norm.weight" in w else None
+        self.k_norm = RMSNorm(w["attn_k_norm.weight"], cfg.norm_eps) if "attn_k_norm.weight" in w else None
+
+    def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        keys, values = cache.update(layer, ctx.rows, ctx.positions, k, v, ctx.n_keys)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask,
+                                             enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, w: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.gate = Linear(w["ffn_gate.weight"])
+        self.up = Linear(w["ffn_up.weight"])
+        self.down = Linear(w["ffn_down.weight"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.attn_norm = RMSNorm(w["attn_norm.weight"], cfg.norm_eps)
+        self.attn = Attention(cfg, w)
+        self.ffn_norm = RMSNorm(w["ffn_norm.weight"], cfg.norm_eps)
+        self.ffn = FeedForward(w)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, layer, ctx)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Stage(nn.Module):
+    """Blocks [start, end), plus the token embedding if first and the norm + head if last."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int, weights: Mapping[str, torch.Tensor],
+                 first: bool, last: bool):
+        super().__init__()
+        if not 0 <= start <= end <= cfg.n_layers or (start == end and not (first or last)):
+            raise ValueError(f"stage blocks [{start}, {end}) are not a valid range of {cfg.n_layers}")
+        self.cfg, self.start, self.end, self.first, self.last = cfg, start, end, first, last
+        self.embed = nn.Parameter(weights["token_embd.weight"], requires_grad=False) if first else None
+        self.blocks = nn.ModuleList(
+            Block(cfg, {k.split(".", 2)[2]: t for k, t in weights.items() if k.startswith(f"blk.{i}.")})
+            for i in range(start, end))
+        if last:
+            self.norm = RMSNorm(weights["output_norm.weight"], cfg.norm_eps)
+            head = weights["token_embd.weight" if cfg.tied_embeddings else "output.weight"]
+            self.head = Linear(head)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, weights.get("rope_freqs.weight")), persistent=False)
+        self.cache: KVCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.inv_freq.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(p.dtype for p in self.parameters())
+
+    def allocate_cache(self, n_slots: int, ctx: int) -> None:
+        cfg = self.cfg
+        self.cache = None
+        self.cache = KVCache(self.end - self.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim,
+                             self.dtype, self.device)
+
+    def _context(self, slots: list[int], starts: list[int], T: int) -> StepContext:
+        device = self.device
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        n_keys = max(starts) + T
+        if n_keys > self.cache.ctx:
+            raise ValueError(f"position {n_keys - 1} is past the context size {self.cache.ctx}")
+        if len(slots) == 1 and T == 1:
+            mask = None  # one new token sees every cached position
+        else:
+            mask = torch.arange(n_keys, device=device) <= positions[:, :, None]
+            mask = mask[:, None]
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        dtype = self.dtype
+        return StepContext(KVCache.rows_for(slots, device), positions, n_keys, mask,
+                           emb.cos().to(dtype), emb.sin().to(dtype))
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, slots: list[int], starts: list[int],
+                all_logits: bool = False) -> torch.Tensor:
+        """x: token ids [B, T] on the first stage, else hidden states [B, T, dim].
+        Returns hidden states, or float32 logits on the last stage (last position only unless
+        all_logits)."""
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() before forward()")
+        if self.first:
+            x = F.embedding(x.to(self.device), self.embed)
+        else:
+            x = x.to(self.device, self.dtype)
+        ctx = self._context(slots, starts, x.shape[1])
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.cache, i, ctx)
+        if not self.last:
+            return x
+        if not all_logits:
+            x = x[:, -1:]
+        return self.head(self.norm(x)).float()

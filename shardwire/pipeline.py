@@ -1,0 +1,95 @@
+"""What the engine hands a pipeline of stages, and the pipeline that runs them in this process.
+
+A Step is one forward pass over the whole pipeline for a batch of rows; a row is T new tokens
+of one sequence (its KV cache slot, the position of its first new token). Rows that carry
+sampling parameters come back with a sampled token; the others (all but the last chunk of a
+long prompt) only fill the cache.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .model import Stage
+from .sampling import Sampled, SamplingParams, sample
+
+
+@dataclass
+class Row:
+    slot: int
+    start: int
+    tokens: list[int]
+    sampling: SamplingParams | None = None
+    recent: list[int] = field(default_factory=list)  # for repetition penalties
+
+
+@dataclass
+class Step:
+    rows: list[Row]
+    id: int = field(default_factory=itertools.count().__next__)
+
+    @property
+    def width(self) -> int:
+        return len(self.rows[0].tokens)
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    sampled: list[Sampled | None] = field(default_factory=list)
+    error: "PipelineError | None" = None
+
+
+class PipelineError(RuntimeError):
+    """A step could not complete: a stage failed or its worker is gone."""
+
+    def __init__(self, message: str, worker: str | None = None):
+        super().__init__(message)
+        self.worker = worker
+
+
+def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Sampled | None]:
+    """Sample each row that asks for it from last-position logits [B, 1, vocab]."""
+    out: list[Sampled | None] = []
+    for i, row in enumerate(rows):
+        if row.sampling is None:
+            out.append(None)
+        else:
+            position = row.start + len(row.tokens)
+            out.append(sample(logits[i, -1], row.sampling, position, row.recent))
+    return out
+
+
+class LocalPipeline:
+    """Stages that all live in this process, run one after another."""
+
+    def __init__(self, stages: list[Stage], n_slots: int, ctx: int):
+        self.stages, self.n_slots, self.ctx = stages, n_slots, ctx
+        for stage in stages:
+            stage.allocate_cache(n_slots, ctx)
+        self.on_result: Callable[[StepResult], None] = lambda result: None
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def submit(self, step: Step) -> None:
+        slots = [r.slot for r in step.rows]
+        starts = [r.start for r in step.rows]
+        x: torch.Tensor = torch.tensor([r.tokens for r in step.rows], dtype=torch.long)
+        try:
+            for stage in self.stages:
+                x = stage(x, slots, starts)
+            result = StepResult(step.id, sample_rows(x, step.rows))
+        except (ValueError, RuntimeError) as e:
+            result = StepResult(step.id, error=PipelineError(str(e)))
+        self.on_result(result)
+
+    def free(self, slot: int) -> None:
+        pass  # a slot's cache is simply overwritten by its next sequence
+
+    def close(self) -> None:
+        self.stages = []

@@ -1,0 +1,192 @@
+"""Split planning: which blocks go on which device of which worker, and whether they fit.
+
+Follows llama.cpp's layer split: the first n_layers - n_gpu_layers blocks stay on the
+coordinator's CPU; the rest are divided over the devices in plan order (the --rpc workers'
+devices, then the coordinator's own) in proportion to --tensor-split exactly as llama.cpp
+divides them, or to each device's free memory when no split is given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ModelConfig
+from .formats import ModelFile
+from .kvcache import KVCache
+from .loading import parse_dtype
+
+
+class PlanError(ValueError):
+    """An impossible split; the message says what does not fit and by how much."""
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    worker: str  # "host:port" of the worker, or "local" for the coordinator itself
+    name: str  # device on that worker: "cpu", "cuda:0", "mps"
+    free: int  # bytes available for this plan
+    dtype: str = "float32"
+
+    @property
+    def label(self) -> str:
+        return f"{self.worker}/{self.name}"
+
+
+@dataclass
+class PlannedStage:
+    device: PlanDevice
+    start: int
+    end: int
+    first: bool
+    last: bool
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    workspace_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.workspace_bytes
+
+
+@dataclass
+class Plan:
+    stages: list[PlannedStage]
+    n_slots: int
+    ctx: int
+    notes: list[str] = field(default_factory=list)
+
+    def shortfalls(self) -> list[tuple[PlannedStage, int]]:
+        need: dict[PlanDevice, int] = {}
+        for s in self.stages:
+            need[s.device] = need.get(s.device, 0) + s.total_bytes
+        return [(s, need[s.device] - s.device.free) for s in self.stages if need[s.device] > s.device.free]
+
+    def check_fits(self) -> None:
+        short = self.shortfalls()
+        if short:
+            lines = [f"{s.device.label} needs {gib(s.total_bytes)} (weights {gib(s.weight_bytes)}, "
+                     f"KV cache {gib(s.kv_bytes)}, workspace {gib(s.workspace_bytes)}) but has "
+                     f"{gib(s.device.free)} free: short by {gib(by)}" for s, by in short]
+            raise PlanError("the model does not fit: " + "; ".join(lines))
+
+    def table(self) -> str:
+        rows = [("stage", "device", "blocks", "weights", "KV cache", "workspace", "free", "fits")]
+        short = {id(s) for s, _ in self.shortfalls()}
+        for i, s in enumerate(self.stages):
+            blocks = f"{s.start}-{s.end - 1}" if s.end > s.start else "-"
+            extra = ("+embd" if s.first else "") + ("+head" if s.last else "")
+            rows.append((str(i), s.device.label, blocks + extra, gib(s.weight_bytes), gib(s.kv_bytes),
+                         gib(s.workspace_bytes), gib(s.device.free), "no" if id(s) in short else "yes"))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        total = sum(s.weight_bytes for s in self.stages)
+        lines.append(f"{len(self.stages)} stage(s), {self.n_slots} sequence slot(s) x {self.ctx} tokens, "
+                     f"weights {gib(total)} in all")
+        return "\n".join(lines + self.notes)
+
+
+def gib(n: int) -> str:
+    if n < 1 << 20:
+        return f"{n / 1024:.1f} KiB"
+    if n < 1 << 30:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def split_blocks(n_blocks: int, proportions: list[float]) -> list[int]:
+    """How many consecutive blocks each device gets, as llama.cpp's layer split does."""
+    total = sum(proportions)
+    if total <= 0 or any(p < 0 for p in proportions):
+        raise PlanError("tensor split proportions must be non-negative and not all zero")
+    bounds, acc = [], 0.0
+    for p in proportions:
+        acc += p / total
+        bounds.append(acc)
+    counts = [0] * len(proportions)
+    for block in range(n_blocks):
+        position = block / n_blocks
+        device = next((i for i, b in enumerate(bounds) if position < b - 1e-9), len(bounds) - 1)
+        counts[device] += 1
+    return counts
+
+
+def split_blocks_evenly(n_blocks: int, weights: list[float]) -> list[int]:
+    """Blocks in proportion to `weights`, rounded by largest remainder: devices with nearly equal
+    free memory get equal shares, whatever the last few MiB say."""
+    total = sum(weights)
+    exact = [n_blocks * w / total for w in weights]
+    counts = [int(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: n_blocks - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def tensor_bytes(model: ModelFile, names, dtype: torch.dtype) -> int:
+    """Bytes the tensors take on the device once decoded to `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name in names:
+        info = model.tensors[name]
+        n = 1
+        for d in info.shape:
+            n *= d
+        total += n * (4 if name == "rope_freqs.weight" else size)
+    return total
+
+
+def workspace_bytes(cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype) -> int:
+    """Peak activations of one prefill chunk: the FFN intermediates, attention scores, logits."""
+    size = torch.empty((), dtype=dtype).element_size()
+    ffn = 3 * chunk * cfg.ffn_dim * size
+    scores = cfg.n_heads * chunk * chunk * 4
+    logits = cfg.vocab_size * 4 * 2 if last else 0
+    return ffn + scores + logits + 4 * chunk * cfg.dim * size
+
+
+def stage_cost(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int) -> None:
+    cfg = model.config
+    dtype = parse_dtype(stage.device.dtype)
+    names = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
+    stage.weight_bytes = tensor_bytes(model, names, dtype)
+    stage.kv_bytes = KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype)
+    stage.workspace_bytes = workspace_bytes(cfg, chunk, stage.last, dtype)
+
+
+def make_plan(model: ModelFile, devices: list[PlanDevice], *, cpu: PlanDevice | None = None,
+              tensor_split: list[float] | None = None, n_gpu_layers: int | None = None,
+              n_slots: int = 1, ctx: int = 4096, prefill_chunk: int = 512) -> Plan:
+    """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
+    blocks that are not offloaded."""
+    n = model.config.n_layers
+    offloaded = n if n_gpu_layers is None else max(0, min(n_gpu_layers, n))
+    if offloaded and not devices:
+        raise PlanError("no devices to place blocks on: give workers with --rpc or local devices with --device")
+    if offloaded < n and cpu is None:
+        raise PlanError(f"--n-gpu-layers {offloaded} keeps {n - offloaded} block(s) on the coordinator's "
+                        "CPU, which this plan does not have")
+    counts: list[int] = []
+    if tensor_split is not None:
+        if len(tensor_split) > len(devices):
+            raise PlanError(f"--tensor-split has {len(tensor_split)} entries for {len(devices)} device(s)")
+        counts = split_blocks(offloaded, list(tensor_split) + [0.0] * (len(devices) - len(tensor_split)))
+    elif devices:
+        free = [float(d.free) for d in devices]
+        counts = split_blocks_evenly(offloaded, free if sum(free) > 0 else [1.0] * len(devices))
+    placements: list[tuple[PlanDevice, int]] = []
+    if offloaded < n:
+        placements.append((cpu, n - offloaded))
+    placements += [(d, c) for d, c in zip(devices, counts) if c > 0]
+    stages, start = [], 0
+    for device, count in placements:
+        stages.append(PlannedStage(device, start, start + count, first=start == 0, last=start + count == n))
+        start += count
+    for stage in stages:
+        stage_cost(model, stage, n_slots, ctx, prefill_chunk)
+    plan = Plan(stages, n_slots, ctx)
+    workers = [s.device.worker for s in stages]
+    for i, w in enumerate(workers):
+        if w in workers[:i] and workers[i - 1] != w:
+            raise PlanError(f"the stages of worker {w} must be consecutive in the plan; list its devices together")
+    return plan

@@ -1,0 +1,481 @@
+"""The worker: serves the stages a coordinator assigns it, forwarding activations straight to
+the next stage's worker.
+
+Threads: one accepts connections, one reads each connection, one computes each stage. A
+FORWARD is validated against the plan and read straight into a tensor of the right size;
+the stage's thread runs it and hands the result to the next stage (in this process, or over
+the peer connection to the next worker), or samples and answers the coordinator if it is
+the last stage. Nothing a peer sends can stop the worker: a bad frame closes that
+connection only.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import __version__
+from .cache import WeightCache, default_cache_dir
+from .config import ConfigError, ModelConfig
+from .devices import check_device, default_devices, free_memory, set_threads, torch_device
+from .formats import TensorInfo, TensorReader, expected_shape, required_tensors
+from .kvcache import KVCache
+from .loading import build_stage, parse_dtype
+from .model import Stage
+from .pipeline import Row, sample_rows
+from .quant import stored_nbytes
+from .sampling import SamplingParams
+from .wire.conn import AuthError, Connection, RemoteError, connect, server_handshake, tune
+from .wire.frames import FrameError, Limits, MessageType
+from .wire.messages import Assign, Forward, Free, StageSpec, TensorSpec, Weights
+
+log = logging.getLogger("shardwire.worker")
+
+_TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16}
+
+
+class PlanRejected(ValueError):
+    """An ASSIGN this worker cannot take: wrong device, too big, inconsistent tensors."""
+
+
+@dataclass
+class _Runner:
+    """One stage and the thread that runs it."""
+    spec: StageSpec
+    stage: Stage
+    queue: "queue.Queue[tuple[Forward, torch.Tensor] | None]" = field(default_factory=queue.Queue)
+    thread: threading.Thread | None = None
+
+
+@dataclass
+class _Plan:
+    id: str
+    config: ModelConfig
+    n_slots: int
+    ctx: int
+    runners: list[_Runner]
+    coordinator: Connection
+    next_conn: Connection | None
+    next_address: str | None
+    filled: list[int]  # per slot: positions already sent through the first stage
+    reader: TensorReader
+    sources: dict[str, int]
+
+
+class Worker:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 50052, devices: list[str] | None = None,
+                 mem: int | None = None, cache_dir: Path | None = None, cache_max_bytes: int | None = None,
+                 model_dirs: list[Path] = (), token: str | None = None, threads: int | None = None,
+                 limits: Limits | None = None, max_connections: int = 64, handshake_timeout: float = 10.0):
+        self.host, self.port = host, port
+        self.devices = [check_device(d) for d in (devices or default_devices())]
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError("each device may be listed once (name CPU devices cpu:0, cpu:1, ...)")
+        self.mem = mem
+        self.cache = WeightCache(cache_dir or default_cache_dir(), cache_max_bytes)
+        self.model_dirs = [Path(d) for d in model_dirs]
+        self.token = token
+        self.limits = limits or Limits()
+        self.handshake_timeout = handshake_timeout
+        self.worker_id = f"{socket.gethostname()}/{uuid.uuid4().hex[:8]}"
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._plan: _Plan | None = None
+        self._plan_lock = threading.RLock()
+        self._listener: socket.socket | None = None
+        self._closing = False
+        set_threads(threads)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def bind(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(128)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        return self.port
+
+    def serve_forever(self) -> None:
+        if self._listener is None:
+            self.bind()
+        while not self._closing:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                raise
+            if not self._slots.acquire(blocking=False):
+                log.warning("connection from %s refused: too many connections", addr[0])
+                sock.close()
+                continue
+            threading.Thread(target=self._serve_connection, args=(sock, addr), daemon=True,
+                             name=f"conn-{addr[0]}:{addr[1]}").start()
+
+    def start(self) -> threading.Thread:
+        if self._listener is None:
+            self.bind()
+        t = threading.Thread(target=self.serve_forever, name="shardwire-worker", daemon=True)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        self._closing = True
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+        self._release_plan()
+
+    def describe(self) -> dict:
+        devices = []
+        for d in self.devices:
+            free = free_memory(d)
+            devices.append({"name": d, "free": min(free, self.mem) if self.mem else free,
+                            "total": self.mem or free})
+        return {"worker_id": self.worker_id, "version": __version__, "devices": devices}
+
+    # -- connections ---------------------------------------------------------------------
+
+    def _serve_connection(self, sock: socket.socket, addr) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        conn = Connection(sock, peer, self.limits)
+        try:
+            tune(sock)
+            sock.settimeout(self.handshake_timeout)
+            hello = server_handshake(conn, self.token, self.worker_id)
+            sock.settimeout(None)
+            log.info("%s connected as %s", peer, hello.role)
+            self._read_loop(conn, hello.role)
+        except (ConnectionError, TimeoutError, socket.timeout) as e:
+            if isinstance(e, AuthError):
+                log.warning("%s: %s", peer, e)
+            else:
+                log.info("%s disconnected: %s", peer, e)
+        except FrameError as e:
+            log.warning("%s sent a bad frame: %s", peer, e)
+            conn.send_error("bad_frame", str(e))
+        except RemoteError as e:
+            log.info("%s reported: %s", peer, e)
+        except OSError as e:
+            log.info("%s: connection error: %s", peer, e)
+        finally:
+            conn.close()
+            self._slots.release()
+            with self._plan_lock:
+                if self._plan is not None and self._plan.coordinator is conn:
+                    log.info("coordinator %s is gone; releasing plan %s", peer, self._plan.id)
+                    self._release_plan()
+
+    def _read_loop(self, conn: Connection, role: str) -> None:
+        pending: dict = {}
+
+        def payload_into(mtype, header, nbytes):
+            if mtype != MessageType.FORWARD:
+                return None
+            msg = self._check_forward(Forward.parse(header), nbytes)
+            tensor = torch.empty(msg.shape, dtype=_TORCH_DTYPES[msg.dtype])
+            pending["forward"] = (msg, tensor)
+            return tensor.view(torch.uint8).numpy().reshape(-1)
+
+        while True:
+            frame = conn.recv(payload_into)
+            t = frame.type
+            if t == MessageType.FORWARD:
+                msg, tensor = pending.pop("forward", (None, None))
+                if msg is None:  # a FORWARD without payload
+                    raise FrameError("FORWARD without its payload")
+                self._enqueue(msg, tensor)
+            elif t == MessageType.PING:
+                conn.send(MessageType.PONG, {"t": frame.header.get("t", 0)}, request=frame.request)
+            elif role != "coordinator":
+                raise FrameError(f"a peer may not send {t.name}")
+            elif t == MessageType.DESCRIBE:
+                conn.send(MessageType.DEVICES, self.describe(), request=frame.request)
+            elif t == MessageType.ASSIGN:
+                self._assign(conn, Assign.parse(frame.header), frame.request)
+            elif t == MessageType.FREE:
+                self._free(Free.parse(frame.header).slot)
+            elif t == MessageType.RELEASE:
+                with self._plan_lock:
+                    if self._plan is not None and self._plan.coordinator is conn:
+                        self._release_plan()
+                conn.send(MessageType.OK, {}, request=frame.request)
+            else:
+                raise FrameError(f"unexpected {t.name}")
+
+    # -- the data path -------------------------------------------------------------------
+
+    def _check_forward(self, msg: Forward, nbytes: int) -> Forward:
+        plan = self._plan
+        if plan is None or msg.plan != plan.id:
+            raise FrameError(f"FORWARD for plan {msg.plan!r}, which this worker does not hold")
+        if nbytes != msg.payload_nbytes():
+            raise FrameError(f"FORWARD payload of {nbytes} bytes does not match its shape {msg.shape} {msg.dtype}")
+        first = plan.runners[0].spec
+        if first.first != (msg.dtype == "int32"):
+            raise FrameError("FORWARD: the first stage takes int32 token ids, later stages hidden states")
+        if not first.first and msg.shape[2] != plan.config.dim:
+            raise FrameError(f"FORWARD: hidden size {msg.shape[2]} is not the model's {plan.config.dim}")
+        for slot, start, n in msg.rows:
+            if slot >= plan.n_slots:
+                raise FrameError(f"FORWARD: slot {slot} is outside the plan's {plan.n_slots} slots")
+            if start + n > plan.ctx:
+                raise FrameError(f"FORWARD: positions up to {start + n} exceed the context of {plan.ctx}")
+            if start > plan.filled[slot]:
+                raise FrameError(f"FORWARD: slot {slot} holds {plan.filled[slot]} positions, "
+                                 f"a step cannot start at {start}")
+        if plan.runners[-1].spec.last:
+            for s in msg.sampling:
+                if s is not None:
+                    try:
+                        SamplingParams.from_dict(s)
+                    except (TypeError, ValueError) as e:
+                        raise FrameError(f"FORWARD: bad sampling parameters: {e}") from None
+        for slot, start, n in msg.rows:
+            plan.filled[slot] = start + n
+        return msg
+
+    def _enqueue(self, msg: Forward, tensor: torch.Tensor) -> None:
+        plan = self._plan
+        if plan is not None:
+            plan.runners[0].queue.put((msg, tensor))
+
+    def _run_stage(self, plan: _Plan, index: int) -> None:
+        runner = plan.runners[index]
+        while True:
+            item = runner.queue.get()
+            if item is None:
+                return
+            msg, x = item
+            try:
+                slots = [r[0] for r in msg.rows]
+                starts = [r[1] for r in msg.rows]
+                if x.dtype == torch.int32:
+                    x = x.long()
+                out = runner.stage(x, slots, starts)
+                if index + 1 < len(plan.runners):
+                    plan.runners[index + 1].queue.put((msg, out))
+                elif plan.next_conn is not None:
+                    self._send_next(plan, msg, out)
+                else:
+                    self._send_result(plan, msg, out)
+            except (RuntimeError, ValueError) as e:
+                log.error("step %d failed on stage %d: %s", msg.step, runner.spec.index, e)
+                plan.coordinator.send_error("step", f"worker {self.worker_id} stage {runner.spec.index}: {e}",
+                                            request=msg.step)
+            except OSError as e:
+                plan.coordinator.send_error("next_hop", f"worker {self.worker_id} cannot reach the next stage "
+                                                        f"at {plan.next_address}: {e}", request=msg.step)
+
+    def _send_next(self, plan: _Plan, msg: Forward, out: torch.Tensor) -> None:
+        out = out.contiguous()
+        if out.device.type != "cpu":
+            out = out.cpu()
+        wire = Forward(msg.plan, msg.step, msg.rows, msg.sampling, msg.recent,
+                       str(out.dtype).removeprefix("torch."), list(out.shape))
+        plan.next_conn.send(MessageType.FORWARD, wire.to_header(), out.view(torch.uint8).numpy(),
+                            request=msg.step)
+
+    def _send_result(self, plan: _Plan, msg: Forward, logits: torch.Tensor) -> None:
+        rows = [Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent)
+                for (slot, start, n), s, recent in zip(msg.rows, msg.sampling, msg.recent)]
+        sampled = sample_rows(logits, rows)
+        tokens = [s.token if s is not None else None for s in sampled]
+        logprobs = [[s.logprob, [list(t) for t in s.top]] if s is not None and s.logprob is not None else None
+                    for s in sampled]
+        plan.coordinator.send(MessageType.RESULT, {"step": msg.step, "tokens": tokens, "logprobs": logprobs},
+                              request=msg.step)
+
+    def _free(self, slot: int) -> None:
+        plan = self._plan
+        if plan is not None and slot < plan.n_slots:
+            plan.filled[slot] = 0
+
+    # -- plans ---------------------------------------------------------------------------
+
+    def _assign(self, conn: Connection, assign: Assign, request: int) -> None:
+        try:
+            cfg = ModelConfig.from_dict(assign.config)
+            self._validate_assign(assign, cfg)
+        except (PlanRejected, ConfigError) as e:
+            conn.send_error("plan", f"worker {self.worker_id} rejects the plan: {e}", request=request)
+            return
+        with self._plan_lock:
+            if self._plan is not None and self._plan.coordinator is not conn and not self._plan.coordinator.closed:
+                conn.send_error("busy", f"worker {self.worker_id} is serving another coordinator's plan",
+                                request=request)
+                return
+            self._release_plan()
+        sources, kinds, reader = self._gather_weights(conn, assign, request)
+        try:
+            runners = []
+            for spec in assign.stages:
+                tensors = {t.name: sources[t.hash] for t in spec.tensors}
+                stage = build_stage(cfg, spec.start, spec.end, spec.first, spec.last, tensors, reader.read,
+                                    assign.qk_interleaved, torch_device(spec.device), parse_dtype(spec.dtype))
+                stage.allocate_cache(assign.n_slots, assign.ctx)
+                runners.append(_Runner(spec, stage))
+            next_conn = next_address = None
+            if assign.next_host is not None:
+                next_address = f"{assign.next_host}:{assign.next_port}"
+                next_conn, _ = connect(assign.next_host, assign.next_port, token=self.token, role="peer",
+                                       limits=self.limits)
+        except (OSError, ValueError, RuntimeError) as e:
+            reader.close()
+            conn.send_error("load", f"worker {self.worker_id} could not load its stages: {e}", request=request)
+            return
+        counts = {"file": 0, "cache": 0, "streamed": 0}
+        for spec in assign.stages:
+            for t in spec.tensors:
+                counts[kinds[t.hash]] += t.nbytes
+        plan = _Plan(assign.plan, cfg, assign.n_slots, assign.ctx, runners, conn, next_conn, next_address,
+                     [0] * assign.n_slots, reader, counts)
+        for i, runner in enumerate(runners):
+            runner.thread = threading.Thread(target=self._run_stage, args=(plan, i), daemon=True,
+                                             name=f"stage-{runner.spec.index}")
+            runner.thread.start()
+        with self._plan_lock:
+            self._plan = plan
+        self.cache.evict(keep={t.hash for s in assign.stages for t in s.tensors})
+        stages = [{"index": r.spec.index, "weight_bytes": sum(p.nbytes for p in r.stage.parameters()),
+                   "kv_bytes": r.stage.cache.nbytes} for r in runners]
+        conn.send(MessageType.READY, {"stages": stages, "sources": counts}, request=request)
+        log.info("plan %s loaded: %s", plan.id, ", ".join(f"stage {r.spec.index} blocks {r.spec.start}-{r.spec.end - 1} "
+                                                          f"on {r.spec.device}" for r in runners))
+
+    def _validate_assign(self, assign: Assign, cfg: ModelConfig) -> None:
+        for spec in assign.stages:
+            if spec.device not in self.devices:
+                raise PlanRejected(f"device {spec.device} is not one of this worker's ({', '.join(self.devices)})")
+            if spec.end > cfg.n_layers or spec.first != (spec.start == 0) or spec.last != (spec.end == cfg.n_layers):
+                raise PlanRejected(f"stage {spec.index} blocks [{spec.start}, {spec.end}) do not fit the model")
+            names = {t.name for t in spec.tensors}
+            missing = set(required_tensors(cfg, spec.start, spec.end, spec.first, spec.last)) - names
+            if missing:
+                raise PlanRejected(f"stage {spec.index} lacks tensor {sorted(missing)[0]}")
+            for t in spec.tensors:
+                self._validate_tensor(cfg, spec, t)
+        budget: dict[str, int] = {}
+        for spec in assign.stages:
+            dtype = parse_dtype(spec.dtype)
+            size = torch.empty((), dtype=dtype).element_size()
+            weights = sum(int(np.prod(t.shape)) * size for t in spec.tensors)
+            kv = KVCache.nbytes_for(spec.end - spec.start, assign.n_slots, cfg.n_kv_heads, assign.ctx,
+                                    cfg.head_dim, dtype)
+            budget[spec.device] = budget.get(spec.device, 0) + weights + kv
+        for device, need in budget.items():
+            free = free_memory(device)
+            have = min(free, self.mem) if self.mem else free
+            if need > have:
+                raise PlanRejected(f"{device} needs {need / 2**30:.2f} GiB for its stages, has "
+                                   f"{have / 2**30:.2f} GiB")
+
+    @staticmethod
+    def _validate_tensor(cfg: ModelConfig, spec: StageSpec, t: TensorSpec) -> None:
+        expected = expected_shape(cfg, t.name)
+        if expected is None:
+            raise PlanRejected(f"unknown tensor {t.name}")
+        if tuple(t.shape) != expected:
+            raise PlanRejected(f"tensor {t.name} has shape {t.shape}, expected {list(expected)}")
+        block = t.name.split(".")[1] if t.name.startswith("blk.") else None
+        if block is not None and not spec.start <= int(block) < spec.end:
+            raise PlanRejected(f"tensor {t.name} is outside stage blocks [{spec.start}, {spec.end})")
+        if t.nbytes != stored_nbytes(t.dtype, tuple(t.shape)):
+            raise PlanRejected(f"tensor {t.name}: {t.nbytes} bytes do not match {t.dtype} {t.shape}")
+
+    def _gather_weights(self, conn: Connection, assign: Assign, request: int
+                        ) -> tuple[dict[str, TensorInfo], dict[str, str], TensorReader]:
+        """Find every tensor locally (own model file, then cache) and ask for the rest.
+        Returns where each tensor (by hash) is, and which kind of source it came from."""
+        reader = TensorReader()
+        sources: dict[str, TensorInfo] = {}
+        kinds: dict[str, str] = {}
+        specs = {t.hash: t for s in assign.stages for t in s.tensors}
+        for digest, t in specs.items():
+            info = self._own_copy(t, reader)
+            kind = "file"
+            if info is None:
+                path = self.cache.lookup(digest, t.nbytes)
+                info = TensorInfo(t.name, t.dtype, tuple(t.shape), path, 0, t.nbytes) if path else None
+                kind = "cache"
+            if info is not None:
+                sources[digest] = info
+                kinds[digest] = kind
+        needed = sorted(set(specs) - set(sources))
+        conn.send(MessageType.NEED, {"hashes": needed}, request=request)
+        writers = {}
+        try:
+            while len(writers) < len(needed) or any(not w.done for w in writers.values()):
+                frame = conn.expect(MessageType.WEIGHTS)
+                chunk = Weights.parse(frame.header)
+                if chunk.hash not in needed or chunk.total != specs[chunk.hash].nbytes:
+                    raise FrameError("WEIGHTS for a tensor that was not asked for")
+                writer = writers.get(chunk.hash)
+                if writer is None:
+                    writer = writers[chunk.hash] = self.cache.writer(chunk.hash, chunk.total)
+                writer.write(chunk.offset, frame.payload)
+                if writer.done:
+                    path = writer.finish()
+                    t = specs[chunk.hash]
+                    sources[chunk.hash] = TensorInfo(t.name, t.dtype, tuple(t.shape), path, 0, t.nbytes)
+                    kinds[chunk.hash] = "streamed"
+        except BaseException:
+            for w in writers.values():
+                if not w.done:
+                    w.abort()
+            raise
+        return sources, kinds, reader
+
+    def _own_copy(self, t: TensorSpec, reader: TensorReader) -> TensorInfo | None:
+        for path in self._candidates(t.file):
+            try:
+                if path.stat().st_size != t.file_size:
+                    continue
+            except OSError:
+                continue
+            info = TensorInfo(t.name, t.dtype, tuple(t.shape), path, t.offset, t.nbytes)
+            if t.offset + t.nbytes <= t.file_size and self.cache.index.hashes([info], reader)[t.name] == t.hash:
+                return info
+        return None
+
+    def _candidates(self, name: str) -> list[Path]:
+        """Files called `name` directly in a model folder or one level down."""
+        found = []
+        for folder in self.model_dirs:
+            if (folder / name).is_file():
+                found.append(folder / name)
+            try:
+                found += [d / name for d in folder.iterdir() if d.is_dir() and (d / name).is_file()]
+            except OSError:
+                pass
+        return found
+
+    def _release_plan(self) -> None:
+        with self._plan_lock:
+            plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        for runner in plan.runners:
+            runner.queue.put(None)
+        for runner in plan.runners:
+            if runner.thread is not None and runner.thread is not threading.current_thread():
+                runner.thread.join(timeout=30)
+            runner.stage.cache = None
+        if plan.next_conn is not None:
+            plan.next_conn.close()
+        plan.runners.clear()
+        plan.reader.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

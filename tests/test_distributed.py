@@ -1,0 +1,168 @@
+"""One model split across real worker processes on loopback gives the single-process tokens."""
+import time
+
+import pytest
+
+from models import hf_path, model_path
+from shardwire.cluster import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.loading import load_stage
+from shardwire.pipeline import LocalPipeline
+from shardwire.sampling import SamplingParams
+from workers import WorkerProcess
+
+PROMPT = [5, 17, 300, 42, 7, 1000, 3, 99, 123, 4567, 8, 250, 11, 19, 2048, 77]
+GREEDY_LOGPROBS = SamplingParams(temperature=0.0, logprobs=10)
+
+
+def generate(pipeline, n=24, sampling=GREEDY_LOGPROBS, prompt=PROMPT):
+    engine = Engine(pipeline, prefill_chunk=7)
+    try:
+        handle = engine.submit(Request(prompt, sampling, max_tokens=n))
+        events = [e for e in handle if e.token is not None]
+        assert handle.error is None, handle.error
+        return [e.token for e in events], [e.top_logprobs for e in events]
+    finally:
+        engine.close()
+
+
+def single_process(path, **kw):
+    model = open_model(path)
+    return generate(LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=1, ctx=256), **kw)
+
+
+def distributed(path, addresses, cache_dir, *, tensor_split=None, n_gpu_layers=None, local_devices=(), **kw):
+    model = open_model(path)
+    cluster = Cluster(addresses, local_devices=local_devices, cache_dir=cache_dir, show_progress=False,
+                      local_cpu=n_gpu_layers is not None and n_gpu_layers < model.config.n_layers)
+    try:
+        cluster.connect(model)
+        plan = cluster.make_plan(tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, ctx=256)
+        pipeline = cluster.load(plan)
+        return generate(pipeline, **kw), plan, cluster.load_stats
+    finally:
+        cluster.close()
+
+
+def assert_same(reference, got):
+    tokens, logprobs = got
+    assert tokens == reference[0]
+    for ours, theirs in zip(logprobs, reference[1]):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(ours, theirs)) <= 1e-5
+
+
+@pytest.fixture
+def worker_pool(tmp_path):
+    started = []
+
+    def start(count, **kw):
+        for i in range(count):
+            started.append(WorkerProcess(tmp_path / f"cache{len(started)}", **kw).start())
+        return started[-count:]
+    yield start
+    for w in started:
+        w.stop()
+
+
+def test_two_workers_gguf(worker_pool, tmp_path):
+    path = model_path("llama", "F32")
+    workers = worker_pool(2)
+    got, plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord")
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4)]
+    assert_same(single_process(path), got)
+
+
+def test_three_workers_uneven_split_safetensors(worker_pool, tmp_path):
+    path = hf_path("qwen3")
+    workers = worker_pool(3)
+    got, plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord", tensor_split=[2, 1, 1])
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 3), (3, 4)]
+    assert_same(single_process(path), got)
+
+
+def test_stage_on_the_coordinator_and_a_worker_with_two_devices(worker_pool, tmp_path):
+    """-ngl 3 keeps block 0 on the coordinator's CPU; one worker holds two devices; the
+    coordinator's own device takes the last stage."""
+    path = model_path("qwen2", "F32")
+    two = worker_pool(1, devices="cpu:0,cpu:1")[0]
+    got, plan, _ = distributed(path, [two.address], tmp_path / "coord", n_gpu_layers=3, local_devices=["cpu"],
+                               tensor_split=[1, 1, 1])
+    labels = [(s.device.worker, s.device.name, s.start, s.end) for s in plan.stages]
+    assert labels == [("local:cpu", "cpu", 0, 1), (two.address, "cpu:0", 1, 2), (two.address, "cpu:1", 2, 3),
+                      ("local", "cpu", 3, 4)]
+    assert_same(single_process(path), got)
+
+
+def test_sampled_generation_matches_with_the_same_seed(worker_pool, tmp_path):
+    path = model_path("mistral", "Q8_0")
+    workers = worker_pool(2)
+    sampling = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234, repeat_penalty=1.1)
+    got, _, _ = distributed(path, [w.address for w in workers], tmp_path / "coord", sampling=sampling)
+    assert got[0] == single_process(path, sampling=sampling)[0]
+
+
+def test_second_start_ships_no_weights_and_a_corrupt_cache_file_is_fetched_again(worker_pool, tmp_path):
+    path = model_path("llama", "Q4_0")
+    workers = worker_pool(2)
+    addresses = [w.address for w in workers]
+    reference = single_process(path, n=8)
+    first, _, stats = distributed(path, addresses, tmp_path / "coord", n=8)
+    assert stats["streamed"] == sum(t.nbytes for t in open_model(path).tensors.values())
+    second, _, stats = distributed(path, addresses, tmp_path / "coord", n=8)
+    assert stats == {"file": 0, "cache": stats["cache"], "streamed": 0} and stats["cache"] > 0
+    assert first[0] == second[0] == reference[0]
+
+    victim = next(p for p in (workers[1].cache_dir / "weights").glob("*/*") if p.stat().st_size > 10000)
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    third, _, stats = distributed(path, addresses, tmp_path / "coord", n=8)
+    assert stats["streamed"] == victim.stat().st_size
+    assert third[0] == reference[0]
+
+
+def test_worker_uses_its_own_copy_of_the_model_file(worker_pool, tmp_path):
+    path = model_path("qwen3", "Q8_0")
+    worker = worker_pool(1, extra=("--model-dir", str(path.parent)))[0]
+    _, _, stats = distributed(path, [worker.address], tmp_path / "coord", n=4)
+    assert stats["streamed"] == 0 and stats["cache"] == 0 and stats["file"] > 0
+
+
+def test_unreachable_worker_is_named(tmp_path):
+    path = model_path("llama", "F32")
+    cluster = Cluster(["127.0.0.1:1"], cache_dir=tmp_path, show_progress=False)
+    with pytest.raises(ConnectionError, match="worker 127.0.0.1:1 is unreachable"):
+        cluster.connect(open_model(path))
+
+
+def test_killed_worker_fails_the_request_quickly_and_the_coordinator_serves_again(worker_pool, tmp_path):
+    path = model_path("llama", "F32")
+    a, b = worker_pool(2)
+    model = open_model(path)
+    cluster = Cluster([a.address, b.address], cache_dir=tmp_path / "coord", show_progress=False)
+    cluster.connect(model)
+    pipeline = cluster.load(cluster.make_plan(ctx=256))
+    engine = Engine(pipeline)
+    try:
+        handle = engine.submit(Request(PROMPT, SamplingParams(temperature=0.0), max_tokens=200, ignore_eos=True))
+        first = next(iter(handle))
+        assert first.token is not None
+        b.kill()
+        killed = time.monotonic()
+        events = list(handle)
+        assert time.monotonic() - killed < 5
+        assert events[-1].finish_reason == "error" and b.address in events[-1].error
+
+        down = engine.submit(Request(PROMPT, SamplingParams(temperature=0.0), max_tokens=4))
+        assert down.result() == "" and down.finish_reason == "error" and b.address in down.error
+
+        restarted = WorkerProcess(b.cache_dir, port=b.port).start()  # back on the same address
+        again = engine.submit(Request(PROMPT, SamplingParams(temperature=0.0), max_tokens=8))
+        again.result()
+        assert again.error is None and again.tokens == single_process(path, n=8)[0]
+        restarted.stop()
+    finally:
+        engine.close()
+        cluster.close()

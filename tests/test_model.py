@@ -1,0 +1,117 @@
+"""Our forward pass against transformers on the same weights, for every supported architecture."""
+import os
+
+import pytest
+import torch
+
+from models import NAMES, hf_path, model_path
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.loading import load_stage
+from shardwire.pipeline import LocalPipeline
+from shardwire.sampling import GREEDY
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [5, 17, 300, 42, 7, 1000, 3, 99, 123, 4567, 8, 250, 11, 19, 2048, 77]
+
+
+def reference(name: str):
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_path(name), dtype=torch.float32)
+    return model.eval()
+
+
+def our_logits(path, ids):
+    model = open_model(path)
+    stage = load_stage(model, 0, model.config.n_layers)
+    stage.allocate_cache(1, 128)
+    return stage(torch.tensor([ids]), [0], [0], all_logits=True)[0]
+
+
+def greedy_tokens(path, ids, n):
+    model = open_model(path)
+    pipeline = LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=1, ctx=128)
+    engine = Engine(pipeline)
+    try:
+        handle = engine.submit(Request(ids, GREEDY, max_tokens=n))
+        handle.result()
+        return handle.tokens
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def arch(request):
+    name = request.param
+    ref = reference(name)
+    with torch.no_grad():
+        logits = ref(torch.tensor([PROMPT])).logits[0]
+        generated = ref.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False,
+                                 min_new_tokens=32, pad_token_id=0)[0, len(PROMPT):].tolist()
+    return name, logits, generated
+
+
+@pytest.mark.parametrize("form", ["gguf", "safetensors"])
+def test_logits_and_greedy_match_transformers(arch, form):
+    name, ref_logits, ref_tokens = arch
+    path = model_path(name, "F32") if form == "gguf" else hf_path(name)
+    ours = our_logits(path, PROMPT)
+    spread = float(ref_logits.max() - ref_logits.min())
+    assert float((ours - ref_logits).abs().max()) <= 1e-4 * spread
+    assert greedy_tokens(path, PROMPT, 32) == ref_tokens
+
+
+@pytest.mark.parametrize("weight_type", ["F16", "Q8_0", "Q4_0", "Q4_K"])
+def test_quantized_gguf_matches_transformers_on_the_same_file(weight_type):
+    """transformers dequantizes GGUF with the gguf package, and undoes llama.cpp's Q/K row order
+    of llama-arch files; so do we."""
+    path = model_path("llama", weight_type)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([PROMPT])).logits[0]
+    ours = our_logits(path, PROMPT)
+    spread = float(ref_logits.max() - ref_logits.min())
+    assert float((ours - ref_logits).abs().max()) <= 1e-4 * spread
+
+
+def test_incremental_decode_equals_full_forward():
+    model = open_model(model_path("qwen3", "F32"))
+    stage = load_stage(model, 0, model.config.n_layers)
+    stage.allocate_cache(3, 64)
+    full = stage(torch.tensor([PROMPT]), [1], [0], all_logits=True)[0]
+    stage.allocate_cache(3, 64)
+    parts = [stage(torch.tensor([PROMPT[:5]]), [2], [0], all_logits=True)[0]]
+    for i in range(5, len(PROMPT)):
+        parts.append(stage(torch.tensor([[PROMPT[i]]]), [2], [i], all_logits=True)[0])
+    assert torch.allclose(torch.cat(parts), full, atol=1e-5, rtol=1e-4)
+
+
+def test_batch_of_sequences_at_different_positions():
+    """Rows of one batch sit at different positions and slots; each equals its own run alone."""
+    model = open_model(model_path("llama", "F32"))
+    stage = load_stage(model, 0, model.config.n_layers)
+    a, b = PROMPT[:6], PROMPT[3:12]
+    stage.allocate_cache(4, 64)
+    stage(torch.tensor([a]), [3], [0])
+    stage(torch.tensor([b]), [0], [0])
+    together = stage(torch.tensor([[a[-1] + 1], [b[-1] + 1]]), [3, 0], [len(a), len(b)])
+    stage.allocate_cache(1, 64)
+    alone_a = stage(torch.tensor([a + [a[-1] + 1]]), [0], [0])
+    stage.allocate_cache(1, 64)
+    alone_b = stage(torch.tensor([b + [b[-1] + 1]]), [0], [0])
+    assert torch.allclose(together[0], alone_a[0], atol=1e-5)
+    assert torch.allclose(together[1], alone_b[0], atol=1e-5)
+
+
+def test_split_stages_chain_to_the_whole_model():
+    model = open_model(model_path("mistral", "F16"))
+    whole = load_stage(model, 0, 4)
+    parts = [load_stage(model, 0, 1), load_stage(model, 1, 3), load_stage(model, 3, 4)]
+    for s in [whole, *parts]:
+        s.allocate_cache(1, 64)
+    x = torch.tensor([PROMPT])
+    expected = whole(x, [0], [0])
+    for s in parts:
+        x = s(x, [0], [0])
+    assert torch.allclose(x, expected, atol=1e-5)

@@ -1,0 +1,196 @@
+"""Frames, message validation and the authenticated handshake, over real loopback sockets."""
+import socket
+import struct
+import threading
+
+import msgpack
+import pytest
+
+from shardwire.wire import auth
+from shardwire.wire.conn import AuthError, Connection, connect, server_handshake
+from shardwire.wire.frames import (FIXED_SIZE, MAGIC, PROTOCOL_VERSION, FrameError, Limits, MessageType,
+                                   pack_header, read_frame, send_frame)
+from shardwire.wire.messages import Assign, Forward, TensorSpec
+
+
+def socket_pair():
+    a, b = socket.socketpair()
+    return a, b
+
+
+def raw_frame(mtype=1, header=b"\x80", payload=b"", magic=MAGIC, version=PROTOCOL_VERSION, flags=0,
+              plen=None):
+    plen = len(payload) if plen is None else plen
+    return struct.pack("<4sHHHHQIQ", magic, version, mtype, flags, 0, 7, len(header), plen) + header + payload
+
+
+def test_frame_round_trip_with_payload_into_buffer():
+    a, b = socket_pair()
+    payload = bytes(range(256)) * 1000
+    sender = threading.Thread(target=send_frame, args=(a, MessageType.FORWARD, {"x": [1, 2]}, payload, 42))
+    sender.start()
+    target = bytearray(len(payload))
+    frame = read_frame(b, Limits(), lambda t, h, n: target)
+    assert frame.type == MessageType.FORWARD and frame.request == 42
+    assert frame.header == {"x": [1, 2]} and frame.payload is target and bytes(target) == payload
+    sender.join()
+
+
+@pytest.mark.parametrize("data, message", [
+    (raw_frame(magic=b"HTTP"), "bad magic"),
+    (raw_frame(version=99), "protocol version 99"),
+    (raw_frame(mtype=999), "unknown message type"),
+    (raw_frame(flags=1), "reserved"),
+    (raw_frame(header=b"\xc1"), "malformed msgpack"),
+    (raw_frame(header=msgpack.packb([1, 2])), "not a map"),
+])
+def test_bad_frames_are_rejected(data, message):
+    a, b = socket_pair()
+    a.sendall(data)
+    with pytest.raises(FrameError, match=message):
+        read_frame(b, Limits())
+
+
+def test_terabyte_payload_is_rejected_before_allocating():
+    a, b = socket_pair()
+    a.sendall(raw_frame(mtype=MessageType.FORWARD, plen=1 << 40))
+    allocated = []
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        read_frame(b, Limits(), lambda *args: allocated.append(args))
+    assert not allocated
+
+
+def test_oversized_header_is_rejected():
+    a, b = socket_pair()
+    a.sendall(struct.pack("<4sHHHHQIQ", MAGIC, PROTOCOL_VERSION, 1, 0, 0, 0, 1 << 30, 0))
+    with pytest.raises(FrameError, match="header of"):
+        read_frame(b, Limits())
+
+
+def forward_header(**over):
+    h = {"plan": "p", "step": 1, "rows": [[0, 0, 3]], "sampling": [None], "recent": [[]],
+         "dtype": "int32", "shape": [1, 3]}
+    h.update(over)
+    return h
+
+
+def test_forward_validation():
+    assert Forward.parse(forward_header()).payload_nbytes() == 12
+    hidden = Forward.parse(forward_header(dtype="bfloat16", shape=[1, 3, 64]))
+    assert hidden.payload_nbytes() == 3 * 64 * 2
+    bad = [
+        forward_header(rows=[]),
+        forward_header(rows=[[0, 0]]),
+        forward_header(rows=[[0, -1, 3]]),
+        forward_header(rows=[[0, 0, 3], [1, 0, 2]], sampling=[None, None], recent=[[], []], shape=[2, 3]),
+        forward_header(dtype="float64"),
+        forward_header(shape=[1, 4]),
+        forward_header(shape=[1, 3, 1 << 40]),
+        forward_header(dtype="float32", shape=[1, 3]),
+        forward_header(sampling=[]),
+        forward_header(recent=[["x"]]),
+        forward_header(step="1"),
+        forward_header(rows=[[True, 0, 3]]),
+    ]
+    for h in bad:
+        with pytest.raises(FrameError):
+            Forward.parse(h)
+
+
+def test_shape_product_overflow_is_rejected():
+    # each dimension is bounded, so the product cannot wrap or ask for absurd memory
+    with pytest.raises(FrameError):
+        Forward.parse(forward_header(rows=[[0, 0, 1 << 20]], shape=[1, 1 << 20, 1 << 20], dtype="float32"))
+
+
+def tensor_spec(**over):
+    d = {"name": "blk.0.attn_q.weight", "dtype": "F16", "shape": [64, 64], "nbytes": 8192, "hash": "a" * 64,
+         "file": "m.gguf", "file_size": 10, "offset": 0}
+    d.update(over)
+    return d
+
+
+def test_tensor_spec_validation():
+    TensorSpec.parse(tensor_spec())
+    for bad in [tensor_spec(file="../etc/passwd"), tensor_spec(file="a/b"), tensor_spec(hash="zz"),
+                tensor_spec(dtype="PICKLE"), tensor_spec(shape=[0, 1]), tensor_spec(nbytes=-1)]:
+        with pytest.raises(FrameError):
+            TensorSpec.parse(bad)
+
+
+def test_assign_stages_must_be_consecutive():
+    stage = {"index": 0, "device": "cpu", "start": 0, "end": 2, "first": True, "last": False,
+             "dtype": "float32", "tensors": [tensor_spec()]}
+    later = dict(stage, index=1, start=3, end=4, first=False)
+    h = {"plan": "p", "config": {}, "qk_interleaved": True, "n_slots": 1, "ctx": 64, "stages": [stage, later],
+         "next": None}
+    with pytest.raises(FrameError, match="consecutive"):
+        Assign.parse(h)
+    h["stages"] = [stage, dict(later, start=2)]
+    assert len(Assign.parse(h).stages) == 2
+
+
+# -- the handshake -----------------------------------------------------------------------
+
+def serve_once(token, results):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def run():
+        sock, addr = listener.accept()
+        conn = Connection(sock, "test")
+        try:
+            results.append(server_handshake(conn, token, "w1"))
+        except Exception as e:  # the test inspects what the server saw
+            results.append(e)
+        finally:
+            conn.close()
+            listener.close()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return listener.getsockname()[1], t
+
+
+@pytest.mark.parametrize("server_token, client_token, ok", [
+    ("secret", "secret", True),
+    (None, None, True),
+    ("secret", "wrong", False),
+    ("secret", None, False),
+    (None, "secret", False),  # a coordinator with a token never talks to a worker without one
+])
+def test_handshake(server_token, client_token, ok):
+    results = []
+    port, t = serve_once(server_token, results)
+    if ok:
+        conn, challenge = connect("127.0.0.1", port, token=client_token)
+        assert challenge.worker_id == "w1"
+        conn.close()
+    else:
+        with pytest.raises(AuthError):
+            connect("127.0.0.1", port, token=client_token)
+    t.join(5)
+    assert ok == (not isinstance(results[0], Exception))
+
+
+def test_replayed_auth_is_refused():
+    """A recorded AUTH answers an old challenge; the worker's fresh nonce makes it worthless."""
+    token = "secret"
+    results = []
+    port, t = serve_once(token, results)
+    old_client_nonce, old_server_nonce = auth.new_nonce(), auth.new_nonce()
+    recorded = auth.client_proof(token, old_client_nonce, old_server_nonce)
+    sock = socket.create_connection(("127.0.0.1", port))
+    conn = Connection(sock, "attacker")
+    conn.send(MessageType.HELLO, {"role": "coordinator", "nonce": old_client_nonce})
+    conn.expect(MessageType.CHALLENGE)
+    conn.send(MessageType.AUTH, {"proof": recorded})
+    with pytest.raises(Exception, match="authentication failed"):
+        conn.expect(MessageType.WELCOME)
+    t.join(5)
+    assert isinstance(results[0], AuthError)
+
+
+def test_fixed_header_size():
+    assert FIXED_SIZE == 32
+    assert len(pack_header(MessageType.PING, {}, 0)) == 33
