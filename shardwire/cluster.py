@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,15 @@ class WorkerLink:
     alive: bool = False
     reader: threading.Thread | None = None
     local: object | None = None  # the in-process Worker behind a local link
+    latency_ms: float | None = None  # last heartbeat round trip
+    last_pong: float = 0.0
+
+    def status(self, stages: list[tuple[int, PlannedStage]]) -> dict:
+        return {"name": self.name, "worker_id": self.worker_id, "alive": self.alive,
+                "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
+                "devices": [{"name": d.name, "free": d.free, "total": d.total} for d in self.devices],
+                "stages": [{"index": i, "device": s.device.name, "blocks": [s.start, s.end],
+                            "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes} for i, s in stages]}
 
 
 class Cluster:
@@ -69,6 +79,9 @@ class Cluster:
         self.plan_id = ""
         self.pipeline: RemotePipeline | None = None
         self.load_stats: dict = {}
+        self.heartbeat_interval = 1.0
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
 
     # -- connecting ----------------------------------------------------------------------
 
@@ -151,7 +164,14 @@ class Cluster:
         self.pipeline = pipeline
         for link, _ in groups:
             self._start_reader(link, pipeline)
+        if self._heartbeat_thread is None:
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
+            self._heartbeat_thread.start()
         return pipeline
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval):
+            self.heartbeat()
 
     def _stages_by_worker(self, plan: Plan) -> list[tuple[WorkerLink, list[tuple[int, PlannedStage]]]]:
         by_name = {l.name: l for l in self.links}
@@ -222,11 +242,33 @@ class Cluster:
                     return
                 if frame.type == MessageType.RESULT:
                     pipeline._on_result(Result.parse(frame.header))
-                elif frame.type not in (MessageType.PONG, MessageType.OK):
+                elif frame.type == MessageType.PONG:
+                    sent = frame.header.get("t")
+                    link.last_pong = time.monotonic()
+                    if isinstance(sent, float):
+                        link.latency_ms = (link.last_pong - sent) * 1000
+                elif frame.type != MessageType.OK:
                     pipeline._on_link_lost(link, f"worker {link.name} sent an unexpected {frame.type.name}")
                     return
         link.reader = threading.Thread(target=run, daemon=True, name=f"link-{link.name}")
         link.reader.start()
+
+    def heartbeat(self) -> None:
+        """Ping every live worker; their PONGs update each link's latency."""
+        for link in self.links:
+            if link.alive and link.reader is not None:
+                try:
+                    link.conn.send(MessageType.PING, {"t": time.monotonic()})
+                except OSError:
+                    pass
+
+    def status(self) -> dict:
+        """Workers, their devices, the blocks each holds, memory and last measured latency."""
+        groups = {l.name: stages for l, stages in self._stages_by_worker(self.plan)} if self.plan else {}
+        return {"plan": self.plan_id, "ready": self.pipeline is not None and self.pipeline.broken is None,
+                "broken": None if self.pipeline is None else self.pipeline.broken,
+                "load": self.load_stats,
+                "workers": [l.status(groups.get(l.name, [])) for l in self.links]}
 
     def restore(self) -> None:
         """Reconnect to every worker and load the same plan again (from their caches)."""
@@ -239,6 +281,7 @@ class Cluster:
         self.load(self.plan, self.pipeline)
 
     def close(self) -> None:
+        self._stop.set()
         if self.pipeline is not None:
             self.pipeline.broken = self.pipeline.broken or "the coordinator closed its cluster"
         for link in self.links:

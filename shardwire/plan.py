@@ -160,6 +160,7 @@ def make_plan(model: ModelFile, devices: list[PlanDevice], *, cpu: PlanDevice | 
     """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
     blocks that are not offloaded."""
     n = model.config.n_layers
+    ctx = min(ctx, model.config.context_length)
     offloaded = n if n_gpu_layers is None else max(0, min(n_gpu_layers, n))
     if offloaded and not devices:
         raise PlanError("no devices to place blocks on: give workers with --rpc or local devices with --device")

@@ -166,3 +166,18 @@ def test_killed_worker_fails_the_request_quickly_and_the_coordinator_serves_agai
     finally:
         engine.close()
         cluster.close()
+
+
+def test_glassllm_split_across_two_workers_continues_like_glassllm(worker_pool, tmp_path):
+    glassllm = pytest.importorskip("glassllm")
+    from shardwire.glassllm import convert_glassllm
+    from shardwire.tokenizer import load_tokenizer
+    path = convert_glassllm(tmp_path / "glass.gguf", "gguf")
+    model, tokenizer = glassllm.load_pretrained("en")
+    prompt = tokenizer.encode("Alice was beginning to get very tired")
+    expected = [step.token for step in model.generate(prompt, 40, greedy=True)]
+    assert load_tokenizer(open_model(path)).encode("Alice was beginning to get very tired") == prompt
+    workers = worker_pool(2)
+    (tokens, _), plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord", n=40,
+                                       prompt=prompt)
+    assert len(plan.stages) == 2 and tokens == expected

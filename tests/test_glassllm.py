@@ -176,3 +176,31 @@ def test_cached_gguf_is_converted_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path / "sw"))
     assert gl.cache_root() == tmp_path / "sw"
     assert gl.cached_glassllm_gguf().parent == tmp_path / "sw" / "models"
+
+
+def shardwire_greedy(path, text: str, n: int) -> tuple[list[int], list[int]]:
+    """Prompt ids and greedy continuation through shardwire's own tokenizer, stage and engine."""
+    from shardwire.engine import Engine, Request
+    from shardwire.loading import load_stage
+    from shardwire.pipeline import LocalPipeline
+    from shardwire.sampling import GREEDY
+    from shardwire.tokenizer import load_tokenizer
+
+    model = open_model(path)
+    ids = load_tokenizer(model).encode(text)
+    engine = Engine(LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=1, ctx=128))
+    try:
+        handle = engine.submit(Request(ids, GREEDY, max_tokens=n, ignore_eos=True))
+        handle.result()
+        return ids, handle.tokens
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("form", ["gguf", "hf"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_shardwire_continues_like_glassllm(converted, glass, form, prompt):
+    path = converted[1] if form == "gguf" else converted[0]
+    ids, tokens = shardwire_greedy(path, prompt, 40)
+    assert ids == glass[1].encode(prompt)
+    assert tokens == glass_greedy(glass, ids, 40)
