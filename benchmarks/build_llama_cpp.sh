@@ -14,7 +14,37 @@ VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${LLAMA_CPP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/shardwire/llama.cpp}
 PREFIX="$CACHE/$VERSION"
 STAMP="$PREFIX/.built"
-if [ -f "$STAMP" ]; then echo "$PREFIX"; exit 0; fi
+
+# -march=native turns on AMX where the CPU lists it, but some hosts (VMs, sandboxes) report
+# AMX and then fault on the first tile instruction: llama.cpp dies with SIGILL in its AMX
+# matmul (Q4_0/Q8_0 with repacking). Probe once; build without AMX where it does not run.
+amx_flags() {
+  grep -q amx_tile /proc/cpuinfo 2>/dev/null || return 0
+  local dir; dir=$(mktemp -d)
+  cat > "$dir/probe.c" <<'PROBE'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char cfg[64];
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 2;
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;  /* palette 1, tile 0: 16 rows of 64 bytes */
+    _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+PROBE
+  if ! { cc -O1 -mamx-tile "$dir/probe.c" -o "$dir/probe" 2>/dev/null && (cd "$dir" && ./probe) 2>/dev/null; }; then
+    echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  fi
+  rm -rf "$dir"
+}
+EXTRA_FLAGS=$(amx_flags)
+CONFIG="version=$VERSION native=ON extra=[$EXTRA_FLAGS]"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$CONFIG" ]; then echo "$PREFIX"; exit 0; fi
 
 mkdir -p "$CACHE/src"
 SDIST="$CACHE/src/llama_cpp_python-$VERSION.tar.gz"
@@ -29,6 +59,7 @@ cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_RPC=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS" \
   -DCMAKE_INSTALL_PREFIX="$PREFIX" -DCMAKE_INSTALL_RPATH="$PREFIX/lib" >&2
 cmake --build "$BUILD" -j "$(nproc)" --target ggml-rpc-server llama-bench llama-cli \
   llama-completion llama-server llama-quantize >&2
@@ -40,5 +71,5 @@ done
 find "$BUILD" -name '*.so*' -exec cp -P {} "$PREFIX/lib/" \;
 rm -rf "$PREFIX/python/llama_cpp"
 cp -r "$SRC/llama_cpp" "$PREFIX/python/llama_cpp"
-touch "$STAMP"
+echo "$CONFIG" > "$STAMP"
 echo "$PREFIX"

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import __version__
 from .launch import add_cluster_args
 from .pipeline import PipelineError
+from .security import add_worker_tls_args, resolve_token, server_tls
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +29,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="device for local stages: cpu, cuda:N or mps (default: the first accelerator, else cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda, float16 on mps)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dequant", "packed", "compact"],
+                   help="quantized GGUF weights on the devices: dequant (to the compute dtype), packed (int4/int8 "
+                        "kernels), compact (packed only where that costs no more than ~1.1x the file; the rest "
+                        "dequantized just before use); auto = the fastest that fits (default: %(default)s)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size per sequence, capped at the model's (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
@@ -62,14 +68,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-size", default=None, help="evict least recently used weights beyond this, e.g. 100G")
     p.add_argument("--model-dir", action="append", default=[],
                    help="folder holding this machine's own copies of model files (repeatable)")
-    p.add_argument("--token", default=None, help="shared secret (prefer env SHARDWIRE_TOKEN)")
+    p.add_argument("--max-connections", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--max-frame", default="256M", help="largest frame accepted (default: %(default)s)")
+    add_worker_tls_args(p)
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("certs", help="make a self-signed TLS certificate and print its fingerprint")
+    p.add_argument("--out", default=".", help="folder for NAME.crt and NAME.key (default: %(default)s)")
+    p.add_argument("--name", default="shardwire", help="(default: %(default)s)")
+    p.add_argument("--host", action="append", default=[],
+                   help="host name or IP address the certificate is for (repeatable; default: localhost, 127.0.0.1)")
+    p.add_argument("--days", type=int, default=3650, help="(default: %(default)s)")
+    p.set_defaults(func=cmd_certs)
 
     p = sub.add_parser("plan", help="print how a model would be split, without loading weights")
     _add_model_args(p)
     add_cluster_args(p)
     p.add_argument("-np", "--parallel", type=int, default=1, help="sequence slots (default: %(default)s)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-server's counterpart)")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="0 = any free port (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("SHARDWIRE_API_KEY"),
+                   help="clients must send Authorization: Bearer KEY (env SHARDWIRE_API_KEY; default: none)")
+    p.add_argument("-np", "--parallel", type=int, default=4,
+                   help="sequences decoded together, each with its own KV cache of --ctx-size (default: %(default)s)")
+    p.add_argument("-a", "--alias", default=None, help="model name in the API (default: the file name)")
+    add_cluster_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="split a small trained model across two local workers and generate")
+    p.add_argument("-p", "--prompt", default="Alice was beginning to get very tired",
+                   help="text to continue (default: %(default)s)")
+    p.add_argument("-n", "--n-predict", type=int, default=96,
+                   help="tokens to generate; the model's context is 128 (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="local worker processes (default: %(default)s)")
+    p.add_argument("-d", "--device", default="cpu", help="device each worker serves (default: %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=1, help="CPU threads per worker (default: %(default)s)")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    from .bench import add_bench_args
+    p = sub.add_parser("bench", help="prompt and decode tokens/s, alone or across --rpc workers (llama-bench's counterpart)")
+    _add_model_args(p)
+    add_bench_args(p)
+    add_cluster_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -107,17 +153,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     from .worker import Worker
+    from .wire.frames import Limits
+    tls = server_tls(args)
     worker = Worker(host=args.host, port=args.port, devices=args.device.split(",") if args.device else None,
                     mem=parse_size(args.mem), cache_dir=Path(args.cache_dir) if args.cache_dir else None,
                     cache_max_bytes=parse_size(args.cache_size), model_dirs=[Path(d) for d in args.model_dir],
-                    token=args.token or os.environ.get("SHARDWIRE_TOKEN"), threads=args.threads)
+                    token=resolve_token(args), threads=args.threads, tls=tls, insecure=args.insecure,
+                    max_connections=args.max_connections, limits=Limits(max_payload=parse_size(args.max_frame)))
     port = worker.bind()
     desc = worker.describe()
-    print(f"shardwire worker {desc['worker_id']} listening on {args.host}:{port}", flush=True)
+    print(f"shardwire worker {desc['worker_id']} listening on {args.host}:{port}"
+          f" ({'TLS ' + tls.fingerprint() if tls else 'plain TCP'}, "
+          f"{'token required' if worker.token else 'no token'})", flush=True)
     for d in desc["devices"]:
         print(f"  {d['name']}: {d['free'] / 2**30:.1f} GiB available", flush=True)
     try:
@@ -125,6 +175,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
     finally:
         worker.close()
     return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .wire.tls import generate_certificate
+    cert, key, fingerprint = generate_certificate(Path(args.out), args.host, args.days, args.name)
+    print(f"certificate: {cert}\nprivate key: {key}\nfingerprint: {fingerprint}")
+    print(f"start a worker with --tls-cert {cert} --tls-key {key}; give coordinators --tls-pin {fingerprint}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import run_serve
+    return run_serve(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+    return run_bench(args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -3,6 +3,9 @@ the pipeline that sends steps into the ring and collects sampled tokens from its
 from __future__ import annotations
 
 import logging
+import re
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -15,30 +18,40 @@ from .cache import HashIndex, default_cache_dir
 from .devices import default_dtype
 from .formats import ModelFile, TensorReader
 from .pipeline import PipelineError, Step, StepResult
-from .plan import Plan, PlanDevice, PlannedStage, make_plan
+from .plan import Plan, PlanDevice, PlanError, PlannedStage, make_plan
 from .sampling import Sampled
-from .wire.conn import Connection, RemoteError, connect
+from .wire.conn import AuthError, Connection, RemoteError, connect
 from .wire.frames import FrameError, MessageType
 from .wire.messages import Devices, Need, Result
+from .wire.tls import ClientTLS, ServerTLS, TLSError, generate_certificate
 
 log = logging.getLogger("shardwire.cluster")
 
 WEIGHT_CHUNK = 8 << 20
 
 
+_HOST = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
 def parse_address(text: str, default_port: int = 50052) -> tuple[str, int]:
+    """'host:port', 'host' or '[ipv6]:port' -> (host, port)."""
     text = text.strip()
-    if text.startswith("["):  # [ipv6]:port
+    if text.startswith("["):
         host, _, port = text[1:].partition("]")
         port = port.lstrip(":")
+        valid = bool(host) and all(c in "0123456789abcdefABCDEF:." for c in host)
     else:
         host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host:
+        valid = bool(_HOST.match(host))
+    if not valid:
         raise ValueError(f"bad worker address '{text}' (expected host:port)")
     try:
-        return host, int(port) if port else default_port
+        number = int(port) if port else default_port
     except ValueError:
         raise ValueError(f"bad port in worker address '{text}'") from None
+    if not 0 < number < 65536:
+        raise ValueError(f"bad port in worker address '{text}'")
+    return host, number
 
 
 @dataclass
@@ -55,6 +68,16 @@ class WorkerLink:
     local: object | None = None  # the in-process Worker behind a local link
     latency_ms: float | None = None  # last heartbeat round trip
     last_pong: float = 0.0
+    fingerprint: str | None = None  # its TLS certificate, once verified
+    pin: str | None = None  # the certificate a local worker was started with
+    lost_since: float | None = None  # when it was lost; None while it is part of the plan or never was
+
+    def drop(self) -> None:
+        """Close this link on purpose: its reader reports nothing."""
+        self.alive = False
+        self.reader = None  # only links serving a loaded plan are watched by the heartbeat
+        if self.conn is not None and not self.conn.closed:
+            self.conn.close()
 
     def status(self, stages: list[tuple[int, PlannedStage]]) -> dict:
         return {"name": self.name, "worker_id": self.worker_id, "alive": self.alive,
@@ -67,7 +90,7 @@ class WorkerLink:
 class Cluster:
     def __init__(self, addresses: list[str], *, token: str | None = None, local_devices: list[str] = (),
                  local_cpu: bool = False, cache_dir: Path | None = None, connect_timeout: float = 10.0,
-                 tls=None, show_progress: bool = True):
+                 tls: ClientTLS | None = None, show_progress: bool = True):
         self.token, self.tls = token, tls
         self.connect_timeout = connect_timeout
         self.cache_dir = cache_dir or default_cache_dir()
@@ -80,6 +103,14 @@ class Cluster:
         self.pipeline: RemotePipeline | None = None
         self.load_stats: dict = {}
         self.heartbeat_interval = 1.0
+        self.dead_after = 5.0  # seconds without a PONG before a worker counts as gone
+        self.stall_timeout = 30.0  # seconds without any step result while steps are in flight
+        self.recovery_timeout = 60.0  # how long recovery waits for lost capacity to come back
+        self.events: list[dict] = []  # recoveries and re-admissions, for the status endpoint
+        self.rebalance_due = False  # a lost worker answers again
+        self._plan_options: dict = {}
+        self._last_probe = 0.0
+        self._id = uuid.uuid4().hex[:12]
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -88,12 +119,23 @@ class Cluster:
     def _start_local(self, name: str, devices: list[str], model: ModelFile) -> WorkerLink:
         from .worker import Worker  # the coordinator runs its own stages as an in-process worker
         folder = model.path.parent
-        # Local stages talk to remote workers as peers, so they share the cluster's token.
+        server_tls = pin = None
+        if self.tls is not None:
+            # Local stages reach remote workers as peers: they speak TLS too, with the
+            # coordinator's own certificate when it has one, else a throwaway one.
+            if self.tls.cert is not None:
+                server_tls = ServerTLS(self.tls.cert, self.tls.key, self.tls.ca)
+            else:
+                self._tmp = tempfile.TemporaryDirectory(prefix="shardwire-tls-")
+                cert, key, _ = generate_certificate(Path(self._tmp.name), ["127.0.0.1"], name=name.replace(":", "-"))
+                server_tls = ServerTLS(cert, key)
+            pin = server_tls.fingerprint()
+        # Local stages share the cluster's token: remote workers must accept them as peers.
         worker = Worker(host="127.0.0.1", port=0, devices=devices, token=self.token,
-                        cache_dir=self.cache_dir, model_dirs=[folder])
+                        cache_dir=self.cache_dir, model_dirs=[folder], tls=server_tls)
         port = worker.bind()
         worker.start()
-        return WorkerLink(name, "127.0.0.1", port, local=worker)
+        return WorkerLink(name, "127.0.0.1", port, local=worker, pin=pin)
 
     def connect(self, model: ModelFile) -> None:
         """Reach every worker and learn its devices; a worker that cannot be reached is an error
@@ -106,22 +148,30 @@ class Cluster:
         for link in self.links:
             self._connect_link(link)
 
-    def _connect_link(self, link: WorkerLink) -> None:
+    def _connect_link(self, link: WorkerLink, timeout: float | None = None) -> None:
         try:
-            conn, challenge = connect(link.host, link.port, token=self.token,
-                                      timeout=self.connect_timeout, tls=None if link.local else self.tls)
+            tls = self.tls
+            if tls is not None and link.local is not None:  # our own certificate: trust exactly it
+                tls = ClientTLS(pins={link.pin}, cert=tls.cert, key=tls.key)
+            conn, challenge = connect(link.host, link.port, token=self.token, tls=tls, pin=link.pin,
+                                      timeout=timeout or self.connect_timeout)
+        except AuthError as e:
+            raise AuthError(f"worker {link.name} refused: {e}") from None
+        except TLSError as e:
+            raise TLSError(f"worker {link.name} is not trusted: {e}") from None
         except (OSError, ConnectionError) as e:
             raise ConnectionError(f"worker {link.name} is unreachable: {e}") from None
-        link.conn, link.worker_id = conn, challenge.worker_id
+        link.conn, link.worker_id, link.fingerprint = conn, challenge.worker_id, conn.fingerprint
         conn.send(MessageType.DESCRIBE)
         link.devices = Devices.parse(conn.expect(MessageType.DEVICES).header).devices
         link.alive = True
 
     # -- planning ------------------------------------------------------------------------
 
-    def plan_devices(self, dtype: str | None) -> tuple[list[PlanDevice], PlanDevice | None]:
+    def plan_devices(self, dtype: str | None, links: list[WorkerLink] | None = None
+                     ) -> tuple[list[PlanDevice], PlanDevice | None]:
         devices, cpu = [], None
-        for link in self.links:
+        for link in self.links if links is None else links:
             for d in link.devices:
                 pd = PlanDevice(link.name, d.name, d.free, dtype or default_dtype(d.name))
                 if link.name == "local:cpu":
@@ -131,10 +181,21 @@ class Cluster:
         return devices, cpu
 
     def make_plan(self, *, tensor_split=None, n_gpu_layers=None, n_slots=1, ctx=4096,
-                  dtype: str | None = None, prefill_chunk: int = 512) -> Plan:
-        devices, cpu = self.plan_devices(dtype)
-        return make_plan(self.model, devices, cpu=cpu, tensor_split=tensor_split, n_gpu_layers=n_gpu_layers,
-                         n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk)
+                  dtype: str | None = None, prefill_chunk: int = 512, weights: str = "dequant") -> Plan:
+        self._plan_options = dict(tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, n_slots=n_slots, ctx=ctx,
+                                  dtype=dtype, prefill_chunk=prefill_chunk, weights=weights)
+        return self._plan_on(self.links)
+
+    def _plan_on(self, links: list[WorkerLink]) -> Plan:
+        """A plan with the options of the first one, on the given workers. A --tensor-split
+        that named more devices than are left falls back to splitting by free memory."""
+        o = self._plan_options
+        devices, cpu = self.plan_devices(o["dtype"], links)
+        split = o["tensor_split"]
+        if split is not None and len(split) > len(devices):
+            split = None
+        return make_plan(self.model, devices, cpu=cpu, tensor_split=split, n_gpu_layers=o["n_gpu_layers"],
+                         n_slots=o["n_slots"], ctx=o["ctx"], prefill_chunk=o["prefill_chunk"], weights=o["weights"])
 
     # -- loading -------------------------------------------------------------------------
 
@@ -196,10 +257,13 @@ class Cluster:
                                 "file_size": info.path.stat().st_size, "offset": info.offset})
             specs.append({"index": index, "device": stage.device.name, "start": stage.start, "end": stage.end,
                           "first": stage.first, "last": stage.last, "dtype": stage.device.dtype,
+                          "weights": stage.weights,
                           "tensors": tensors})
-        header = {"plan": self.plan_id, "config": model.config.to_dict(), "qk_interleaved": model.qk_interleaved,
+        header = {"plan": self.plan_id, "coordinator": self._id, "config": model.config.to_dict(),
+                  "qk_interleaved": model.qk_interleaved,
                   "n_slots": self.plan.n_slots, "ctx": self.plan.ctx, "stages": specs,
-                  "next": None if nxt is None else {"host": nxt.host, "port": nxt.port}}
+                  "next": None if nxt is None else {"host": nxt.host, "port": nxt.port,
+                                                    "fingerprint": nxt.fingerprint}}
         conn = link.conn
         try:
             conn.send(MessageType.ASSIGN, header)
@@ -227,6 +291,8 @@ class Cluster:
     # -- running -------------------------------------------------------------------------
 
     def _start_reader(self, link: WorkerLink, pipeline: "RemotePipeline") -> None:
+        link.last_pong = time.monotonic()
+
         def run():
             while True:
                 try:
@@ -254,44 +320,117 @@ class Cluster:
         link.reader.start()
 
     def heartbeat(self) -> None:
-        """Ping every live worker; their PONGs update each link's latency."""
+        """Ping every live worker (their PONGs update each link's latency); declare gone a worker
+        that stopped answering, and the pipeline stalled if steps stopped coming back; look
+        for lost workers that answer again."""
+        now = time.monotonic()
+        pipeline = self.pipeline
         for link in self.links:
-            if link.alive and link.reader is not None:
+            if not (link.alive and link.reader is not None):
+                continue
+            if now - link.last_pong > self.dead_after and pipeline is not None:
+                pipeline._on_link_lost(link, f"worker {link.name} stopped answering "
+                                             f"(no heartbeat for {now - link.last_pong:.1f} s)")
+                link.drop()
+                continue
+            try:
+                link.conn.send(MessageType.PING, {"t": now})
+            except OSError:
+                pass
+        if pipeline is not None and pipeline.broken is None:
+            stalled = pipeline.stalled_for(now)
+            if stalled > self.stall_timeout:
+                pipeline._break(f"no step result for {stalled:.1f} s: a link between workers may have stopped "
+                                "carrying data")
+        lost = [l for l in self.links if l.lost_since is not None and now - l.lost_since > 1.0]
+        if (lost and pipeline is not None and pipeline.broken is None and not self.rebalance_due
+                and now - self._last_probe > 2.0):
+            self._last_probe = now
+            link = lost[int(now) % len(lost)]  # one probe per round, so a black hole cannot stall pings
+            if self._answers(link):
+                log.info("worker %s answers again; the plan will move stages back onto it", link.name)
+                self.rebalance_due = True
+                pipeline.on_wake()
+
+    def _answers(self, link: WorkerLink) -> bool:
+        try:
+            conn, _ = connect(link.host, link.port, token=self.token, timeout=1.0, tls=self.tls, pin=link.pin)
+        except (OSError, ConnectionError):
+            return False
+        conn.close()
+        return True
+
+    def add_worker(self, address: str) -> None:
+        """Admit a new worker: the next rebalance may place stages on it."""
+        if any(l.name == address for l in self.links):
+            return
+        link = WorkerLink(address, *parse_address(address))
+        link.lost_since = time.monotonic() - 2.0
+        self.links.append(link)
+
+    def recover(self, reason: str) -> dict:
+        """After a failure (or to rebalance): reconnect to every worker that answers, plan over
+        them and load. When what answers cannot hold the model, keep trying until
+        recovery_timeout, then raise PipelineError naming what is lost and missing."""
+        start = time.monotonic()
+        lost = [l.name for l in self.links if not l.alive or l.lost_since is not None]
+        deadline = start + self.recovery_timeout
+        log.warning("recovering: %s", reason)
+        while True:
+            for link in self.links:
+                link.drop()
+            for link in self.links:
                 try:
-                    link.conn.send(MessageType.PING, {"t": time.monotonic()})
-                except OSError:
-                    pass
+                    # a worker that cannot answer within dead_after now would be declared gone anyway
+                    self._connect_link(link, timeout=self.dead_after)
+                    link.lost_since = None
+                except (OSError, ConnectionError):
+                    link.lost_since = link.lost_since or start
+            live = [l for l in self.links if l.alive]
+            try:
+                plan = self._plan_on(live)
+                plan.check_fits()
+                self.load(plan, self.pipeline)
+                break
+            except (PlanError, PipelineError) as e:
+                error = e
+            if time.monotonic() >= deadline:
+                missing = [l.name for l in self.links if not l.alive]
+                event = {"at": time.time(), "reason": reason, "lost": missing, "recovered": False,
+                         "seconds": round(time.monotonic() - start, 3), "error": str(error)}
+                self.events.append(event)
+                raise PipelineError(f"could not recover within {self.recovery_timeout:.0f} s after: {reason}. "
+                                    f"Lost: {', '.join(missing) or 'none'}. {error}",
+                                    missing[0] if missing else None)
+            time.sleep(1.0)
+        self.rebalance_due = False
+        event = {"at": time.time(), "reason": reason, "lost": lost, "recovered": True,
+                 "seconds": round(time.monotonic() - start, 3), "replayed_tokens": 0,
+                 "plan": [[s.device.label, s.start, s.end] for s in plan.stages]}
+        self.events.append(event)
+        log.warning("recovered in %.2f s on %d stage(s): %s", event["seconds"], len(plan.stages),
+                    ", ".join(f"{w} blocks {a}-{b - 1}" for w, a, b in event["plan"]))
+        return event
 
     def status(self) -> dict:
         """Workers, their devices, the blocks each holds, memory and last measured latency."""
         groups = {l.name: stages for l, stages in self._stages_by_worker(self.plan)} if self.plan else {}
         return {"plan": self.plan_id, "ready": self.pipeline is not None and self.pipeline.broken is None,
                 "broken": None if self.pipeline is None else self.pipeline.broken,
-                "load": self.load_stats,
+                "load": self.load_stats, "recoveries": self.events[-20:],
                 "workers": [l.status(groups.get(l.name, [])) for l in self.links]}
-
-    def restore(self) -> None:
-        """Reconnect to every worker and load the same plan again (from their caches)."""
-        for link in self.links:
-            was_alive, link.alive = link.alive, False
-            if link.conn is not None and was_alive:
-                link.conn.close()
-        for link in self.links:
-            self._connect_link(link)
-        self.load(self.plan, self.pipeline)
 
     def close(self) -> None:
         self._stop.set()
         if self.pipeline is not None:
             self.pipeline.broken = self.pipeline.broken or "the coordinator closed its cluster"
         for link in self.links:
-            was_alive, link.alive = link.alive, False
-            if link.conn is not None and was_alive:
+            if link.alive:
                 try:
                     link.conn.send(MessageType.RELEASE)
                 except OSError:
                     pass
-                link.conn.close()
+            link.drop()
             if link.local is not None:
                 link.local.close()
 
@@ -302,8 +441,10 @@ class RemotePipeline:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self.on_result = lambda result: None
+        self.on_wake = lambda: None  # called when the pipeline breaks or wants rebalancing
         self._in_flight: dict[int, Step] = {}
         self._lock = threading.Lock()
+        self._last_progress = time.monotonic()
         self.broken: str | None = None
 
     def attach(self, first: WorkerLink, last: WorkerLink, plan: Plan, plan_id: str) -> None:
@@ -311,12 +452,29 @@ class RemotePipeline:
         self.n_slots, self.ctx, self.n_stages = plan.n_slots, plan.ctx, len(plan.stages)
         self.broken = None
 
-    def recover(self) -> None:
-        """Bring a broken pipeline back: reconnect and reload the same plan, or raise."""
-        try:
-            self.cluster.restore()
-        except (OSError, ConnectionError) as e:
-            raise PipelineError(f"{self.broken}; reconnecting failed: {e}") from None
+    @property
+    def rebalance_due(self) -> bool:
+        return self.cluster.rebalance_due
+
+    def recover(self) -> dict:
+        """Bring the pipeline back on whatever capacity answers (see Cluster.recover), or raise."""
+        return self.cluster.recover(self.broken or "rebalancing onto a worker that is back")
+
+    def stalled_for(self, now: float) -> float:
+        with self._lock:
+            return now - self._last_progress if self._in_flight else 0.0
+
+    def _break(self, message: str) -> None:
+        """Give up on every step in flight; recovery starts from scratch."""
+        if self.broken is None:
+            self.broken = message
+            log.error("%s", message)
+        with self._lock:
+            failed = list(self._in_flight)
+            self._in_flight.clear()
+        for step_id in failed:
+            self.on_result(StepResult(step_id, error=PipelineError(message)))
+        self.on_wake()
 
     def submit(self, step: Step) -> None:
         if self.broken is not None:
@@ -328,6 +486,8 @@ class RemotePipeline:
                   "dtype": "int32", "shape": [len(step.rows), step.width]}
         payload = np.array([r.tokens for r in step.rows], dtype=np.int32)
         with self._lock:
+            if not self._in_flight:
+                self._last_progress = time.monotonic()
             self._in_flight[step.id] = step
         try:
             self.first.conn.send(MessageType.FORWARD, header, payload, request=step.id)
@@ -347,6 +507,7 @@ class RemotePipeline:
     def _on_result(self, result: Result) -> None:
         with self._lock:
             step = self._in_flight.pop(result.step, None)
+            self._last_progress = time.monotonic()
         if step is None:
             return
         sampled = []
@@ -369,6 +530,7 @@ class RemotePipeline:
         if not link.alive:
             return  # closed on purpose, or already reported
         link.alive = False
+        link.lost_since = time.monotonic()
         if self.broken is None:
             self.broken = message
             log.error("%s", message)
@@ -377,6 +539,7 @@ class RemotePipeline:
             self._in_flight.clear()
         for step_id in failed:
             self.on_result(StepResult(step_id, error=PipelineError(message, link.name)))
+        self.on_wake()
 
     def close(self) -> None:
         self.cluster.close()
@@ -390,7 +553,7 @@ class _progress:
         self._progress = None
 
     def __enter__(self):
-        if not self.enabled:
+        if not self.enabled or not sys.stderr.isatty():
             return lambda n: None
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)

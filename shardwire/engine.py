@@ -3,9 +3,15 @@
 One engine thread owns all sequence state. Requests, step results and cancellations reach it
 through one inbox, so nothing here needs a lock. Every sequence keeps its whole token history
 (prompt and generated), which is all a replay needs to rebuild its KV cache.
+
+Recovery: when a pipeline that can recover (a cluster) breaks, its sequences are not failed.
+Once every step in flight has come back, the pipeline is rebuilt on the capacity that is left
+(or that returns) and each sequence replays its tokens as one prefill; sampling depends only
+on (seed, position), so the next token is the one an uninterrupted run would have drawn.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -15,6 +21,8 @@ from typing import Iterator
 
 from .pipeline import PipelineError, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams
+
+log = logging.getLogger("shardwire.engine")
 
 
 @dataclass
@@ -64,9 +72,9 @@ class Stats:
 class Handle:
     """The caller's side of one request: a stream of events, cancellable from any thread."""
 
-    def __init__(self, engine: "Engine", request: Request):
+    def __init__(self, engine: "Engine", request: Request, events=None):
         self.request, self._engine = request, engine
-        self.events: queue.Queue[Event] = queue.Queue()
+        self.events: queue.Queue[Event] = queue.Queue() if events is None else events
         self.stats = Stats(prompt_tokens=len(request.prompt), t_submit=time.perf_counter())
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -93,6 +101,7 @@ class _Sequence:
         self.tokens = list(handle.request.prompt)
         self.n_prompt = len(self.tokens)
         self.in_flight = 0  # steps sent and not yet answered
+        self.interrupted = False  # its pipeline broke; it waits to be replayed
         self.detok, self.stop_ids = detok, stop_ids
         self.pending_text = ""
         self.finished = False
@@ -113,17 +122,29 @@ class Engine:
         self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
         self._free_slots = list(range(pipeline.n_slots))
         pipeline.on_result = lambda result: self._inbox.put(("result", result))
+        pipeline.on_wake = lambda: self._inbox.put(("wake", None))
+        self._recoverable = hasattr(pipeline, "recover")
         self._thread = threading.Thread(target=self._loop, name="shardwire-engine", daemon=True)
         self._thread.start()
 
     # -- caller side ---------------------------------------------------------------------
 
-    def submit(self, request: Request) -> Handle:
+    def submit(self, request: Request, events=None) -> Handle:
+        """Queue a request. `events` replaces the handle's queue: anything with put(event), called
+        on the engine thread (the HTTP server passes one that hands events to its event loop)."""
         if request.sampling.seed is None:
             request.sampling = SamplingParams(**{**request.sampling.to_dict(), "seed": random.getrandbits(31)})
-        handle = Handle(self, request)
+        handle = Handle(self, request, events)
         self._inbox.put(("request", handle))
         return handle
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def slots(self) -> dict:
+        """KV cache slots in use and requests waiting for one: a snapshot, readable from any thread."""
+        return {"total": self.pipeline.n_slots, "busy": len(self._running), "waiting": len(self._waiting)}
 
     def close(self) -> None:
         self._inbox.put(("stop", None))
@@ -138,12 +159,20 @@ class Engine:
                 if kind == "stop":
                     self._fail_all("the engine is shutting down", "cancelled")
                     return
-                getattr(self, f"_on_{kind}")(item)
+                self._guarded(getattr(self, f"_on_{kind}"), item)
                 try:
                     kind, item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-            self._schedule()
+            self._guarded(self._schedule)
+
+    def _guarded(self, fn, *args) -> None:
+        """A bug in handling one message must not take every request down with the thread."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine error")
+            self._fail_all(f"internal error: {type(e).__name__}: {e}", "error")
 
     def _on_request(self, handle: Handle) -> None:
         ctx = self.pipeline.ctx
@@ -163,12 +192,18 @@ class Engine:
                 seq.cancelled = True
                 self._finish(seq, "cancelled")
 
+    def _on_wake(self, _) -> None:
+        pass  # the pipeline broke or wants rebalancing; _schedule() looks
+
     def _on_result(self, result: StepResult) -> None:
         seqs = self._steps.pop(result.step_id, [])
+        broken = self._recoverable and getattr(self.pipeline, "broken", None)
         for i, seq in enumerate(seqs):
             seq.in_flight -= 1
             if result.error is not None:
-                if not seq.finished:
+                if broken and not seq.finished:
+                    seq.interrupted = True  # replayed once the pipeline is back
+                elif not seq.finished:
                     self._finish(seq, "error", str(result.error))
             elif result.sampled and result.sampled[i] is not None and not seq.finished:
                 self._accept(seq, result.sampled[i])
@@ -176,13 +211,10 @@ class Engine:
                 self._release(seq)
 
     def _schedule(self) -> None:
-        if self._waiting and getattr(self.pipeline, "broken", None) and not self._steps:
-            try:
-                self.pipeline.recover()
-            except PipelineError as e:
-                for handle in self._waiting:
-                    self._finish_handle(handle, "error", str(e))
-                self._waiting.clear()
+        if self._recoverable and (self.pipeline.broken or self.pipeline.rebalance_due):
+            if self._steps:
+                return  # let the steps in flight come back (or fail) first
+            if not self._recover():
                 return
         while self._waiting and self._free_slots:
             handle = self._waiting.pop(0)
@@ -196,7 +228,7 @@ class Engine:
                 self._release(seq)
                 continue
             self._prefill(seq)
-        ready = [s for s in self._running.values() if not s.finished and s.in_flight == 0]
+        ready = [s for s in self._running.values() if not (s.finished or s.interrupted) and s.in_flight == 0]
         if not ready:
             return
         groups = min(len(ready), max(1, self.pipeline.n_stages))
@@ -204,6 +236,25 @@ class Engine:
         for i in range(0, len(ready), size):
             group = ready[i:i + size]
             self._send(Step([self._decode_row(s) for s in group]), group)
+
+    def _recover(self) -> bool:
+        """Rebuild the pipeline and replay every unfinished sequence; False if that failed and
+        everything was ended with the error."""
+        try:
+            event = self.pipeline.recover()
+        except Exception as e:  # noqa: BLE001 -- a failed recovery ends the requests, never this thread
+            self._fail_all(str(e), "error")
+            return False
+        replayed = 0
+        for seq in self._running.values():
+            if not seq.finished:
+                seq.interrupted = False
+                self._prefill(seq)
+                replayed += len(seq.tokens)
+        event["replayed_tokens"] = replayed
+        log.warning("replayed %d token(s) of %d sequence(s)", replayed,
+                    sum(not s.finished for s in self._running.values()))
+        return True
 
     def _prefill(self, seq: _Sequence) -> None:
         tokens = seq.tokens

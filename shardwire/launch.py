@@ -11,6 +11,7 @@ from .devices import check_device, default_devices, default_dtype, torch_device
 from .formats import ModelFile
 from .loading import load_stage, parse_dtype
 from .pipeline import LocalPipeline
+from .security import add_client_tls_args, client_tls, resolve_token
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -24,8 +25,17 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "(default: all)")
     g.add_argument("-sm", "--split-mode", default="layer", choices=["layer"],
                    help="how to split the model (default: %(default)s)")
-    g.add_argument("--token", default=None, help="shared secret for the workers (prefer env SHARDWIRE_TOKEN)")
+    add_client_tls_args(g)
     g.add_argument("--cache-dir", default=None, help="where tensor hashes are remembered (default: ~/.cache/shardwire)")
+    g = p.add_argument_group("surviving a worker that drops out")
+    g.add_argument("--dead-after", type=float, default=5.0,
+                   help="seconds without a heartbeat before a worker counts as gone (default: %(default)s)")
+    g.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="seconds without any step result, while steps are in flight, before the links "
+                        "between workers count as broken (default: %(default)s)")
+    g.add_argument("--recovery-timeout", type=float, default=60.0,
+                   help="how long a request waits for lost capacity to come back when what is left cannot "
+                        "hold the model (default: %(default)s)")
 
 
 def parse_split(text: str | None) -> list[float] | None:
@@ -46,17 +56,20 @@ def build_pipeline(model: ModelFile, args: argparse.Namespace, n_slots: int = 1,
     if not workers and (ngl is None or ngl >= n_layers):
         device = check_device(args.device or default_devices()[0])
         dtype = parse_dtype(args.dtype or default_dtype(device))
-        stage = load_stage(model, 0, n_layers, device=torch_device(device), dtype=dtype)
+        stage = load_stage(model, 0, n_layers, device=torch_device(device), dtype=dtype,
+                           weights=getattr(args, "weights", "auto"))
         return LocalPipeline([stage], n_slots=n_slots, ctx=ctx)
     local = [check_device(d) for d in args.device.split(",")] if args.device else (
         [d for d in default_devices() if d != "cpu"])
-    cluster = Cluster(workers, token=args.token or os.environ.get("SHARDWIRE_TOKEN"), local_devices=local,
+    cluster = Cluster(workers, token=resolve_token(args), tls=client_tls(args), local_devices=local,
                       local_cpu=ngl is not None and ngl < n_layers,
                       cache_dir=Path(args.cache_dir) if args.cache_dir else None, show_progress=not quiet)
+    cluster.dead_after, cluster.stall_timeout = args.dead_after, args.stall_timeout
+    cluster.recovery_timeout = args.recovery_timeout
     try:
         cluster.connect(model)
         plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=ngl,
-                                 n_slots=n_slots, ctx=ctx, dtype=args.dtype)
+                                 n_slots=n_slots, ctx=ctx, dtype=args.dtype, weights=getattr(args, "weights", "auto"))
         if not quiet:
             print(plan.table(), file=sys.stderr)
         return cluster.load(plan)
@@ -72,12 +85,13 @@ def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
     ngl = args.n_gpu_layers
     local = [check_device(d) for d in args.device.split(",")] if args.device else (
         [d for d in default_devices() if d != "cpu"] if workers else ["cpu"])
-    cluster = Cluster(workers, token=args.token or os.environ.get("SHARDWIRE_TOKEN"), local_devices=local,
+    cluster = Cluster(workers, token=resolve_token(args), tls=client_tls(args), local_devices=local,
                       local_cpu=ngl is not None and ngl < model.config.n_layers, show_progress=False)
     try:
         cluster.connect(model)
         plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=ngl,
-                                 n_slots=args.parallel, ctx=ctx, dtype=args.dtype)
+                                 n_slots=args.parallel, ctx=ctx, dtype=args.dtype,
+                                 weights=getattr(args, "weights", "auto"))
     finally:
         cluster.close()
     table = plan.table()

@@ -38,6 +38,33 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+Weight = torch.Tensor | nn.Module  # a dense tensor, or a packed module from quant.py
+
+
+def linear(weight: Weight, bias: torch.Tensor | None = None) -> nn.Module:
+    """A Linear for a dense weight; a packed weight (quant.PackedLinear) already is one."""
+    if isinstance(weight, torch.Tensor):
+        return Linear(weight, bias)
+    if bias is not None:
+        weight.bias = nn.Parameter(bias, requires_grad=False)
+    return weight
+
+
+class Embedding(nn.Module):
+    """Token ids -> rows of a table: a dense tensor, or any module with rows(ids) (a packed
+    table, or the tied output head itself)."""
+
+    def __init__(self, table: Weight):
+        super().__init__()
+        self.table = Linear(table) if isinstance(table, torch.Tensor) else table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
     """Per-pair rotation frequencies, with Llama 3.1 or linear scaling applied."""
@@ -78,13 +105,13 @@ class StepContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = Linear(w["attn_q.weight"], w.get("attn_q.bias"))
-        self.wk = Linear(w["attn_k.weight"], w.get("attn_k.bias"))
-        self.wv = Linear(w["attn_v.weight"], w.get("attn_v.bias"))
-        self.wo = Linear(w["attn_output.weight"], w.get("attn_output.bias"))
+        self.wq = linear(w["attn_q.weight"], w.get("attn_q.bias"))
+        self.wk = linear(w["attn_k.weight"], w.get("attn_k.bias"))
+        self.wv = linear(w["attn_v.weight"], w.get("attn_v.bias"))
+        self.wo = linear(w["attn_output.weight"], w.get("attn_output.bias"))
         self.q_norm = RMSNorm(w["attn_q_norm.weight"], cfg.norm_eps) if "attn_q_norm.weight" in w else None
         self.k_norm = RMSNorm(w["attn_k_norm.weight"], cfg.norm_eps) if "attn_k_norm.weight" in w else None
 
@@ -104,18 +131,18 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w: Mapping[str, torch.Tensor]):
+    def __init__(self, w: Mapping[str, Weight]):
         super().__init__()
-        self.gate = Linear(w["ffn_gate.weight"])
-        self.up = Linear(w["ffn_up.weight"])
-        self.down = Linear(w["ffn_down.weight"])
+        self.gate = linear(w["ffn_gate.weight"])
+        self.up = linear(w["ffn_up.weight"])
+        self.down = linear(w["ffn_down.weight"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
         super().__init__()
         self.attn_norm = RMSNorm(w["attn_norm.weight"], cfg.norm_eps)
         self.attn = Attention(cfg, w)
@@ -128,23 +155,30 @@ class Block(nn.Module):
 
 
 class Stage(nn.Module):
-    """Blocks [start, end), plus the token embedding if first and the norm + head if last."""
+    """Blocks [start, end), plus the token embedding if first and the norm + head if last.
 
-    def __init__(self, cfg: ModelConfig, start: int, end: int, weights: Mapping[str, torch.Tensor],
-                 first: bool, last: bool):
+    Weights are dense tensors or packed modules (quant.py); `embedding` is the token table when
+    it is held apart from the head (a packed head of a tied model may serve as both)."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int, weights: Mapping[str, Weight],
+                 first: bool, last: bool, embedding: Weight | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         if not 0 <= start <= end <= cfg.n_layers or (start == end and not (first or last)):
             raise ValueError(f"stage blocks [{start}, {end}) are not a valid range of {cfg.n_layers}")
         self.cfg, self.start, self.end, self.first, self.last = cfg, start, end, first, last
-        self.embed = nn.Parameter(weights["token_embd.weight"], requires_grad=False) if first else None
         self.blocks = nn.ModuleList(
             Block(cfg, {k.split(".", 2)[2]: t for k, t in weights.items() if k.startswith(f"blk.{i}.")})
             for i in range(start, end))
         if last:
             self.norm = RMSNorm(weights["output_norm.weight"], cfg.norm_eps)
-            head = weights["token_embd.weight" if cfg.tied_embeddings else "output.weight"]
-            self.head = Linear(head)
+            self.head = linear(weights["token_embd.weight" if cfg.tied_embeddings else "output.weight"])
+        tied = last and cfg.tied_embeddings and embedding is None
+        self.embed = (Embedding(self.head if tied else embedding if embedding is not None
+                                else weights["token_embd.weight"]) if first else None)
+        if dtype is None:
+            dtype = next(t.dtype for n, t in weights.items() if isinstance(t, torch.Tensor) and n != "rope_freqs.weight")
         self.register_buffer("inv_freq", rope_inv_freq(cfg, weights.get("rope_freqs.weight")), persistent=False)
+        self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
         self.cache: KVCache | None = None
 
     @property
@@ -153,7 +187,8 @@ class Stage(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(p.dtype for p in self.parameters())
+        """The compute dtype: activations, norms, KV cache (packed weights keep their own)."""
+        return self._dtype.dtype
 
     def allocate_cache(self, n_slots: int, ctx: int) -> None:
         cfg = self.cfg
@@ -187,7 +222,7 @@ class Stage(nn.Module):
         if self.cache is None:
             raise RuntimeError("allocate_cache() before forward()")
         if self.first:
-            x = F.embedding(x.to(self.device), self.embed)
+            x = self.embed(x.to(self.device))
         else:
             x = x.to(self.device, self.dtype)
         ctx = self._context(slots, starts, x.shape[1])

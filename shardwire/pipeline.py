@@ -11,8 +11,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
+import psutil
 import torch
 
+from .devices import free_memory
 from .model import Stage
 from .sampling import Sampled, SamplingParams, sample
 
@@ -71,6 +73,7 @@ class LocalPipeline:
         for stage in stages:
             stage.allocate_cache(n_slots, ctx)
         self.on_result: Callable[[StepResult], None] = lambda result: None
+        self.on_wake: Callable[[], None] = lambda: None
 
     @property
     def n_stages(self) -> int:
@@ -90,6 +93,20 @@ class LocalPipeline:
 
     def free(self, slot: int) -> None:
         pass  # a slot's cache is simply overwritten by its next sequence
+
+    def status(self) -> dict:
+        """The shape of Cluster.status(), for stages that all run in this process."""
+        def total(d: str) -> int:
+            return torch.cuda.mem_get_info(d)[1] if d.startswith("cuda") else psutil.virtual_memory().total
+
+        devices = sorted({str(s.device) for s in self.stages})
+        stages = [{"index": i, "device": str(s.device), "blocks": [s.start, s.end],
+                   "weight_bytes": sum(p.nbytes for p in s.parameters()),
+                   "kv_bytes": s.cache.nbytes if s.cache is not None else 0} for i, s in enumerate(self.stages)]
+        return {"plan": "local", "ready": bool(self.stages), "broken": None, "load": {},
+                "workers": [{"name": "local", "worker_id": "local", "alive": True, "latency_ms": None,
+                             "devices": [{"name": d, "free": free_memory(d), "total": total(d)} for d in devices],
+                             "stages": stages}]}
 
     def close(self) -> None:
         self.stages = []

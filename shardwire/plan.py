@@ -14,7 +14,8 @@ import torch
 from .config import ModelConfig
 from .formats import ModelFile
 from .kvcache import KVCache
-from .loading import parse_dtype
+from .loading import EMBEDDING, parse_dtype, weight_formats, weight_nbytes
+from .quant import CHUNK_ELEMENTS, WEIGHT_MODES, kernels_for
 
 
 class PlanError(ValueError):
@@ -43,6 +44,8 @@ class PlannedStage:
     weight_bytes: int = 0
     kv_bytes: int = 0
     workspace_bytes: int = 0
+    weights: str = "dequant"  # dequant | packed | compact: how its weights live on the device
+    formats: dict[str, str] = field(default_factory=dict)  # stored type -> on-device format(s)
 
     @property
     def total_bytes(self) -> int:
@@ -71,13 +74,15 @@ class Plan:
             raise PlanError("the model does not fit: " + "; ".join(lines))
 
     def table(self) -> str:
-        rows = [("stage", "device", "blocks", "weights", "KV cache", "workspace", "free", "fits")]
+        rows = [("stage", "device", "blocks", "weights", "KV cache", "workspace", "free", "fits", "weight formats")]
         short = {id(s) for s, _ in self.shortfalls()}
         for i, s in enumerate(self.stages):
             blocks = f"{s.start}-{s.end - 1}" if s.end > s.start else "-"
             extra = ("+embd" if s.first else "") + ("+head" if s.last else "")
+            formats = " ".join(f"{t}:{f}" for t, f in sorted(s.formats.items()))
             rows.append((str(i), s.device.label, blocks + extra, gib(s.weight_bytes), gib(s.kv_bytes),
-                         gib(s.workspace_bytes), gib(s.device.free), "no" if id(s) in short else "yes"))
+                         gib(s.workspace_bytes), gib(s.device.free), "no" if id(s) in short else "yes",
+                         f"{s.weights} ({formats})"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
         total = sum(s.weight_bytes for s in self.stages)
@@ -123,42 +128,69 @@ def split_blocks_evenly(n_blocks: int, weights: list[float]) -> list[int]:
     return counts
 
 
-def tensor_bytes(model: ModelFile, names, dtype: torch.dtype) -> int:
-    """Bytes the tensors take on the device once decoded to `dtype`."""
-    size = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for name in names:
-        info = model.tensors[name]
-        n = 1
-        for d in info.shape:
-            n *= d
-        total += n * (4 if name == "rope_freqs.weight" else size)
-    return total
+# Bytes per value of a chunk of packed rows being dequantized for a GEMM (the unpacked
+# integers, float32 weights and their bf16 copy, with the allocator's slack).
+DEQUANT_BYTES_PER_VALUE = 16
 
 
-def workspace_bytes(cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype) -> int:
-    """Peak activations of one prefill chunk: the FFN intermediates, attention scores, logits."""
+def workspace_bytes(cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype, packed: bool = False) -> int:
+    """Peak activations of one prefill chunk: the FFN intermediates, attention scores, logits,
+    and with packed weights the chunk of rows dequantized for a GEMM and the bf16 activations."""
     size = torch.empty((), dtype=dtype).element_size()
     ffn = 3 * chunk * cfg.ffn_dim * size
     scores = cfg.n_heads * chunk * chunk * 4
     logits = cfg.vocab_size * 4 * 2 if last else 0
-    return ffn + scores + logits + 4 * chunk * cfg.dim * size
+    dequant = (CHUNK_ELEMENTS * DEQUANT_BYTES_PER_VALUE + 2 * chunk * max(cfg.ffn_dim, cfg.dim) * 2) if packed else 0
+    return ffn + scores + logits + 4 * chunk * cfg.dim * size + dequant
 
 
-def stage_cost(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int) -> None:
+def stage_cost(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int,
+               weights: str = "dequant") -> None:
+    """Fill in what `stage` needs on its device with its weights held as `weights` says
+    (dequant | packed | compact)."""
     cfg = model.config
     dtype = parse_dtype(stage.device.dtype)
-    names = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
-    stage.weight_bytes = tensor_bytes(model, names, dtype)
+    tensors = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
+    formats = weight_formats(cfg, tensors, stage.first, stage.last, weights, stage.device.name.split(":")[0])
+    stage.weights = weights
+    stage.formats = {}
+    for name, fmt in formats.items():
+        info = tensors["token_embd.weight" if name == EMBEDDING else name]
+        if len(info.shape) > 1:
+            kind = stage.formats.setdefault(info.dtype, fmt)
+            if fmt not in kind.split("+"):
+                stage.formats[info.dtype] = kind + "+" + fmt
+    stage.weight_bytes = weight_nbytes(tensors, formats, dtype)
     stage.kv_bytes = KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype)
-    stage.workspace_bytes = workspace_bytes(cfg, chunk, stage.last, dtype)
+    stage.workspace_bytes = workspace_bytes(cfg, chunk, stage.last, dtype,
+                                            packed=any(f != "dense" for f in formats.values()))
+
+
+def _choose_weights(model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, ctx: int,
+                    chunk: int) -> None:
+    """Cost every stage; with auto, each device gets the fastest mode that fits it: packed where
+    the kernels run (else dequant), compact when that does not fit."""
+    if weights not in WEIGHT_MODES:
+        raise PlanError(f"unknown --weights '{weights}' (choose one of {', '.join(WEIGHT_MODES)})")
+    by_device: dict[PlanDevice, list[PlannedStage]] = {}
+    for stage in stages:
+        by_device.setdefault(stage.device, []).append(stage)
+    for device, group in by_device.items():
+        modes = [weights] if weights != "auto" else (
+            ["packed", "compact"] if kernels_for(device.name.split(":")[0]) else ["dequant", "compact"])
+        for mode in modes:
+            for stage in group:
+                stage_cost(model, stage, n_slots, ctx, chunk, mode)
+            if sum(s.total_bytes for s in group) <= device.free:
+                break
 
 
 def make_plan(model: ModelFile, devices: list[PlanDevice], *, cpu: PlanDevice | None = None,
               tensor_split: list[float] | None = None, n_gpu_layers: int | None = None,
-              n_slots: int = 1, ctx: int = 4096, prefill_chunk: int = 512) -> Plan:
+              n_slots: int = 1, ctx: int = 4096, prefill_chunk: int = 512, weights: str = "dequant") -> Plan:
     """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
-    blocks that are not offloaded."""
+    blocks that are not offloaded. `weights` (auto | dequant | packed | compact) says how
+    quantized weights live on the devices; auto picks, per device, the fastest that fits."""
     n = model.config.n_layers
     ctx = min(ctx, model.config.context_length)
     offloaded = n if n_gpu_layers is None else max(0, min(n_gpu_layers, n))
@@ -183,8 +215,7 @@ def make_plan(model: ModelFile, devices: list[PlanDevice], *, cpu: PlanDevice | 
     for device, count in placements:
         stages.append(PlannedStage(device, start, start + count, first=start == 0, last=start + count == n))
         start += count
-    for stage in stages:
-        stage_cost(model, stage, n_slots, ctx, prefill_chunk)
+    _choose_weights(model, stages, weights, n_slots, ctx, prefill_chunk)
     plan = Plan(stages, n_slots, ctx)
     workers = [s.device.worker for s in stages]
     for i, w in enumerate(workers):

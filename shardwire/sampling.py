@@ -90,6 +90,39 @@ def _penalize(logits: torch.Tensor, params: SamplingParams, recent: list[int]) -
     return logits
 
 
+def _candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, token ids) that survive top-k, top-p and min-p. Sorted by logit when top-k or
+    top-p need an order; otherwise the whole vocabulary in id order, which spares a sort of
+    100k+ logits per token under OpenAI's defaults."""
+    vocab = logits.numel()
+    k = params.top_k if 0 < params.top_k < vocab else vocab
+    if k == vocab and params.top_p >= 1.0:
+        values, ids = logits, torch.arange(vocab, device=logits.device)
+        probs = torch.softmax(values, dim=-1)
+    elif k < vocab:
+        values, ids = torch.topk(logits, k)
+        probs = torch.softmax(values, dim=-1)
+    else:
+        # The nucleus of the full distribution: widen a window of the largest logits until it
+        # holds top_p of the mass, so the cut never needs the whole sorted vocabulary.
+        full = torch.softmax(logits, dim=-1)
+        window = 64
+        while True:
+            values, ids = torch.topk(logits, min(window, vocab))
+            if window >= vocab or float(full[ids].sum()) >= params.top_p:
+                break
+            window *= 4
+        probs = full[ids]
+    keep = values.numel()
+    if params.top_p < 1.0:  # values are sorted here
+        keep = min(keep, int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(params.top_p))) + 1)
+    if params.min_p > 0:
+        mask = probs[:keep] >= params.min_p * probs.max()
+        if not bool(mask.all()):
+            return values[:keep][mask], ids[:keep][mask]
+    return values[:keep], ids[:keep]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, position: int,
            recent: list[int] | None = None) -> Sampled:
     """Pick the token at `position` from float32 `logits` [vocab].
@@ -102,21 +135,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int,
     if params.greedy:
         token = int(torch.argmax(logits))
     else:
-        k = params.top_k if 0 < params.top_k < logits.numel() else logits.numel()
-        values, ids = torch.topk(logits, k)  # sorted, highest first
-        probs = torch.softmax(values, dim=-1)
-        keep = k
-        if params.top_p < 1.0:
-            # smallest prefix whose mass reaches top_p
-            keep = min(keep, int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(params.top_p))) + 1)
-        if params.min_p > 0:
-            keep = min(keep, max(1, int((probs >= params.min_p * probs[0]).sum())))
-        values, ids = values[:keep].double().cpu(), ids[:keep].cpu()
-        probs = torch.softmax(values / params.temperature, dim=-1)
+        values, ids = _candidates(logits, params)
+        probs = torch.softmax(values.double().cpu() / params.temperature, dim=-1)
         cdf = torch.cumsum(probs, 0)
-        pick = int(torch.searchsorted(cdf, torch.tensor(uniform(params.seed, position) * float(cdf[-1]),
-                                                         dtype=torch.float64), right=True))
-        token = int(ids[min(pick, keep - 1)])
+        u = torch.tensor(uniform(params.seed, position) * float(cdf[-1]), dtype=torch.float64)
+        pick = int(torch.searchsorted(cdf, u, right=True))
+        token = int(ids[min(pick, ids.numel() - 1)])
     if params.logprobs is None:
         return Sampled(token)
     logp = torch.log_softmax(raw.float(), dim=-1)

@@ -10,15 +10,17 @@ connection only.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import socket
+import ssl
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import __version__
@@ -27,7 +29,7 @@ from .config import ConfigError, ModelConfig
 from .devices import check_device, default_devices, free_memory, set_threads, torch_device
 from .formats import TensorInfo, TensorReader, expected_shape, required_tensors
 from .kvcache import KVCache
-from .loading import build_stage, parse_dtype
+from .loading import build_stage, parse_dtype, weight_formats, weight_nbytes
 from .model import Stage
 from .pipeline import Row, sample_rows
 from .quant import stored_nbytes
@@ -35,6 +37,7 @@ from .sampling import SamplingParams
 from .wire.conn import AuthError, Connection, RemoteError, connect, server_handshake, tune
 from .wire.frames import FrameError, Limits, MessageType
 from .wire.messages import Assign, Forward, Free, StageSpec, TensorSpec, Weights
+from .wire.tls import ClientTLS, ServerTLS
 
 log = logging.getLogger("shardwire.worker")
 
@@ -68,14 +71,44 @@ class _Plan:
     filled: list[int]  # per slot: positions already sent through the first stage
     reader: TensorReader
     sources: dict[str, int]
+    coordinator_id: str = ""
+
+
+class InsecureBind(ValueError):
+    """Listening beyond this machine without a token."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Worker:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 50052, devices: list[str] | None = None,
                  mem: int | None = None, cache_dir: Path | None = None, cache_max_bytes: int | None = None,
                  model_dirs: list[Path] = (), token: str | None = None, threads: int | None = None,
-                 limits: Limits | None = None, max_connections: int = 64, handshake_timeout: float = 10.0):
+                 limits: Limits | None = None, max_connections: int = 64, handshake_timeout: float = 10.0,
+                 idle_timeout: float = 300.0, tls: ServerTLS | None = None, insecure: bool = False):
+        if not is_loopback(host) and token is None and not insecure:
+            raise InsecureBind(
+                f"refusing to listen on {host} without authentication: anyone who can reach this port could "
+                "run code paths on this machine and read every prompt. Either set a shared token (env "
+                "SHARDWIRE_TOKEN, --token-file, or --token) on the workers and the coordinator, or pass "
+                "--insecure to accept the risk on a network you trust.")
+        if insecure and token is None and not is_loopback(host):
+            log.warning("listening on %s WITHOUT authentication (--insecure): anyone who reaches this port "
+                        "can use this worker", host)
         self.host, self.port = host, port
+        self.tls = tls
+        self._tls_context = tls.context() if tls is not None else None
+        # Reaching the next stage: present our certificate; trust the fingerprint the plan names.
+        self.peer_tls = ClientTLS(ca=tls.client_ca, cert=tls.cert, key=tls.key) if tls is not None else ClientTLS()
+        self.idle_timeout = idle_timeout
+        self._failures: dict[str, tuple[int, float]] = {}  # address -> (recent auth failures, last time)
         self.devices = [check_device(d) for d in (devices or default_devices())]
         if len(set(self.devices)) != len(self.devices):
             raise ValueError("each device may be listed once (name CPU devices cpu:0, cpu:1, ...)")
@@ -154,8 +187,24 @@ class Worker:
         try:
             tune(sock)
             sock.settimeout(self.handshake_timeout)
-            hello = server_handshake(conn, self.token, self.worker_id)
-            sock.settimeout(None)
+            self._slow_down(addr[0])
+            if self._tls_context is not None:
+                try:
+                    sock = self._tls_context.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError) as e:
+                    log.warning("%s: TLS handshake failed: %s", peer, e)
+                    return
+                conn = Connection(sock, peer, self.limits)
+            try:
+                hello = server_handshake(conn, self.token, self.worker_id)
+            except AuthError:
+                self._note_failure(addr[0])
+                conn.send_error("auth", "authentication failed")
+                raise
+            self._failures.pop(addr[0], None)
+            # Coordinators ping every second and upstream workers ping their peer link; a
+            # connection silent for this long is half-open.
+            sock.settimeout(self.idle_timeout)
             log.info("%s connected as %s", peer, hello.role)
             self._read_loop(conn, hello.role)
         except (ConnectionError, TimeoutError, socket.timeout) as e:
@@ -170,6 +219,9 @@ class Worker:
             log.info("%s reported: %s", peer, e)
         except OSError as e:
             log.info("%s: connection error: %s", peer, e)
+        except Exception:  # nothing a peer sends may take the worker down
+            log.exception("%s: unexpected error; closing this connection", peer)
+            conn.send_error("internal", "internal error")
         finally:
             conn.close()
             self._slots.release()
@@ -177,6 +229,20 @@ class Worker:
                 if self._plan is not None and self._plan.coordinator is conn:
                     log.info("coordinator %s is gone; releasing plan %s", peer, self._plan.id)
                     self._release_plan()
+
+    def _slow_down(self, address: str) -> None:
+        """After repeated authentication failures from an address, each new attempt waits."""
+        count, last = self._failures.get(address, (0, 0.0))
+        if count >= 3 and time.monotonic() - last < 600:
+            time.sleep(min(2.0 ** (count - 3), 30.0))
+
+    def _note_failure(self, address: str) -> None:
+        count, last = self._failures.get(address, (0, 0.0))
+        if time.monotonic() - last > 600:
+            count = 0
+        if len(self._failures) > 10000:
+            self._failures.clear()
+        self._failures[address] = (count + 1, time.monotonic())
 
     def _read_loop(self, conn: Connection, role: str) -> None:
         pending: dict = {}
@@ -249,8 +315,12 @@ class Worker:
 
     def _enqueue(self, msg: Forward, tensor: torch.Tensor) -> None:
         plan = self._plan
-        if plan is not None:
-            plan.runners[0].queue.put((msg, tensor))
+        if plan is None:
+            return
+        if tensor.dtype == torch.int32 and tensor.numel() and (
+                int(tensor.min()) < 0 or int(tensor.max()) >= plan.config.vocab_size):
+            raise FrameError(f"FORWARD: token ids must be in [0, {plan.config.vocab_size})")
+        plan.runners[0].queue.put((msg, tensor))
 
     def _run_stage(self, plan: _Plan, index: int) -> None:
         runner = plan.runners[index]
@@ -278,6 +348,10 @@ class Worker:
             except OSError as e:
                 plan.coordinator.send_error("next_hop", f"worker {self.worker_id} cannot reach the next stage "
                                                         f"at {plan.next_address}: {e}", request=msg.step)
+            except Exception as e:  # a stage thread must outlive any one step
+                log.exception("step %d failed on stage %d", msg.step, runner.spec.index)
+                plan.coordinator.send_error("step", f"worker {self.worker_id} stage {runner.spec.index}: "
+                                                    f"{type(e).__name__}: {e}", request=msg.step)
 
     def _send_next(self, plan: _Plan, msg: Forward, out: torch.Tensor) -> None:
         out = out.contiguous()
@@ -298,10 +372,39 @@ class Worker:
         plan.coordinator.send(MessageType.RESULT, {"step": msg.step, "tokens": tokens, "logprobs": logprobs},
                               request=msg.step)
 
+    def _watch_next(self, plan: _Plan) -> None:
+        """Keep the link to the next stage alive and read what comes back on it: PONGs, or an
+        error about a frame we sent, which the coordinator must hear about."""
+        conn = plan.next_conn
+
+        def ping():
+            while not conn.closed and self._plan is plan:
+                try:
+                    conn.send(MessageType.PING, {"t": time.monotonic()})
+                except OSError:
+                    return
+                time.sleep(self.idle_timeout / 3)
+        threading.Thread(target=ping, daemon=True, name="next-hop-ping").start()
+        while True:
+            try:
+                frame = conn.recv()
+            except RemoteError as e:
+                plan.coordinator.send_error("next_hop", f"worker {self.worker_id}: the next stage reports: {e}",
+                                            request=e.request)
+                continue
+            except (OSError, ConnectionError, FrameError) as e:
+                if self._plan is plan and not conn.closed:
+                    plan.coordinator.send_error("next_hop", f"worker {self.worker_id} lost the next stage at "
+                                                            f"{plan.next_address}: {e}")
+                return
+            if frame.type != MessageType.PONG:
+                log.warning("next stage sent an unexpected %s", frame.type.name)
+
     def _free(self, slot: int) -> None:
-        plan = self._plan
-        if plan is not None and slot < plan.n_slots:
-            plan.filled[slot] = 0
+        """A sequence left this slot. Its cache needs no clearing: the next sequence starts at
+        position 0 and attends only to what it wrote. FREE travels outside the ring and may
+        overtake the next sequence's first FORWARD, so it must not touch `filled`."""
+        log.debug("slot %d is free", slot)
 
     # -- plans ---------------------------------------------------------------------------
 
@@ -313,7 +416,9 @@ class Worker:
             conn.send_error("plan", f"worker {self.worker_id} rejects the plan: {e}", request=request)
             return
         with self._plan_lock:
-            if self._plan is not None and self._plan.coordinator is not conn and not self._plan.coordinator.closed:
+            current = self._plan
+            if (current is not None and current.coordinator is not conn and not current.coordinator.closed
+                    and (not assign.coordinator or assign.coordinator != current.coordinator_id)):
                 conn.send_error("busy", f"worker {self.worker_id} is serving another coordinator's plan",
                                 request=request)
                 return
@@ -324,14 +429,16 @@ class Worker:
             for spec in assign.stages:
                 tensors = {t.name: sources[t.hash] for t in spec.tensors}
                 stage = build_stage(cfg, spec.start, spec.end, spec.first, spec.last, tensors, reader.read,
-                                    assign.qk_interleaved, torch_device(spec.device), parse_dtype(spec.dtype))
+                                    assign.qk_interleaved, torch_device(spec.device), parse_dtype(spec.dtype),
+                                    weights=spec.weights)
                 stage.allocate_cache(assign.n_slots, assign.ctx)
                 runners.append(_Runner(spec, stage))
             next_conn = next_address = None
             if assign.next_host is not None:
                 next_address = f"{assign.next_host}:{assign.next_port}"
+                tls = self.peer_tls if assign.next_fingerprint else None
                 next_conn, _ = connect(assign.next_host, assign.next_port, token=self.token, role="peer",
-                                       limits=self.limits)
+                                       limits=self.limits, tls=tls, pin=assign.next_fingerprint)
         except (OSError, ValueError, RuntimeError) as e:
             reader.close()
             conn.send_error("load", f"worker {self.worker_id} could not load its stages: {e}", request=request)
@@ -341,11 +448,13 @@ class Worker:
             for t in spec.tensors:
                 counts[kinds[t.hash]] += t.nbytes
         plan = _Plan(assign.plan, cfg, assign.n_slots, assign.ctx, runners, conn, next_conn, next_address,
-                     [0] * assign.n_slots, reader, counts)
+                     [0] * assign.n_slots, reader, counts, assign.coordinator)
         for i, runner in enumerate(runners):
             runner.thread = threading.Thread(target=self._run_stage, args=(plan, i), daemon=True,
                                              name=f"stage-{runner.spec.index}")
             runner.thread.start()
+        if next_conn is not None:
+            threading.Thread(target=self._watch_next, args=(plan,), daemon=True, name="next-hop").start()
         with self._plan_lock:
             self._plan = plan
         self.cache.evict(keep={t.hash for s in assign.stages for t in s.tensors})
@@ -370,8 +479,9 @@ class Worker:
         budget: dict[str, int] = {}
         for spec in assign.stages:
             dtype = parse_dtype(spec.dtype)
-            size = torch.empty((), dtype=dtype).element_size()
-            weights = sum(int(np.prod(t.shape)) * size for t in spec.tensors)
+            tensors = {t.name: t for t in spec.tensors}
+            weights = weight_nbytes(tensors, weight_formats(cfg, tensors, spec.first, spec.last, spec.weights,
+                                                            spec.device.split(":")[0]), dtype)
             kv = KVCache.nbytes_for(spec.end - spec.start, assign.n_slots, cfg.n_kv_heads, assign.ctx,
                                     cfg.head_dim, dtype)
             budget[spec.device] = budget.get(spec.device, 0) + weights + kv

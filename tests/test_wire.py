@@ -143,6 +143,7 @@ def serve_once(token, results):
         try:
             results.append(server_handshake(conn, token, "w1"))
         except Exception as e:  # the test inspects what the server saw
+            conn.send_error("auth", "authentication failed")
             results.append(e)
         finally:
             conn.close()

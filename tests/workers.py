@@ -32,7 +32,7 @@ class WorkerProcess:
                "--cache-dir", str(self.cache_dir), *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         deadline = time.monotonic() + timeout
-        lines = []
+        lines = self.log = []
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
@@ -49,7 +49,6 @@ class WorkerProcess:
         raise RuntimeError("worker did not start:\n" + "".join(lines))
 
     def _drain(self) -> None:
-        self.log = []
         for line in self.proc.stdout:
             self.log.append(line)
 

@@ -1,6 +1,10 @@
 """Mutual challenge-response over a shared token: HMAC-SHA256 over fresh nonces from both
 sides. The token never crosses the wire, and a recorded handshake is useless later because
-the other side's nonce is new each time."""
+the other side's nonce is new each time.
+
+    client -> HELLO(client nonce)      worker -> CHALLENGE(worker nonce)
+    client -> AUTH(client proof)       worker -> WELCOME(worker proof), only if the client's was right
+"""
 from __future__ import annotations
 
 import hashlib

@@ -6,8 +6,9 @@ import ssl
 import threading
 
 from . import auth
+from .tls import ClientTLS, TLSError
 from .frames import Frame, FrameError, Limits, MessageType, read_frame, send_frame
-from .messages import Auth, Challenge, Error, Hello
+from .messages import Auth, Challenge, Error, Hello, Welcome
 
 
 class RemoteError(RuntimeError):
@@ -30,6 +31,7 @@ class Connection:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.closed = False
+        self.fingerprint: str | None = None  # the peer's TLS certificate, when TLS is on
 
     def send(self, type: MessageType, header: dict | None = None, payload=b"", request: int = 0) -> int:
         with self._send_lock:
@@ -72,37 +74,42 @@ def tune(sock: socket.socket) -> None:
 
 
 def connect(host: str, port: int, *, token: str | None, role: str = "coordinator",
-            timeout: float = 10.0, tls: ssl.SSLContext | None = None,
+            timeout: float = 10.0, tls: ClientTLS | None = None, pin: str | None = None,
             limits: Limits | None = None) -> tuple[Connection, Challenge]:
-    """Open a connection and run the HELLO handshake as the client.
-
-    With a token, the worker must prove it knows it too: a coordinator never sends a
+    """Open a connection (TLS first when `tls` is given) and run the HELLO handshake as the
+    client. The worker must be trusted (CA or pinned fingerprint) before anything is sent,
+    and with a token it must also prove it knows the token: a coordinator never sends a
     request's tokens to an impostor."""
     peer = f"{host}:{port}"
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         tune(sock)
+        fingerprint = None
         if tls is not None:
-            sock = tls.wrap_socket(sock, server_hostname=host)
+            try:
+                sock = tls.context().wrap_socket(sock, server_hostname=host)
+            except (ssl.SSLError, ssl.CertificateError) as e:
+                raise TLSError(f"{peer}: TLS handshake failed ({e.__class__.__name__}: {e})") from None
+            fingerprint = tls.check(sock, peer, pin)
         conn = Connection(sock, peer, limits)
+        conn.fingerprint = fingerprint
         nonce = auth.new_nonce()
         conn.send(MessageType.HELLO, {"role": role, "nonce": nonce})
         challenge = Challenge.parse(conn.expect(MessageType.CHALLENGE).header)
-        if token is not None:
-            if not challenge.auth:
-                raise AuthError(f"{peer}: worker has no token configured, but this side requires one")
-            if not auth.verify(auth.server_proof(token, nonce, challenge.nonce), challenge.proof):
-                raise AuthError(f"{peer}: worker failed to prove it knows the token (wrong token or impostor)")
-            proof = auth.client_proof(token, nonce, challenge.nonce)
-        elif challenge.auth:
-            raise AuthError(f"{peer}: worker requires a token (use --token or SHARDWIRE_TOKEN)")
-        else:
-            proof = b""
+        if token is not None and not challenge.auth:
+            raise AuthError(f"{peer}: worker has no token configured, but this side requires one")
+        if token is None and challenge.auth:
+            raise AuthError(f"{peer}: worker requires a token (set SHARDWIRE_TOKEN or use --token-file)")
+        # The client proves itself first, so a stranger who connects to a worker learns
+        # nothing derived from the token to guess at offline.
+        proof = auth.client_proof(token, nonce, challenge.nonce) if token is not None else b""
         conn.send(MessageType.AUTH, {"proof": proof})
         try:
-            conn.expect(MessageType.WELCOME)
+            welcome = Welcome.parse(conn.expect(MessageType.WELCOME).header)
         except RemoteError as e:
             raise AuthError(str(e)) from None
+        if token is not None and not auth.verify(auth.server_proof(token, nonce, challenge.nonce), welcome.proof):
+            raise AuthError(f"{peer}: worker failed to prove it knows the token (an impostor?)")
         sock.settimeout(None)
         return conn, challenge
     except BaseException:
@@ -111,18 +118,15 @@ def connect(host: str, port: int, *, token: str | None, role: str = "coordinator
 
 
 def server_handshake(conn: Connection, token: str | None, worker_id: str) -> Hello:
-    """Run the HELLO handshake as the worker; raises AuthError after replying with an ERROR."""
+    """Run the HELLO handshake as the worker; raises AuthError (the caller replies and closes)."""
     frame = conn.recv()
     if frame.type != MessageType.HELLO:
         raise FrameError(f"expected HELLO first, got {frame.type.name}")
     hello = Hello.parse(frame.header)
     nonce = auth.new_nonce()
-    proof = auth.server_proof(token, hello.nonce, nonce) if token is not None else b""
-    conn.send(MessageType.CHALLENGE, {"nonce": nonce, "proof": proof, "worker_id": worker_id,
-                                      "auth": token is not None})
+    conn.send(MessageType.CHALLENGE, {"nonce": nonce, "worker_id": worker_id, "auth": token is not None})
     answer = Auth.parse(conn.expect(MessageType.AUTH).header)
     if token is not None and not auth.verify(auth.client_proof(token, hello.nonce, nonce), answer.proof):
-        conn.send_error("auth", "authentication failed")
         raise AuthError(f"{conn.peer}: authentication failed")
-    conn.send(MessageType.WELCOME, {})
+    conn.send(MessageType.WELCOME, {"proof": auth.server_proof(token, hello.nonce, nonce) if token else b""})
     return hello

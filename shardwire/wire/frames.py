@@ -29,9 +29,9 @@ FIXED_SIZE = _FIXED.size
 
 class MessageType(IntEnum):
     HELLO = 1  # client -> server: version, role, client nonce
-    CHALLENGE = 2  # server -> client: server nonce, server proof
+    CHALLENGE = 2  # server -> client: server nonce, whether a token is required
     AUTH = 3  # client -> server: client proof
-    WELCOME = 4  # server -> client: handshake done
+    WELCOME = 4  # server -> client: server proof; the handshake is done
     ERROR = 5
     DESCRIBE = 6  # -> DEVICES
     DEVICES = 7

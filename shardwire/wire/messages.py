@@ -20,6 +20,7 @@ TENSOR_DTYPES = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
 STORED_DTYPES = {"F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                  "Q4_K", "Q5_K", "Q6_K"}
 COMPUTE_DTYPES = {"float32", "float16", "bfloat16"}
+WEIGHT_MODES = {"dequant", "packed", "compact"}
 
 
 def _get(h: dict, key: str, kind, what: str):
@@ -89,17 +90,24 @@ class Hello:
 @dataclass
 class Challenge:
     nonce: bytes
-    proof: bytes  # HMAC proving the worker knows the token; empty when it has none
     worker_id: str
-    auth: bool
+    auth: bool  # whether the worker requires a token
 
     @classmethod
     def parse(cls, h: dict) -> "Challenge":
         nonce = _bytes(h, "nonce", "CHALLENGE", 64)
         if len(nonce) < 16:
             raise FrameError("CHALLENGE: nonce is too short")
-        return cls(nonce, _bytes(h, "proof", "CHALLENGE"), _str(h, "worker_id", "CHALLENGE", 256),
-                   _get(h, "auth", bool, "CHALLENGE"))
+        return cls(nonce, _str(h, "worker_id", "CHALLENGE", 256), _get(h, "auth", bool, "CHALLENGE"))
+
+
+@dataclass
+class Welcome:
+    proof: bytes  # HMAC proving the worker knows the token too; empty when it has none
+
+    @classmethod
+    def parse(cls, h: dict) -> "Welcome":
+        return cls(_bytes(h, "proof", "WELCOME"))
 
 
 @dataclass
@@ -185,6 +193,7 @@ class StageSpec:
     last: bool
     dtype: str
     tensors: list[TensorSpec]
+    weights: str = "dequant"  # how quantized weights live on the device: dequant | packed | compact
 
     @classmethod
     def parse(cls, d) -> "StageSpec":
@@ -193,7 +202,8 @@ class StageSpec:
         stage = cls(_int(d, "index", what, 0, 1 << 16), _str(d, "device", what, 32),
                     _int(d, "start", what, 0, 1 << 16), _int(d, "end", what, 0, 1 << 16),
                     _get(d, "first", bool, what), _get(d, "last", bool, what),
-                    _str(d, "dtype", what, 16, COMPUTE_DTYPES), tensors)
+                    _str(d, "dtype", what, 16, COMPUTE_DTYPES), tensors,
+                    _str(d, "weights", what, 16, WEIGHT_MODES) if "weights" in d else "dequant")
         if stage.start > stage.end:
             raise FrameError(f"{what}: start {stage.start} > end {stage.end}")
         return stage
@@ -209,6 +219,8 @@ class Assign:
     stages: list[StageSpec]
     next_host: str | None  # the worker holding the following stage; None after the last
     next_port: int | None
+    next_fingerprint: str | None = None  # its TLS certificate, as the coordinator verified it
+    coordinator: str = ""  # which coordinator sent it: the same one may take its plan over
 
     @classmethod
     def parse(cls, h: dict) -> "Assign":
@@ -220,19 +232,18 @@ class Assign:
             if b.start != a.end or b.index != a.index + 1:
                 raise FrameError(f"{what}: stages are not consecutive")
         nxt = h.get("next")
-        host = port = None
+        host = port = fp = None
         if nxt is not None:
             nxt = _map(nxt, what)
             host, port = _str(nxt, "host", what, 255), _int(nxt, "port", what, 1, 65535)
+            if nxt.get("fingerprint") is not None:
+                fp = _str(nxt, "fingerprint", what, 71)
+                if not fp.startswith("sha256:") or len(fp) != 71:
+                    raise FrameError(f"{what}: next fingerprint is not sha256:<64 hex>")
         return cls(_str(h, "plan", what, 64), _map(_get(h, "config", dict, what), what),
                    _get(h, "qk_interleaved", bool, what), _int(h, "n_slots", what, 1, 4096),
-                   _int(h, "ctx", what, 1, 1 << 24), stages, host, port)
-
-    def to_header(self) -> dict:
-        d = asdict(self)
-        d["next"] = None if self.next_host is None else {"host": self.next_host, "port": self.next_port}
-        del d["next_host"], d["next_port"]
-        return d
+                   _int(h, "ctx", what, 1, 1 << 24), stages, host, port, fp,
+                   _str(h, "coordinator", what, 64) if "coordinator" in h else "")
 
 
 @dataclass

@@ -1,0 +1,147 @@
+"""The benchmark's model files: real GGUF with random weights, written by shardwire's writer
+(F16) and quantized by llama.cpp's own llama-quantize, cached by name.
+
+    python benchmarks/models.py [small 1b-q8_0 ...]    # make (or find) them, print their paths
+
+Random weights are fine for speed: every matrix has the shape and storage type of a real
+model of that layout, and llama.cpp loads the files (the harness checks it does).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("SHARDWIRE_BENCH_CACHE", Path.home() / ".cache" / "shardwire" / "bench"))
+# Bump when a layout or the way files are made changes, so stale files are not reused.
+LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    params: dict  # shardwire.synthetic.random_model arguments besides vocab_size
+    vocab: str = "llama-spm"  # a llama.cpp vocabulary in ../shared/vocab (32000 tokens for Llama 2)
+
+
+LAYOUTS = {
+    # A model small enough that the network, not the arithmetic, dominates decode.
+    "small": Layout("small", dict(arch="llama", n_layers=8, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536,
+                                  context_length=2048)),
+    # TinyLlama-1.1B's layout.
+    "1b": Layout("1b", dict(arch="llama", n_layers=22, dim=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632,
+                            context_length=2048)),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str  # e.g. "1b-q4_0"
+    layout: str
+    type: str  # storage type of the matrices: F16, Q8_0, Q4_0, Q4_K
+
+    @property
+    def path(self) -> Path:
+        return CACHE / "models" / f"v{LAYOUT_VERSION}" / f"{self.name}.gguf"
+
+
+WORKLOADS = {w.name: w for w in [
+    Workload("small-f16", "small", "F16"),
+    Workload("1b-q8_0", "1b", "Q8_0"),
+    Workload("1b-q4_0", "1b", "Q4_0"),
+    Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
+]}
+
+# llama-quantize's names for the types (Q4_K means its Q4_K_M recipe, what users download).
+_QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16"}
+
+
+def llama_cpp_prefix(build: bool = True) -> Path | None:
+    """The cached llama.cpp build (benchmarks/build_llama_cpp.sh builds it once), or None."""
+    script = HERE / "build_llama_cpp.sh"
+    if not build:
+        return None
+    try:
+        out = subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True, timeout=3600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, FileNotFoundError) as e:
+        detail = getattr(e, "stderr", "") or ""
+        print(f"llama.cpp build failed: {e}\n{detail[-2000:]}", file=sys.stderr)
+        return None
+    prefix = Path(out.stdout.strip().splitlines()[-1])
+    return prefix if (prefix / "bin" / "llama-bench").is_file() else None
+
+
+def _f16_file(layout: Layout) -> Path:
+    path = CACHE / "models" / f"v{LAYOUT_VERSION}" / f"{layout.name}-f16.gguf"
+    if path.is_file():
+        return path
+    from shardwire.synthetic import load_vocab, random_model
+    from shardwire.writer import write_gguf
+
+    vocab = load_vocab(layout.vocab)
+    print(f"writing {path.name} (random weights, F16) ...", file=sys.stderr, flush=True)
+    cfg, tensors = random_model(**layout.params, vocab_size=vocab.size, seed=1234)
+    write_gguf(path, cfg, tensors, vocab.gguf_metadata, weight_type="F16", name=f"shardwire-bench-{layout.name}")
+    return path
+
+
+def ensure(workload: Workload, prefix: Path | None) -> Path:
+    """The workload's GGUF file, made if missing. F16 files come from shardwire's writer; the
+    quantized ones from llama-quantize (or, without llama.cpp, from shardwire's writer)."""
+    path = workload.path
+    if path.is_file():
+        return path
+    layout = LAYOUTS[workload.layout]
+    f16 = _f16_file(layout)
+    if workload.type == "F16":
+        return f16
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.gguf")
+    if prefix is not None:
+        print(f"quantizing {path.name} with llama-quantize ...", file=sys.stderr, flush=True)
+        subprocess.run([str(prefix / "bin" / "llama-quantize"), str(f16), str(tmp), _QUANTIZE_NAME[workload.type],
+                        str(os.cpu_count() or 1)], check=True, capture_output=True, timeout=3600)
+    else:
+        from shardwire.synthetic import load_vocab, random_model
+        from shardwire.writer import write_gguf
+        vocab = load_vocab(layout.vocab)
+        print(f"writing {path.name} with shardwire's writer ...", file=sys.stderr, flush=True)
+        cfg, tensors = random_model(**layout.params, vocab_size=vocab.size, seed=1234)
+        write_gguf(tmp, cfg, tensors, vocab.gguf_metadata, weight_type=workload.type,
+                   name=f"shardwire-bench-{layout.name}")
+    os.replace(tmp, path)
+    return path
+
+
+def describe(path: Path) -> dict:
+    """Size and the storage types of a GGUF file's tensors (bytes per type)."""
+    from shardwire.formats import open_model
+    model = open_model(path)
+    types: dict[str, int] = {}
+    for info in model.tensors.values():
+        types[info.dtype] = types.get(info.dtype, 0) + info.nbytes
+    cfg = model.config
+    return {"file": str(path), "bytes": path.stat().st_size, "tensor_types": types,
+            "layout": {"n_layers": cfg.n_layers, "dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "n_heads": cfg.n_heads,
+                       "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workloads", nargs="*", default=list(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
+    p.add_argument("--no-llama-cpp", action="store_true", help="write every file with shardwire's writer")
+    args = p.parse_args()
+    prefix = None if args.no_llama_cpp else llama_cpp_prefix()
+    for name in args.workloads:
+        path = ensure(WORKLOADS[name], prefix)
+        print(json.dumps({"workload": name, **describe(path)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

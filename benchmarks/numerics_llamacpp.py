@@ -1,0 +1,165 @@
+"""Logits of the same GGUF file from llama.cpp and from shardwire (packed and dequantized weights).
+
+    bash benchmarks/build_llama_cpp.sh && python benchmarks/packed_models.py
+    python benchmarks/numerics_llamacpp.py [--files glassllm-Q4_0,...] [--threads 2] [--steps 64]
+
+For each file: llama.cpp greedily continues a prompt for `steps` tokens; both engines then read
+that same sequence one token at a time (shardwire's decode path, so its packed kernels run), and
+the logits that predict each new token are compared: max and mean absolute difference, top-1
+agreement (teacher-forced). Each engine also continues the prompt on its own (free-running
+greedy): agreement counts equal tokens position by position, and the first divergence is given.
+llama.cpp quantizes activations to 8 bits for its quantized dot products, so equality is not
+expected; where logits are nearly flat (random weights) free-running sequences part at the first
+near-tie.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PREFIX = Path(os.environ.get("LLAMA_CPP_PREFIX", Path.home() / ".cache/shardwire/llama.cpp/0.3.36"))
+MODELS = Path.home() / ".cache/shardwire/bench-models"
+RANDOM_PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889, 13, 1576, 338, 263]
+
+
+def llama_cpp():
+    """The llama_cpp bindings of the llama.cpp build in PREFIX, or None when it is not built."""
+    if not (PREFIX / "lib" / "libllama.so").exists() or not (PREFIX / "python" / "llama_cpp").is_dir():
+        return None
+    os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(PREFIX / "lib"))
+    if str(PREFIX / "python") not in sys.path:
+        sys.path.insert(0, str(PREFIX / "python"))
+    import llama_cpp as module
+    return module
+
+
+class LlamaCpp:
+    def __init__(self, path: Path, n_ctx: int, threads: int):
+        self.llm = llama_cpp().Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, n_threads=threads,
+                                     n_threads_batch=threads, n_gpu_layers=0, verbose=False)
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        self.llm.reset()
+        self.llm.eval(ids)
+        out = []
+        for _ in range(n):
+            out.append(int(np.argmax(self.llm.scores[self.llm.n_tokens - 1])))
+            self.llm.eval([out[-1]])
+        return out
+
+    def logits(self, seq: list[int], n_prompt: int) -> np.ndarray:
+        """Logits predicting seq[n_prompt:], fed one token at a time after the prompt."""
+        self.llm.reset()
+        self.llm.eval(seq[:n_prompt])
+        for t in seq[n_prompt:-1]:
+            self.llm.eval([t])
+        return np.array(self.llm.scores[n_prompt - 1:len(seq) - 1])
+
+
+class Shardwire:
+    def __init__(self, path: Path, n_ctx: int, weights: str, dtype: str = "float32"):
+        import torch
+
+        from shardwire.formats import open_model
+        from shardwire.loading import load_stage, parse_dtype
+        model = open_model(path)
+        self.stage = load_stage(model, 0, model.config.n_layers, weights=weights, dtype=parse_dtype(dtype))
+        self.n_ctx, self.torch = n_ctx, torch
+
+    def _step(self, ids: list[int], start: int):
+        return self.stage(self.torch.tensor([ids]), [0], [start])[0, -1].float()
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        self.stage.allocate_cache(1, self.n_ctx)
+        logits, out = self._step(ids, 0), []
+        for i in range(n):
+            out.append(int(logits.argmax()))
+            logits = self._step(out[-1:], len(ids) + i)
+        return out
+
+    def logits(self, seq: list[int], n_prompt: int) -> np.ndarray:
+        self.stage.allocate_cache(1, self.n_ctx)
+        rows = [self._step(seq[:n_prompt], 0)]
+        for i, t in enumerate(seq[n_prompt:-1]):
+            rows.append(self._step([t], n_prompt + i))
+        return self.torch.stack(rows).numpy()
+
+
+def agreement(a: list[int], b: list[int]) -> tuple[int, int | None]:
+    same = sum(x == y for x, y in zip(a, b))
+    return same, next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def compare(path: Path, prompt: list[int], steps: int = 64, threads: int = 2) -> dict:
+    """Figures for one file: per engine pair, logit differences and top-1 / greedy agreement."""
+    import torch
+    torch.set_num_threads(threads)
+    n_ctx = len(prompt) + steps + 8
+    engines = {"llama.cpp": LlamaCpp(path, n_ctx, threads), "packed": Shardwire(path, n_ctx, "packed"),
+               "dequant": Shardwire(path, n_ctx, "dequant")}
+    greedy = {k: e.greedy(prompt, steps) for k, e in engines.items()}
+    seq = prompt + greedy["llama.cpp"]
+    logits = {k: e.logits(seq, len(prompt)) for k, e in engines.items()}
+    out = {"file": path.name, "steps": steps}
+    for a, b in [("packed", "llama.cpp"), ("dequant", "llama.cpp"), ("packed", "dequant")]:
+        diff = np.abs(logits[a] - logits[b])
+        same, first = agreement(greedy[a], greedy[b])
+        out[f"{a} vs {b}"] = {
+            "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+            "top1_teacher_forced": int((logits[a].argmax(-1) == logits[b].argmax(-1)).sum()),
+            "greedy_same": same, "greedy_first_diff": first}
+    ref = logits["llama.cpp"]
+    top2 = np.sort(ref, -1)[:, -2:]
+    out["margins"] = (top2[:, 1] - top2[:, 0]).tolist()  # llama.cpp's top-2 gap at each step
+    out["logit_spread"] = float((ref.max(-1) - ref.min(-1)).mean())
+    out["smallest_top2_margin"] = min(out["margins"])
+    return out
+
+
+GLASSLLM_PROMPTS = [
+    "Alice was beginning to get very tired of sitting by her sister on the bank",
+    "“Curiouser and curiouser!” cried Alice (she was so much surprised).\n\nThe",
+    "“Who are you?” said the Caterpillar.",
+    "The Queen",
+]
+
+
+def prompts_for(name: str) -> list[list[int]]:
+    if name.startswith("glassllm"):
+        from shardwire import glassllm
+        _, tok = glassllm.load("en")
+        return [tok.encode(text) for text in GLASSLLM_PROMPTS]
+    return [RANDOM_PROMPT]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--files", default="glassllm-Q4_0,glassllm-Q8_0,glassllm-Q4_K_M,rand-1b-Q4_0,rand-1b-Q8_0,"
+                                      "rand-1b-Q4_K_M")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=64)
+    args = p.parse_args()
+    if llama_cpp() is None:
+        sys.exit(f"llama.cpp is not built in {PREFIX}: run benchmarks/build_llama_cpp.sh")
+    for name in args.files.split(","):
+        for i, prompt in enumerate(prompts_for(name)):
+            report(compare(MODELS / f"{name}.gguf", prompt, args.steps, args.threads), f"prompt {i}")
+
+
+def report(r: dict, label: str = "") -> None:
+    print(f"{r['file']} {label}: logit spread {r['logit_spread']:.1f}, smallest top-2 margin "
+          f"{r['smallest_top2_margin']:.4f}")
+    for pair, v in r.items():
+        if isinstance(v, dict):
+            first = v["greedy_first_diff"]
+            where = "" if first is None else f", llama.cpp's top-2 margin there {r['margins'][first]:.4f}"
+            print(f"  {pair:22} max |d| {v['max_abs']:.4f}  mean |d| {v['mean_abs']:.5f}  top-1 (teacher-forced) "
+                  f"{v['top1_teacher_forced']}/{r['steps']}  greedy {v['greedy_same']}/{r['steps']} "
+                  f"(first difference at {first}{where})", flush=True)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The cost of TLS (and the token handshake) on a decode step, measured side by side.
+
+Two worker processes on loopback serve a small model twice: once over plain TCP, once over
+TLS with a token. Decode runs alternate between the two setups (A B A B ...) so that drift
+on a shared machine hits both alike.
+
+    python benchmarks/tls_cost.py [--rounds 4] [--tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from workers import WorkerProcess  # noqa: E402
+
+from shardwire.cluster import Cluster  # noqa: E402
+from shardwire.engine import Engine, Request  # noqa: E402
+from shardwire.formats import open_model  # noqa: E402
+from shardwire.sampling import SamplingParams  # noqa: E402
+from shardwire.synthetic import random_model, tiny_vocab_metadata  # noqa: E402
+from shardwire.wire.tls import ClientTLS, generate_certificate  # noqa: E402
+from shardwire.writer import write_gguf  # noqa: E402
+
+TOKEN = "benchmark-token"
+
+
+def decode_seconds_per_token(pipeline, n: int) -> float:
+    engine = Engine(pipeline)
+    try:
+        handle = engine.submit(Request(list(range(1, 9)), SamplingParams(temperature=0.0), max_tokens=n,
+                                       ignore_eos=True))
+        handle.result()
+        return 1.0 / handle.stats.decode_tps
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+
+    import torch
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="shardwire-tls-bench-"))
+    vocab = tiny_vocab_metadata()
+    cfg, tensors = random_model("llama", n_layers=args.layers, dim=args.dim, n_heads=8, n_kv_heads=4,
+                                vocab_size=len(vocab["tokenizer.ggml.tokens"]))
+    path = tmp / "model.gguf"
+    write_gguf(path, cfg, tensors, vocab, weight_type="F16")
+    model = open_model(path)
+    certs = [generate_certificate(tmp, ["127.0.0.1"], name=f"w{i}") for i in range(2)]
+
+    plain = [WorkerProcess(tmp / f"plain{i}").start() for i in range(2)]
+    secure = [WorkerProcess(tmp / f"tls{i}", token=TOKEN,
+                            extra=("--tls-cert", str(c[0]), "--tls-key", str(c[1]))).start() for i, c in enumerate(certs)]
+    clusters = {
+        "plain TCP": Cluster([w.address for w in plain], cache_dir=tmp / "c1", show_progress=False),
+        "TLS + token": Cluster([w.address for w in secure], token=TOKEN, cache_dir=tmp / "c2",
+                               tls=ClientTLS(pins={c[2] for c in certs}), show_progress=False),
+    }
+    try:
+        pipelines = {}
+        for name, cluster in clusters.items():
+            cluster.connect(model)
+            pipelines[name] = cluster.load(cluster.make_plan(ctx=512))
+        times: dict[str, list[float]] = {name: [] for name in clusters}
+        for _ in range(args.rounds):
+            for name, pipeline in pipelines.items():
+                times[name].append(decode_seconds_per_token(pipeline, args.tokens))
+        base = statistics.median(times["plain TCP"])
+        print(f"model: {args.layers} blocks, width {args.dim}, F16; 2 workers on loopback; "
+              f"{args.rounds} interleaved rounds of {args.tokens} tokens")
+        print(f"{'setup':<14} {'ms/token':>9} {'tokens/s':>9} {'ratio':>6}")
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            print(f"{name:<14} {t * 1000:9.3f} {1 / t:9.1f} {t / base:6.3f}")
+        hidden = args.dim * 4
+        print(f"hidden state per boundary per token: {hidden} bytes (float32) + frame headers")
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+        for w in plain + secure:
+            w.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""OpenAI's request and response shapes: parse a JSON body into engine Requests, and build the
+JSON answers (whole or as stream chunks) from what the engine produced.
+
+Pure functions over dicts; the HTTP side lives in server.py.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from .engine import Event, Request
+from .sampling import SamplingParams
+
+MAX_CHOICES = 128  # prompts x n in one request
+MAX_STOPS = 4
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str = "unavailable") -> APIError:
+    # llama-server's type for "not ready / cannot serve now"
+    return APIError(503, message, type="unavailable_error", code=code)
+
+
+# -- reading fields ----------------------------------------------------------------------------
+
+def _number(body: dict, name: str, default, lo=None, hi=None, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise bad_request(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise bad_request(f"'{name}' must be {bounds}, got {value}", name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false", name)
+    return value
+
+
+def _reject_unsupported(body: dict) -> None:
+    for name in ("tools", "functions", "logit_bias", "suffix"):
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported by this server", name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+
+
+def _sampling(body: dict, logprobs: int | None) -> SamplingParams:
+    """OpenAI's defaults, not llama.cpp's: temperature 1.0 and top_p 1.0 with top_k and min_p off,
+    so an unchanged OpenAI client samples from the model's whole distribution. top_k, min_p,
+    repeat_penalty and repeat_last_n are llama-server's extra fields, accepted for its users."""
+    temperature = _number(body, "temperature", 1.0, 0, 2)
+    top_p = _number(body, "top_p", 1.0, 0, 1)
+    if top_p == 0:  # OpenAI accepts 0: only the most likely token survives
+        temperature, top_p = 0.0, 1.0
+    seed = _number(body, "seed", None, integer=True)
+    return SamplingParams(
+        temperature=float(temperature), top_p=float(top_p),
+        top_k=_number(body, "top_k", 0, 0, integer=True), min_p=float(_number(body, "min_p", 0.0, 0, 1)),
+        repeat_penalty=float(_number(body, "repeat_penalty", 1.0, 0.01, 10)),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
+        repeat_last_n=_number(body, "repeat_last_n", 64, 0, integer=True),  # llama-server's penalty window
+        seed=None if seed is None else seed % (1 << 63),  # any integer; the wire carries 63 bits
+        logprobs=logprobs)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOPS:
+        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOPS} strings", "stop")
+    return tuple(s for s in stop if s)
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One API request: every prompt times n choices, each an engine Request."""
+    kind: str  # "chat" or "text"
+    prompts: list[list[int]]
+    n: int
+    sampling: SamplingParams
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    echo: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self):
+        self.id = self.id or f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = self.created or int(time.time())
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.sampling.logprobs
+
+    def requests(self, ctx: int) -> list[Request]:
+        """Choice i * n + j continues prompt i; with a seed, choice j draws with seed + j, so n=1
+        gives what choice 0 of a larger n gives."""
+        out = []
+        for prompt in self.prompts:
+            if len(prompt) >= ctx:
+                raise bad_request(f"This model's maximum context length is {ctx} tokens. However, your "
+                                  f"{'messages' if self.kind == 'chat' else 'prompt'} resulted in {len(prompt)} "
+                                  f"tokens.", "messages" if self.kind == "chat" else "prompt",
+                                  "context_length_exceeded")
+            for j in range(self.n):
+                seed = self.sampling.seed
+                sampling = self.sampling if seed is None else replace(self.sampling, seed=(seed + j) % (1 << 63))
+                # Without max_tokens the engine stops at the end of the context, as llama-server does.
+                out.append(Request(prompt, sampling, max_tokens=self.max_tokens if self.max_tokens is not None
+                                   else ctx, stop=self.stop, ignore_eos=self.ignore_eos))
+        return out
+
+
+def _common(body: dict, kind: str, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None,
+            echo: list[str] = ()) -> Job:
+    _reject_unsupported(body)
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    if n * len(prompts) > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = stream and _bool(options or {}, "include_usage")
+    return Job(kind, prompts, n, _sampling(body, logprobs), max_tokens, _stop(body), stream, include_usage,
+               _bool(body, "ignore_eos"), list(echo))
+
+
+def parse_completion(body: dict, tokenizer) -> Job:
+    """POST /v1/completions. `prompt` is a string, a list of strings, a list of token ids or a list
+    of such lists. Text is tokenized as llama-server does: BOS as the model says, special-token
+    text like <|im_start|> read as that token."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+    prompts, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            ids = tokenizer.encode(p, add_special=True, parse_special=True)
+            texts.append(p)
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if any(not 0 <= t < tokenizer.vocab_size for t in p):
+                raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+            ids = list(p)
+            texts.append(tokenizer.decode(ids, skip_special=False))
+        else:
+            raise bad_request("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
+        if not ids:
+            raise bad_request("the prompt is empty", "prompt")
+        prompts.append(ids)
+    logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
+    max_tokens = _number(body, "max_tokens", None, 0, integer=True)
+    return _common(body, "text", prompts, logprobs, max_tokens, texts if _bool(body, "echo") else ())
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _message(m, i: int) -> dict:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        raise bad_request(f"{param} must be an object with a role of {', '.join(sorted(_ROLES))}", param)
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{param}: only text content parts are supported", f"{param}.content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    elif content is not None and not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    # Templates know system, not OpenAI's newer developer role.
+    return {**m, "role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
+
+
+def parse_chat(body: dict, tokenizer) -> Job:
+    """POST /v1/chat/completions: the model's own chat template, then its special tokens read as
+    tokens (the template already wrote BOS where the model wants one)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    messages = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    prompt = tokenizer.encode(text, add_special=False, parse_special=True)
+    if not prompt:
+        raise bad_request("the rendered chat prompt is empty", "messages")
+    top = _number(body, "top_logprobs", None, 0, 20, integer=True)
+    wants_logprobs = _bool(body, "logprobs")
+    if top is not None and not wants_logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    max_tokens = _number(body, "max_completion_tokens", None, 0, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", None, 0, integer=True)
+    return _common(body, "chat", [prompt], (top or 0) if wants_logprobs else None, max_tokens)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+class Choice:
+    """What one choice has produced so far."""
+
+    def __init__(self, index: int, tokenizer, skip_ids: frozenset[int]):
+        self.index, self.tokenizer, self.skip_ids = index, tokenizer, skip_ids
+        self.text = ""
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def add(self, event: Event) -> tuple[str, list]:
+        """Record an event; returns the text and logprob entries it adds."""
+        entries = []
+        if event.token is not None and event.logprob is not None and event.token not in self.skip_ids:
+            entries.append((event.token, event.logprob, event.top_logprobs))
+        self.text += event.text
+        self.logprobs += entries
+        if event.finish_reason is not None:
+            self.finish_reason, self.error = event.finish_reason, event.error
+        return event.text, entries
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.token_text(token)
+
+    def chat_logprobs(self, entries) -> dict:
+        def item(token, logprob):
+            piece = self._piece(token)
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
+                "refusal": None}
+
+    def text_logprobs(self, entries, offset: int) -> dict:
+        tokens = [self._piece(t) for t, _, _ in entries]
+        offsets = []
+        for piece in tokens:
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self._piece(a): b for a, b in top} for _, _, top in entries],
+                "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(job: Job, model: str, choices: list[Choice], use: dict) -> dict:
+    """The whole answer, for a request without stream."""
+    out = []
+    for c in choices:
+        if job.kind == "chat":
+            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                        "logprobs": c.chat_logprobs(c.logprobs) if job.logprobs is not None else None,
+                        "finish_reason": c.finish_reason})
+        else:
+            echo = job.echo[c.index // job.n] if job.echo else ""
+            out.append({"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
+                        "logprobs": c.text_logprobs(c.logprobs, len(echo)) if job.logprobs is not None else None})
+    return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": model, "choices": out, "usage": use}
+
+
+def chunk(job: Job, model: str, choices: list[dict], use: dict | None = None) -> dict:
+    """One server-sent event's data. With include_usage every chunk carries "usage": null and a
+    last one with no choices carries the counts, as OpenAI streams them."""
+    out = {"id": job.id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+           "created": job.created, "model": model, "choices": choices}
+    if job.include_usage:
+        out["usage"] = use
+    return out
+
+
+def chunk_choice(job: Job, choice: Choice, *, text: str = "", entries=(), offset: int = 0, role: bool = False,
+                 finish_reason: str | None = None) -> dict:
+    if job.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text or entries else {})
+        return {"index": choice.index, "delta": delta, "finish_reason": finish_reason,
+                "logprobs": choice.chat_logprobs(entries) if entries else None}
+    return {"index": choice.index, "text": text, "finish_reason": finish_reason,
+            "logprobs": choice.text_logprobs(entries, offset) if entries else None}

@@ -1,0 +1,80 @@
+"""`shardwire bench` and the benchmark's link relay (benchmarks/relay.py)."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from models import model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from relay import Relay, Shaping  # noqa: E402
+
+
+def _echo_server():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+
+            def run(c=c):
+                while data := c.recv(1 << 16):
+                    c.sendall(data)
+                c.close()
+            threading.Thread(target=run, daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def _round_trip(port: int, size: int = 100) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        s.sendall(b"x" * size)
+        got = 0
+        while got < size:
+            got += len(s.recv(1 << 16))
+        return time.perf_counter() - t0
+
+
+def test_relay_delays_counts_and_caps():
+    srv = _echo_server()
+    relay = Relay(srv.getsockname()[:2], shaping=Shaping(delay_s=0.005))
+    try:
+        rtt = min(_round_trip(relay.port) for _ in range(3))
+        assert 0.010 <= rtt < 0.1  # two one-way delays of 5 ms
+        assert relay.counter.up == relay.counter.down == 300
+        relay.shaping = Shaping(rate=1e6)  # 1 MB/s: 100 kB each way takes at least 0.1 s
+        assert _round_trip(relay.port, 100_000) >= 0.1
+        relay.shaping.enabled = False
+        assert _round_trip(relay.port) < 0.01
+    finally:
+        relay.close()
+        srv.close()
+
+
+def test_relay_refuses_other_addresses():
+    with pytest.raises(ValueError, match="loopback"):
+        Relay(("192.0.2.1", 80))
+
+
+def test_bench_single_process(capsys):
+    from shardwire.cli import main
+    path = model_path("llama", "F32")
+    assert main(["bench", str(path), "-p", "16", "-n", "4", "-r", "2", "-t", "1", "--streams", "2", "-o", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tests = {t["test"]: t for t in report["tests"]}
+    assert set(tests) == {"pp16", "tg4", "tg4x2"}
+    assert all(len(t["samples_ns"]) == 2 and t["avg_ts"] > 0 for t in tests.values())
+    assert report["peak_rss"] > 0 and report["workers"] == []

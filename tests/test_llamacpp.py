@@ -1,0 +1,46 @@
+"""The same GGUF in llama.cpp and in shardwire's packed path: the trained glassllm model quantized by
+llama.cpp's own llama-quantize (Q4_0, Q8_0, Q4_K_M; its width of 128 and FFN of 341 leave some
+matrices F16 or on llama.cpp's fallback types), compared token by token. Skips unless llama.cpp
+was built by benchmarks/build_llama_cpp.sh."""
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+numerics = pytest.importorskip("numerics_llamacpp")
+pytest.importorskip("glassllm")
+try:
+    if numerics.llama_cpp() is None:
+        pytest.skip(f"llama.cpp is not built in {numerics.PREFIX} (benchmarks/build_llama_cpp.sh)",
+                    allow_module_level=True)
+except ImportError as e:  # the bindings' own dependencies (diskcache, ...)
+    pytest.skip(f"llama.cpp's Python bindings do not import: {e}", allow_module_level=True)
+
+from packed_models import quantize  # noqa: E402
+
+STEPS = 64
+NEAR_TIE = 0.05  # logits: where llama.cpp's 8-bit activations may reorder the top two
+
+
+@pytest.fixture(scope="module")
+def glassllm_f32(tmp_path_factory):
+    from shardwire.glassllm import convert_glassllm
+    return convert_glassllm(tmp_path_factory.mktemp("glassllm") / "glassllm-F32.gguf", "gguf", weight_type="F32")
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K_M"])
+def test_packed_glassllm_follows_llama_cpp(glassllm_f32, kind):
+    path = quantize(glassllm_f32, glassllm_f32.with_name(f"glassllm-{kind}.gguf"), kind)
+    for prompt in numerics.prompts_for("glassllm"):
+        r = numerics.compare(path, prompt, STEPS, threads=1)
+        numerics.report(r)
+        for pair in ("packed vs llama.cpp", "packed vs dequant"):
+            v = r[pair]
+            assert v["top1_teacher_forced"] >= 60, (pair, v)
+            assert v["mean_abs"] < 0.03 and v["max_abs"] < 0.5, (pair, v)
+        # free-running, the two part only where llama.cpp's own top two are nearly tied
+        v = r["packed vs llama.cpp"]
+        if v["greedy_first_diff"] is not None:
+            assert r["margins"][v["greedy_first_diff"]] < NEAR_TIE, (v, r["margins"][v["greedy_first_diff"]])

@@ -1,0 +1,175 @@
+"""Packed on-device weights: every GGUF type decodes bit for bit as gguf does, every packed format
+multiplies like its dequantized weights, Q/K rows are un-interleaved in packed form too, and the
+plan's memory accounting is what the built stage holds."""
+import numpy as np
+import pytest
+import torch
+
+from models import model_path
+from shardwire import quant
+from shardwire.cluster import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.loading import load_stage, weight_formats, weight_nbytes
+from shardwire.pipeline import LocalPipeline
+from shardwire.plan import PlanDevice, make_plan
+from shardwire.sampling import GREEDY
+from shardwire.writer import quantize
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8x2"}  # lossless up to bf16 scales
+# rms error a requantized format adds, as a share of the type's own rms error (measured: 0.19, 0.44,
+# 0.17-0.21, 0.41); the total error is at most sqrt(1 + 0.5^2) = 1.12x the type's own
+REQUANT_BOUND = 0.5
+PROMPT = [5, 17, 300, 42, 7, 1000, 3, 99, 123, 4567, 8, 250, 11, 19, 2048, 77]
+
+
+def matrix(dtype: str, rows: int = 72, cols: int = 512, seed: int = 0):
+    """(original float32, stored rows as uint8 [rows, bytes], gguf's dequantization) of a random
+    matrix. 72 rows pad to 80: one 64-row layout block and a 16-row tail."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    data, qtype = quantize(w, dtype)
+    assert qtype.name == dtype
+    from gguf.quants import dequantize
+    return w, torch.from_numpy(data.reshape(rows, -1).copy()), torch.from_numpy(dequantize(data, qtype))
+
+
+@pytest.mark.parametrize("dtype", TYPES)
+def test_unpack_is_gguf_bit_for_bit(dtype):
+    _, raw, ref = matrix(dtype)
+    assert torch.equal(quant.unpack(raw, dtype).dequantize(), ref)
+
+
+def rms(t: torch.Tensor) -> float:
+    return float(t.double().pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("dtype,fmt", [(t, f) for t in TYPES for f in ("int4", "int8", "gguf")] + [("Q8_0", "int8x2")])
+def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
+    w, raw, ref = matrix(dtype)
+    module = quant.pack_matrix(raw, dtype, fmt, "cpu", torch.float32)
+    packed = module.gather(torch.arange(w.shape[0]))
+    own = rms(ref - torch.from_numpy(w))
+    added = rms(packed - ref) / own
+    if fmt == "gguf":
+        assert torch.equal(packed, ref)
+    elif EXACT.get(dtype) == fmt:
+        # only the bf16 rounding of scale and zero: no more than rounding the weights to bf16 does
+        assert added <= 1.2 * rms(ref.bfloat16().float() - ref) / own + 1e-3
+    elif quant.FAST[dtype] == fmt:
+        assert added <= REQUANT_BOUND
+    torch.manual_seed(0)
+    bias = torch.randn(w.shape[0])
+    module.bias = torch.nn.Parameter(bias, requires_grad=False)
+    for x in (torch.randn(1, 1, w.shape[1]), torch.randn(2, 9, w.shape[1])):  # kernel, then dense GEMM
+        y = module(x)
+        assert y.shape == (*x.shape[:-1], w.shape[0]) and y.dtype == x.dtype
+        xr = x.bfloat16().float() if fmt != "gguf" else x
+        expected = xr @ packed.t() + bias
+        scale = float(expected.abs().max())
+        assert float((y - expected).abs().max()) <= 1e-2 * scale  # bf16 activations and outputs
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8x2", "int8", "gguf"])
+def test_rows_and_row_chunks_agree(fmt, monkeypatch):
+    """gather (embedding lookups), dequantize(a, b) by chunks, and the dense-GEMM path read the
+    same weights, across layout blocks and the padded tail."""
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 64 * 64)  # 64-row chunks of a 64-column matrix
+    w, raw, ref = matrix("Q8_0", rows=200, cols=64)
+    module = quant.pack_matrix(raw, "Q8_0", fmt, "cpu", torch.float32)
+    exact = module.gather(torch.arange(200))
+    whole = exact.to(module.compute_dtype)
+    chunks = torch.cat([module.dequantize(a, min(a + 64, 200)) for a in range(0, 200, 64)])
+    assert torch.equal(chunks, whole)
+    ids = torch.tensor([[199, 0, 64, 127], [128, 191, 192, 5]])
+    assert torch.equal(module.rows(ids), exact[ids])
+    x = torch.randn(12, 64)
+    assert torch.allclose(module(x), x.to(module.compute_dtype).float() @ whole.float().t(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
+def test_packed_stage_undoes_the_qk_interleave(weight_type):
+    """The llama test model (a llama-arch GGUF, Q/K rows interleaved, width 256 so K-quants are
+    real): packed Q and K hold the dequantized path's rows, in the same order."""
+    model = open_model(model_path("llama", weight_type))
+    assert model.qk_interleaved
+    dense = load_stage(model, 0, 1, weights="dequant")
+    for mode in ("packed", "compact"):
+        packed = load_stage(model, 0, 1, weights=mode)
+        for name in ("wq", "wk", "wv", "wo"):
+            want = getattr(dense.blocks[0].attn, name).weight
+            module = getattr(packed.blocks[0].attn, name)
+            assert isinstance(module, quant.PackedLinear)
+            got = module.gather(torch.arange(want.shape[0]))
+            tolerance = (REQUANT_BOUND if module.fmt not in (EXACT.get(weight_type), "gguf") else 0.05) * rms(want)
+            assert rms(got - want) <= tolerance, (mode, name, module.fmt)
+            # and nothing looser than that for the rows of one head pair: the order is right
+            assert float((got - want).abs().max()) < 0.5 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "llama3.1"])
+def test_packed_stage_logits_close_to_dequantized(name):
+    """Whole models: packed logits within bf16 reach of the dequantized path's (llama3.1 and qwen3
+    tie their head to the embedding, which then serves both from one packed table)."""
+    model = open_model(model_path(name, "Q4_0"))
+    out = {}
+    for mode in ("dequant", "packed"):
+        stage = load_stage(model, 0, model.config.n_layers, weights=mode)
+        stage.allocate_cache(1, 64)
+        out[mode] = stage(torch.tensor([PROMPT]), [0], [0], all_logits=True)[0]
+        if mode == "packed" and model.config.tied_embeddings:
+            assert stage.embed.table is stage.head
+    spread = float(out["dequant"].max() - out["dequant"].min())
+    assert float((out["packed"] - out["dequant"]).abs().max()) <= 0.02 * spread
+    assert float((out["packed"] - out["dequant"]).abs().mean()) <= 0.002 * spread
+
+
+@pytest.mark.parametrize("mode", ["dequant", "packed", "compact"])
+@pytest.mark.parametrize("first,last,start,end", [(True, False, 0, 2), (False, True, 2, 4), (True, True, 0, 4)])
+def test_planned_weight_bytes_are_what_the_stage_holds(mode, first, last, start, end):
+    for name, weight_type in [("llama", "Q4_K"), ("qwen2", "Q8_0")]:
+        model = open_model(model_path(name, weight_type))
+        tensors = model.stage_tensors(start, end, first, last)
+        stage = load_stage(model, start, end, first=first, last=last, weights=mode)
+        formats = weight_formats(model.config, tensors, first, last, mode, "cpu")
+        held = sum(p.nbytes for p in stage.parameters())
+        assert weight_nbytes(tensors, formats, torch.float32) == held
+
+
+def test_plan_auto_packs_and_falls_back_to_compact():
+    model = open_model(model_path("llama", "Q6_K"))
+    plan = lambda free, weights="auto": make_plan(model, [PlanDevice("w:1", "cpu", free)], ctx=64,  # noqa: E731
+                                                  prefill_chunk=16, weights=weights)
+    roomy = plan(1 << 40)
+    assert roomy.stages[0].weights == "packed" and roomy.stages[0].formats["Q6_K"].startswith("int8")
+    compact = plan(1 << 40, "compact").stages[0]
+    assert compact.formats["Q6_K"] == "gguf" and compact.weight_bytes < roomy.stages[0].weight_bytes
+    tight = plan(compact.total_bytes + 1024)
+    assert tight.stages[0].weights == "compact" and not tight.shortfalls()
+    assert plan(compact.total_bytes - 1024).shortfalls()
+    assert make_plan(model, [PlanDevice("w:1", "mps", 1 << 40)], ctx=64, weights="auto").stages[0].weights == "dequant"
+    table = roomy.table()
+    assert "packed (Q6_K:int8+gguf)" in table  # the matrices' format, and the embedding's
+
+
+def test_greedy_tokens_through_a_worker_equal_the_local_packed_path(tmp_path):
+    """The mode travels in the plan: an in-process worker builds the same packed stages."""
+    path = model_path("llama", "Q4_K")
+    model = open_model(path)
+    local = LocalPipeline([load_stage(model, 0, 4, weights="packed")], n_slots=1, ctx=128)
+    cluster = Cluster([], local_devices=["cpu"], cache_dir=tmp_path, show_progress=False)
+    try:
+        cluster.connect(model)
+        plan = cluster.make_plan(ctx=128, weights="auto")
+        assert plan.stages[0].weights == "packed"
+        remote = cluster.load(plan)
+        tokens = []
+        for pipeline in (local, remote):
+            engine = Engine(pipeline)
+            handle = engine.submit(Request(PROMPT, GREEDY, max_tokens=16))
+            handle.result()
+            tokens.append(handle.tokens)
+            engine.close()
+        assert tokens[0] == tokens[1]
+    finally:
+        cluster.close()

@@ -1,0 +1,195 @@
+"""A request in flight survives the loss of a worker: detect, re-plan, replay, continue."""
+import threading
+import time
+
+import pytest
+
+from freezable_relay import FreezableRelay
+from shardwire.cluster import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.plan import PlanDevice, make_plan
+from shardwire.sampling import SamplingParams
+from shardwire.synthetic import random_model, tiny_vocab_metadata
+from shardwire.writer import write_gguf
+from test_distributed import single_process
+from workers import WorkerProcess
+
+PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]
+CHUNK = 16
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    """Six blocks that outweigh a small vocabulary, so a memory budget can hold a third of the
+    model and not half."""
+    vocab = tiny_vocab_metadata()
+    cfg, tensors = random_model("llama", n_layers=6, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                                vocab_size=len(vocab["tokenizer.ggml.tokens"]), context_length=512, seed=3)
+    path = tmp_path_factory.mktemp("recovery") / "six.gguf"
+    write_gguf(path, cfg, tensors, vocab)
+    return path
+
+
+def budget_for_a_third(path) -> str:
+    model = open_model(path)
+    roomy = [PlanDevice(f"w{i}", "cpu", 1 << 40) for i in range(3)]
+    plan = make_plan(model, roomy, n_slots=4, ctx=256, prefill_chunk=CHUNK)
+    return str(int(max(st.total_bytes for st in plan.stages) * 1.15))
+
+
+class Setup:
+    """Three workers (optionally behind relays), a coordinator cluster and its engine."""
+
+    def __init__(self, tmp_path, path, *, mem=None, relay_index=None, recovery_timeout=20.0):
+        self.tmp_path = tmp_path
+        extra = ("--mem", mem) if mem else ()
+        self.workers = [WorkerProcess(tmp_path / f"cache{i}", extra=extra).start() for i in range(3)]
+        self.relay = FreezableRelay(self.workers[relay_index].port) if relay_index is not None else None
+        addresses = [w.address for w in self.workers]
+        if self.relay is not None:
+            addresses[relay_index] = self.relay.address
+        self.model = open_model(path)
+        self.cluster = Cluster(addresses, cache_dir=tmp_path / "coord", show_progress=False)
+        self.cluster.heartbeat_interval, self.cluster.dead_after = 0.25, 1.5
+        self.cluster.stall_timeout, self.cluster.recovery_timeout = 3.0, recovery_timeout
+        self.cluster.connect(self.model)
+        self.pipeline = self.cluster.load(self.cluster.make_plan(ctx=256, n_slots=4, prefill_chunk=CHUNK))
+        assert len(self.cluster.plan.stages) == 3
+        self.engine = Engine(self.pipeline, prefill_chunk=CHUNK)
+
+    def restart(self, i):
+        self.workers[i] = WorkerProcess(self.workers[i].cache_dir, port=self.workers[i].port,
+                                        extra=self.workers[i].extra).start()
+
+    def close(self):
+        self.engine.close()
+        self.cluster.close()
+        if self.relay is not None:
+            self.relay.close()
+        for w in self.workers:
+            w.stop()
+
+
+@pytest.fixture
+def setup(tmp_path, model_file):
+    made = []
+
+    def make(**kw):
+        made.append(Setup(tmp_path, model_file, **kw))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_file):
+    path = model_file
+    cache = {}
+
+    def tokens(prompt=tuple(PROMPT), n=40, sampling=GREEDY):
+        key = (tuple(prompt), n, sampling)
+        if key not in cache:
+            cache[key] = single_process(path, n=n, sampling=sampling, prompt=list(prompt))[0]
+        return cache[key]
+    return tokens
+
+
+def wait_for_tokens(handle, n, timeout=30):
+    deadline = time.monotonic() + timeout
+    while len(handle.tokens) < n:
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.01)
+
+
+def collect(handle):
+    events = list(handle)
+    assert handle.error is None, handle.error
+    return handle.tokens, events
+
+
+def test_kill_during_decode_all_requests_complete_unchanged(setup, reference):
+    s = setup()
+    handles = [s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)),
+               s.engine.submit(Request(PROMPT[:9], SEEDED, max_tokens=40)),
+               s.engine.submit(Request(PROMPT[3:], GREEDY, max_tokens=30))]
+    wait_for_tokens(handles[0], 8)
+    s.workers[1].kill()
+    assert collect(handles[0])[0] == reference()
+    assert collect(handles[1])[0] == reference(PROMPT[:9], 40, SEEDED)
+    assert collect(handles[2])[0] == reference(PROMPT[3:], 30)
+    event = s.cluster.events[-1]
+    assert event["recovered"] and s.workers[1].address in event["lost"] and event["replayed_tokens"] > 0
+    assert len(s.cluster.plan.stages) == 2
+
+
+def test_kill_during_prefill(setup, reference):
+    s = setup()
+    prompt = (PROMPT * 12)[:180]  # 12 chunks of 16
+    handle = s.engine.submit(Request(prompt, GREEDY, max_tokens=20))
+    time.sleep(0.05)
+    s.workers[2].kill()
+    assert collect(handle)[0] == reference(tuple(prompt), 20)
+
+
+def test_kill_between_requests(setup, reference):
+    s = setup()
+    assert collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)))[0] == reference()
+    s.workers[0].kill()
+    time.sleep(2.5)  # the heartbeat notices; recovery runs before the next request
+    assert collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)))[0] == reference()
+
+
+def test_too_little_capacity_waits_for_the_worker_to_come_back(setup, reference, model_file):
+    s = setup(mem=budget_for_a_third(model_file))
+    handle = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40))
+    wait_for_tokens(handle, 5)
+    s.workers[1].kill()
+    threading.Timer(3.0, s.restart, args=(1,)).start()
+    assert collect(handle)[0] == reference()
+    assert len(s.cluster.plan.stages) == 3
+
+
+def test_too_little_capacity_fails_clearly_within_the_deadline_and_serves_again(setup, reference, model_file):
+    s = setup(mem=budget_for_a_third(model_file), recovery_timeout=4.0)
+    handle = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=200, ignore_eos=True))
+    wait_for_tokens(handle, 5)
+    lost = s.workers[2].address
+    killed = time.monotonic()
+    s.workers[2].kill()
+    events = list(handle)
+    assert time.monotonic() - killed < 4.0 + 6.0
+    assert events[-1].finish_reason == "error"
+    assert lost in events[-1].error and "does not fit" in events[-1].error
+    s.restart(2)
+    assert collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)))[0] == reference()
+
+
+def test_a_link_that_silently_stops_is_detected_and_recovered(setup, reference):
+    s = setup(relay_index=2)
+    handle = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40))
+    wait_for_tokens(handle, 8)
+    frozen = time.monotonic()
+    s.relay.frozen.set()
+    assert collect(handle)[0] == reference()
+    event = s.cluster.events[-1]
+    assert event["recovered"] and s.relay.address in event["lost"]
+    assert event["at"] - (time.time() - (time.monotonic() - frozen)) < 5.0
+
+
+def test_a_restarted_worker_is_admitted_back_into_the_plan(setup, reference):
+    s = setup()
+    s.workers[1].kill()
+    assert collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=20)))[0] == reference(n=20)
+    assert len(s.cluster.plan.stages) == 2
+    s.restart(1)
+    deadline = time.monotonic() + 20
+    while len(s.cluster.plan.stages) < 3:
+        assert time.monotonic() < deadline, "the returning worker was not admitted"
+        s.engine.submit(Request(PROMPT, GREEDY, max_tokens=2)).result()
+        time.sleep(0.3)
+    assert collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)))[0] == reference()
+

@@ -1,0 +1,187 @@
+"""Tokens, TLS and a worker that refuses strangers before any model command runs."""
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from models import model_path
+from shardwire.cluster import Cluster
+from shardwire.formats import open_model
+from shardwire.wire.conn import AuthError, Connection, RemoteError, connect
+from shardwire.wire.frames import FrameError, MessageType
+from shardwire.wire.tls import ClientTLS, TLSError, generate_certificate
+from test_distributed import distributed, single_process
+from workers import WorkerProcess
+
+TOKEN = "correct horse battery staple"
+
+
+@pytest.fixture
+def certs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("certs")
+    return {name: generate_certificate(folder, ["127.0.0.1", "localhost"], name=name)
+            for name in ("w1", "w2", "coord", "stranger")}
+
+
+@pytest.fixture
+def pool(tmp_path):
+    started = []
+
+    def start(**kw):
+        w = WorkerProcess(tmp_path / f"cache{len(started)}", **kw).start()
+        started.append(w)
+        return w
+    yield start
+    for w in started:
+        w.stop()
+
+
+def tls_args(cert):
+    return ("--tls-cert", str(cert[0]), "--tls-key", str(cert[1]))
+
+
+def assert_no_model_command_ran(conn: Connection):
+    """After a refused handshake nothing is served: a DESCRIBE gets no DEVICES back."""
+    try:
+        conn.send(MessageType.DESCRIBE)
+        frame = conn.recv()
+    except RemoteError as e:  # an error reply, then the connection closes
+        assert "expected AUTH" in str(e)
+        with pytest.raises((OSError, ConnectionError)):
+            conn.recv()
+        return
+    except (OSError, ConnectionError, FrameError):
+        return
+    pytest.fail(f"worker answered {frame.type.name} after a refused handshake")
+
+
+@pytest.mark.parametrize("client_token", [None, "wrong token"])
+def test_missing_or_wrong_token_is_refused(pool, client_token):
+    worker = pool(token=TOKEN)
+    with pytest.raises(AuthError):
+        connect("127.0.0.1", worker.port, token=client_token)
+    # A client that skips AUTH and goes straight for a model command is cut off.
+    sock = socket.create_connection(("127.0.0.1", worker.port))
+    conn = Connection(sock, "raw")
+    conn.send(MessageType.HELLO, {"role": "coordinator", "nonce": b"x" * 32})
+    conn.expect(MessageType.CHALLENGE)
+    assert_no_model_command_ran(conn)
+    good, _ = connect("127.0.0.1", worker.port, token=TOKEN)  # the worker still serves the right token
+    good.send(MessageType.DESCRIBE)
+    assert good.expect(MessageType.DEVICES).header["devices"]
+
+
+def test_replayed_handshake_is_refused(pool):
+    """Record a real client's AUTH, replay it on a new connection: the worker's nonce changed."""
+    worker = pool(token=TOKEN)
+    from shardwire.wire import auth
+    sock = socket.create_connection(("127.0.0.1", worker.port))
+    conn = Connection(sock, "victim")
+    nonce = auth.new_nonce()
+    conn.send(MessageType.HELLO, {"role": "coordinator", "nonce": nonce})
+    challenge = conn.expect(MessageType.CHALLENGE).header
+    recorded = auth.client_proof(TOKEN, nonce, challenge["nonce"])
+    conn.close()
+
+    sock = socket.create_connection(("127.0.0.1", worker.port))
+    replay = Connection(sock, "attacker")
+    replay.send(MessageType.HELLO, {"role": "coordinator", "nonce": nonce})
+    replay.expect(MessageType.CHALLENGE)
+    replay.send(MessageType.AUTH, {"proof": recorded})
+    with pytest.raises(Exception, match="authentication failed"):
+        replay.expect(MessageType.WELCOME)
+
+
+def test_plain_tcp_client_against_a_tls_worker(pool, certs):
+    worker = pool(extra=tls_args(certs["w1"]))
+    with pytest.raises((ConnectionError, FrameError, OSError)):
+        connect("127.0.0.1", worker.port, token=None)
+    pin = certs["w1"][2]
+    conn, _ = connect("127.0.0.1", worker.port, token=None, tls=ClientTLS(pins={pin}))
+    conn.close()
+
+
+def test_tls_client_refuses_a_certificate_it_does_not_trust(pool, certs):
+    worker = pool(extra=tls_args(certs["stranger"]))
+    with pytest.raises(TLSError, match="not trusted"):
+        connect("127.0.0.1", worker.port, token=None, tls=ClientTLS(pins={certs["w1"][2]}))
+    with pytest.raises(TLSError, match="handshake failed"):
+        connect("127.0.0.1", worker.port, token=None, tls=ClientTLS(ca=certs["w1"][0]))
+
+
+def test_mutual_tls_requires_a_client_certificate(pool, certs):
+    worker = pool(extra=tls_args(certs["w1"]) + ("--tls-ca", str(certs["coord"][0])))
+    pin = certs["w1"][2]
+    with pytest.raises((TLSError, ConnectionError, OSError)):
+        conn, _ = connect("127.0.0.1", worker.port, token=None, tls=ClientTLS(pins={pin}))
+        conn.send(MessageType.DESCRIBE)
+        conn.expect(MessageType.DEVICES)
+    conn, _ = connect("127.0.0.1", worker.port, token=None,
+                      tls=ClientTLS(pins={pin}, cert=certs["coord"][0], key=certs["coord"][1]))
+    conn.close()
+
+
+def test_token_and_tls_end_to_end_give_the_same_tokens(pool, certs, tmp_path):
+    path = model_path("llama", "Q8_0")
+    w1 = pool(token=TOKEN, extra=tls_args(certs["w1"]))
+    w2 = pool(token=TOKEN, extra=tls_args(certs["w2"]))
+    tls = ClientTLS(pins={certs["w1"][2], certs["w2"][2]})
+    model = open_model(path)
+    cluster = Cluster([w1.address, w2.address], token=TOKEN, tls=tls, cache_dir=tmp_path, show_progress=False)
+    try:
+        cluster.connect(model)
+        assert [l.fingerprint for l in cluster.links] == [certs["w1"][2], certs["w2"][2]]
+        pipeline = cluster.load(cluster.make_plan(ctx=256))
+        from test_distributed import generate
+        tokens, _ = generate(pipeline)
+    finally:
+        cluster.close()
+    assert tokens == single_process(path)[0]
+
+
+def test_coordinator_stage_speaks_tls_to_remote_workers(pool, certs, tmp_path):
+    """-ngl keeps a stage on the coordinator, whose in-process worker reaches w1 over TLS."""
+    path = model_path("qwen2", "F32")
+    w1 = pool(token=TOKEN, extra=tls_args(certs["w1"]))
+    (tokens, _), plan, _ = distributed(path, [w1.address], tmp_path, n_gpu_layers=2,
+                                       token=TOKEN, tls=ClientTLS(pins={certs["w1"][2]}))
+    assert [s.device.worker for s in plan.stages] == ["local:cpu", w1.address]
+    assert tokens == single_process(path)[0]
+
+
+def test_listening_beyond_loopback_needs_a_token_or_insecure(tmp_path):
+    cmd = [sys.executable, "-m", "shardwire", "worker", "--host", "0.0.0.0", "--port", "0",
+           "--cache-dir", str(tmp_path)]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0
+    assert "without authentication" in refused.stderr and "--insecure" in refused.stderr
+    w = WorkerProcess(tmp_path, extra=("--insecure",), host="0.0.0.0")
+    w.start()
+    try:
+        assert any("WITHOUT authentication" in line for line in w.log)
+    finally:
+        w.stop()
+
+
+def test_repeated_failures_are_slowed_down(pool):
+    worker = pool(token=TOKEN)
+    for _ in range(3):
+        with pytest.raises(AuthError):
+            connect("127.0.0.1", worker.port, token="guess")
+    start = time.monotonic()
+    with pytest.raises(AuthError):
+        connect("127.0.0.1", worker.port, token="guess")
+    assert time.monotonic() - start >= 0.9
+
+
+def test_the_token_never_appears_in_worker_output(pool, tmp_path):
+    worker = pool(token=TOKEN)
+    with pytest.raises(AuthError):
+        connect("127.0.0.1", worker.port, token="wrong")
+    conn, _ = connect("127.0.0.1", worker.port, token=TOKEN)
+    conn.close()
+    worker.stop()
+    time.sleep(0.2)
+    assert TOKEN not in "".join(worker.log)

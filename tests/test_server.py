@@ -1,0 +1,323 @@
+"""`shardwire serve` as a real process over two real workers, driven by the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from models import model_path  # noqa: E402
+from shardwire.engine import Engine, Request  # noqa: E402
+from shardwire.formats import open_model  # noqa: E402
+from shardwire.loading import load_stage  # noqa: E402
+from shardwire.pipeline import LocalPipeline, PipelineError  # noqa: E402
+from shardwire.sampling import SamplingParams  # noqa: E402
+from shardwire.tokenizer import load_tokenizer  # noqa: E402
+from workers import WorkerProcess  # noqa: E402
+
+KEY = "test-key"
+CTX = 256
+PARALLEL = 4
+PROMPTS = ["Once upon a time", "The clockmaker opened her shop", "def add(a, b):", "Children asked why gears turn",
+           "In the evening the river", "tick, tock", "Time is patient", "12 or 13 broken clocks"]
+
+
+class ServeProcess:
+    def __init__(self, model, workers, cache_dir):
+        cmd = [sys.executable, "-m", "shardwire", "--log-level", "info", "serve", str(model),
+               "--rpc", ",".join(w.address for w in workers), "--port", "0", "-c", str(CTX), "-np", str(PARALLEL),
+               "--api-key", KEY, "--cache-dir", str(cache_dir), "--threads", "1"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        self.log: list[str] = []
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if m := re.search(r"listening on (http://\S+)", line):
+                self.url = m[1]
+                break
+        else:
+            raise RuntimeError("serve did not start:\n" + "".join(self.log))
+        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while call(self.url, "/health")[0] != 200:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("serve never became healthy:\n" + "".join(self.log))
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        self.proc.send_signal(2)  # Ctrl-C
+        return self.proc.wait(20)
+
+
+def call(url: str, path: str, body: bytes | dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
+    """A raw HTTP request, for what the openai client will not send (invalid JSON, wrong keys)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url + path, data=data, headers=headers, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except (urllib.error.URLError, ConnectionError):
+        return 0, {}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_path("qwen2", "F32")  # the qwen2 vocabulary brings Qwen's chat template
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    started = [WorkerProcess(tmp_path_factory.mktemp("worker")).start() for _ in range(2)]
+    yield started
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def server(model, workers, tmp_path_factory):
+    serve = ServeProcess(model, workers, tmp_path_factory.mktemp("coordinator"))
+    yield serve
+    code = serve.stop()
+    print("".join(serve.log))  # pytest shows it when the teardown fails
+    assert code == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The same model in this process, one request at a time: what the server must produce."""
+    m = open_model(model)
+    tokenizer = load_tokenizer(m)
+    engine = Engine(LocalPipeline([load_stage(m, 0, m.config.n_layers)], n_slots=1, ctx=CTX), tokenizer)
+
+    def run(prompt: list[int], n: int, sampling=SamplingParams(temperature=0.0)) -> str:
+        return engine.submit(Request(prompt, sampling, max_tokens=n)).result()
+    run.tokenizer = tokenizer
+    yield run
+    engine.close()
+
+
+def status(server) -> dict:
+    return call(server.url, "/v1/cluster")[1]
+
+
+def test_completion_chat_and_streamed_chat_through_the_openai_client(client, model, reference):
+    tok = reference.tokenizer
+    done = client.completions.create(model=model.name, prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    assert done.choices[0].text == reference(tok.encode(PROMPTS[0]), 10)
+    assert done.usage.prompt_tokens == len(tok.encode(PROMPTS[0]))
+    assert done.usage.completion_tokens <= 10 and done.choices[0].finish_reason in ("stop", "length")
+
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a clock part."}]
+    chat = client.chat.completions.create(model=model.name, messages=messages, max_tokens=12, temperature=0.9,
+                                          seed=1234)
+    text = chat.choices[0].message.content
+    prompt = tok.encode(tok.apply_chat_template(messages), add_special=False, parse_special=True)
+    assert "<|im_start|>" in tok.apply_chat_template(messages)  # Qwen's template from the model file
+    assert chat.usage.prompt_tokens == len(prompt)
+    # OpenAI's defaults: temperature as given, top_p 1, top_k and min_p off
+    assert text == reference(prompt, 12, SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=1234))
+
+    stream = client.chat.completions.create(model=model.name, messages=messages, max_tokens=12, temperature=0.9,
+                                            seed=1234, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+
+
+def test_n_choices_logprobs_and_stop(client, model):
+    out = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}], n=3,
+                                         max_tokens=6, temperature=1.0, seed=5, logprobs=True, top_logprobs=2)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    first = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=6, temperature=1.0, seed=5)
+    assert out.choices[0].message.content == first.choices[0].message.content  # choice j draws with seed + j
+    for entry in out.choices[0].logprobs.content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+
+    full = client.completions.create(model=model.name, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    cut = full[len(full) // 2:][:3]
+    assert cut.strip()
+    stopped = client.completions.create(model=model.name, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[cut])
+    assert stopped.choices[0].text == full[:full.index(cut)] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, model):
+    url = server.url
+    cases = [
+        (call(url, "/v1/chat/completions", b'{"messages": [oops'), 400, None),
+        (call(url, "/v1/completions", {"model": "no-such-model", "prompt": "hi"}), 404, "model_not_found"),
+        (call(url, "/v1/completions", {"prompt": "hi", "max_tokens": -1}), 400, None),
+        (call(url, "/v1/completions", {"prompt": "tick tock " * 200}), 400, "context_length_exceeded"),
+        (call(url, "/v1/chat/completions", {"messages": "hi"}), 400, None),
+        (call(url, "/v1/completions", {"prompt": "hi", "temperature": "hot"}), 400, None),
+        (call(url, "/v1/completions", {"prompt": [10**9]}), 400, None),
+        (call(url, "/v1/completions", {"prompt": "hi"}, key="wrong"), 401, "invalid_api_key"),
+        (call(url, "/v1/models", key=None), 401, "invalid_api_key"),
+        (call(url, "/v1/nowhere"), 404, None),
+    ]
+    for (status_code, body), expected, code in cases:
+        assert status_code == expected, body
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+        if code:
+            assert body["error"]["code"] == code
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model.name, prompt="hi", max_tokens=-5)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert call(url, "/health", key=None) == (200, {"status": "ok"})  # no key needed, like llama-server
+    assert [m.id for m in client.models.list()] == [model.name]
+    assert client.completions.create(model=model.name, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_eight_concurrent_streams_match_the_same_requests_one_at_a_time(client, model):
+    def one(i, stream):
+        # top_k (llama-server's extra field) spares the sampler sorting all 151936 logits per token
+        kw = dict(model=model.name, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=12,
+                  temperature=0.8, seed=i, extra_body={"top_k": 40})
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True))
+
+    alone = [one(i, False) for i in range(len(PROMPTS))]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # twice the slots: four decode together, four queue
+        together = list(pool.map(lambda i: one(i, True), range(len(PROMPTS))))
+    assert together == alone
+    assert all(alone) and len(set(alone)) == len(alone)
+
+
+def test_client_disconnect_cancels_its_sequence_and_frees_the_slot(server, client, model):
+    before = status(server)["requests"]["client_gone"]
+    streams = [client.completions.create(model=model.name, prompt=p, max_tokens=CTX, temperature=0, stream=True)
+               for p in PROMPTS[:PARALLEL]]  # every slot busy for ~240 tokens
+    for s in streams:
+        next(iter(s))
+    assert status(server)["slots"]["busy"] == PARALLEL
+    for s in streams:
+        s.close()
+    deadline = time.monotonic() + 15
+    while (st := status(server))["slots"]["busy"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert st["slots"] == {"total": PARALLEL, "busy": 0, "waiting": 0}
+    assert st["requests"]["client_gone"] == before + PARALLEL  # cancelled while still generating
+    t = time.monotonic()
+    assert client.completions.create(model=model.name, prompt="hi", max_tokens=4, temperature=0).choices[0].text
+    assert time.monotonic() - t < 10  # served at once, not behind four long generations
+
+
+def test_health_and_cluster_status(server):
+    st = status(server)
+    assert st["ready"] and st["ctx"] == CTX
+    workers = st["cluster"]["workers"]
+    assert [w["stages"][0]["blocks"] for w in workers] == [[0, 2], [2, 4]]
+    for w in workers:
+        assert w["alive"] and w["devices"][0]["name"] == "cpu" and w["devices"][0]["free"] > 0
+        assert w["stages"][0]["weight_bytes"] > 0 and w["stages"][0]["kv_bytes"] > 0
+    deadline = time.monotonic() + 5  # heartbeats measure latency once a second
+    while any(w["latency_ms"] is None for w in status(server)["cluster"]["workers"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(w["latency_ms"] is not None for w in status(server)["cluster"]["workers"])
+
+
+def test_a_lost_worker_is_survived_then_readmitted_and_new_workers_join(server, workers, client, model,
+                                                                        tmp_path):
+    victim = workers[1]
+    victim.kill()
+    # the model fits on the remaining worker: requests keep being served
+    out = client.completions.create(model=model.name, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert out.choices[0].text
+    st = status(server)["cluster"]
+    assert st["recoveries"] and victim.address in st["recoveries"][-1]["lost"]
+    assert sum(bool(w["stages"]) for w in st["workers"]) == 1
+
+    workers[1] = WorkerProcess(victim.cache_dir, port=victim.port).start()  # back on the same address
+    wait_for_stages(server, client, model, 2)
+
+    newcomer = WorkerProcess(tmp_path / "new").start()
+    try:
+        code, body = call(server.url, "/v1/cluster/workers", {"address": newcomer.address})
+        assert code == 200 and newcomer.address in body["workers"]
+        wait_for_stages(server, client, model, 3)
+        assert call(server.url, "/v1/cluster/workers", {"address": "not an address"})[0] == 400
+    finally:
+        newcomer.stop()
+    server.wait_healthy(30)
+
+
+def wait_for_stages(server, client, model, n, timeout=30):
+    """Stages move onto returning or new workers at the next step boundary; keep the engine busy."""
+    deadline = time.monotonic() + timeout
+    while sum(bool(w["stages"]) for w in status(server)["cluster"]["workers"]) != n:
+        assert time.monotonic() < deadline, status(server)
+        client.completions.create(model=model.name, prompt=PROMPTS[1], max_tokens=2, temperature=0)
+        time.sleep(0.3)
+
+
+class _GonePipeline:
+    """A pipeline whose worker has gone: every step fails."""
+    n_slots, ctx, n_stages, broken = 2, 64, 1, None
+
+    def __init__(self):
+        self.on_result = lambda result: None
+
+    def submit(self, step):
+        raise PipelineError("worker 10.0.0.9:50052 is gone (connection reset)", "10.0.0.9:50052")
+
+    def free(self, slot):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_generation_failing_on_a_gone_worker_is_503_and_the_server_stays_up(model):
+    """The HTTP side of a failure (in process, over a pipeline that fails every step)."""
+    from aiohttp import ClientSession, web
+
+    from shardwire.server import Backend, create_app
+
+    async def scenario():
+        backend = Backend("m", load_tokenizer(open_model(model)), set(), {})
+        backend.attach(_GonePipeline(), Engine(_GonePipeline(), backend.tokenizer))
+        runner = web.AppRunner(create_app(backend), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = "http://%s:%d" % runner.addresses[0][:2]
+        try:
+            async with ClientSession() as http:
+                for stream in (False, True, False):
+                    async with http.post(url + "/v1/chat/completions", json={
+                            "messages": [{"role": "user", "content": "hi"}], "stream": stream}) as r:
+                        assert r.status == 503
+                        error = (await r.json())["error"]
+                        assert error["type"] == "unavailable_error" and "10.0.0.9:50052" in error["message"]
+                async with http.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1}) as r:
+                    assert r.status == 400
+        finally:
+            backend.engine.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
