@@ -450,6 +450,7 @@ class RemotePipeline:
     def attach(self, first: WorkerLink, last: WorkerLink, plan: Plan, plan_id: str) -> None:
         self.first, self.last, self.plan_id = first, last, plan_id
         self.n_slots, self.ctx, self.n_stages = plan.n_slots, plan.ctx, len(plan.stages)
+        self.vocab_size = self.cluster.model.config.vocab_size
         self.broken = None
 
     @property

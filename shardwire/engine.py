@@ -24,6 +24,8 @@ from .sampling import Sampled, SamplingParams
 
 log = logging.getLogger("shardwire.engine")
 
+MAX_FRUITLESS_REPLAYS = 3
+
 
 @dataclass
 class Request:
@@ -102,6 +104,7 @@ class _Sequence:
         self.n_prompt = len(self.tokens)
         self.in_flight = 0  # steps sent and not yet answered
         self.interrupted = False  # its pipeline broke; it waits to be replayed
+        self.fruitless_replays = 0  # replays since its last new token
         self.detok, self.stop_ids = detok, stop_ids
         self.pending_text = ""
         self.finished = False
@@ -175,10 +178,13 @@ class Engine:
             self._fail_all(f"internal error: {type(e).__name__}: {e}", "error")
 
     def _on_request(self, handle: Handle) -> None:
-        ctx = self.pipeline.ctx
-        if len(handle.request.prompt) >= ctx:
-            self._finish_handle(handle, "error", f"the prompt has {len(handle.request.prompt)} tokens; "
-                                                 f"the context holds {ctx}")
+        ctx, vocab = self.pipeline.ctx, self.pipeline.vocab_size
+        prompt = handle.request.prompt
+        if len(prompt) >= ctx:
+            self._finish_handle(handle, "error", f"the prompt has {len(prompt)} tokens; the context holds {ctx}")
+            return
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            self._finish_handle(handle, "error", f"token ids must be in [0, {vocab}), the vocabulary of this model")
             return
         self._waiting.append(handle)
 
@@ -246,11 +252,17 @@ class Engine:
             self._fail_all(str(e), "error")
             return False
         replayed = 0
-        for seq in self._running.values():
-            if not seq.finished:
-                seq.interrupted = False
-                self._prefill(seq)
-                replayed += len(seq.tokens)
+        for seq in list(self._running.values()):
+            if seq.finished:
+                continue
+            seq.interrupted = False
+            seq.fruitless_replays += 1
+            if seq.fruitless_replays > MAX_FRUITLESS_REPLAYS:  # the failure follows this sequence
+                self._finish(seq, "error", f"interrupted {seq.fruitless_replays} times without progress; "
+                                           f"last failure: {event.get('reason')}")
+                continue
+            self._prefill(seq)
+            replayed += len(seq.tokens)
         event["replayed_tokens"] = replayed
         log.warning("replayed %d token(s) of %d sequence(s)", replayed,
                     sum(not s.finished for s in self._running.values()))
@@ -288,6 +300,7 @@ class Engine:
         if seq.n_generated == 0:
             stats.t_first_token = time.perf_counter()
         seq.tokens.append(token)
+        seq.fruitless_replays = 0
         handle.tokens.append(token)
         stats.completion_tokens = seq.n_generated
         if token in seq.stop_ids:

@@ -70,6 +70,7 @@ class LocalPipeline:
 
     def __init__(self, stages: list[Stage], n_slots: int, ctx: int):
         self.stages, self.n_slots, self.ctx = stages, n_slots, ctx
+        self.vocab_size = stages[0].cfg.vocab_size
         for stage in stages:
             stage.allocate_cache(n_slots, ctx)
         self.on_result: Callable[[StepResult], None] = lambda result: None

@@ -72,6 +72,7 @@ class _Plan:
     reader: TensorReader
     sources: dict[str, int]
     coordinator_id: str = ""
+    released: threading.Event = field(default_factory=threading.Event)
 
 
 class InsecureBind(ValueError):
@@ -262,7 +263,7 @@ class Worker:
                 msg, tensor = pending.pop("forward", (None, None))
                 if msg is None:  # a FORWARD without payload
                     raise FrameError("FORWARD without its payload")
-                self._enqueue(msg, tensor)
+                self._enqueue(conn, msg, tensor)
             elif t == MessageType.PING:
                 conn.send(MessageType.PONG, {"t": frame.header.get("t", 0)}, request=frame.request)
             elif role != "coordinator":
@@ -313,13 +314,16 @@ class Worker:
             plan.filled[slot] = start + n
         return msg
 
-    def _enqueue(self, msg: Forward, tensor: torch.Tensor) -> None:
+    def _enqueue(self, conn: Connection, msg: Forward, tensor: torch.Tensor) -> None:
         plan = self._plan
         if plan is None:
             return
         if tensor.dtype == torch.int32 and tensor.numel() and (
                 int(tensor.min()) < 0 or int(tensor.max()) >= plan.config.vocab_size):
-            raise FrameError(f"FORWARD: token ids must be in [0, {plan.config.vocab_size})")
+            # a well-formed frame with a bad request in it: refuse the step, keep the link
+            conn.send_error("step", f"worker {self.worker_id}: token ids must be in "
+                                    f"[0, {plan.config.vocab_size})", request=msg.step)
+            return
         plan.runners[0].queue.put((msg, tensor))
 
     def _run_stage(self, plan: _Plan, index: int) -> None:
@@ -378,12 +382,11 @@ class Worker:
         conn = plan.next_conn
 
         def ping():
-            while not conn.closed and self._plan is plan:
+            while not conn.closed and not plan.released.wait(self.idle_timeout / 3):
                 try:
                     conn.send(MessageType.PING, {"t": time.monotonic()})
                 except OSError:
                     return
-                time.sleep(self.idle_timeout / 3)
         threading.Thread(target=ping, daemon=True, name="next-hop-ping").start()
         while True:
             try:
@@ -577,6 +580,7 @@ class Worker:
             plan, self._plan = self._plan, None
         if plan is None:
             return
+        plan.released.set()
         for runner in plan.runners:
             runner.queue.put(None)
         for runner in plan.runners:

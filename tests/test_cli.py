@@ -42,7 +42,8 @@ def test_generate_across_workers_prints_the_same_text(tmp_path):
 
 def test_plan_prints_the_split_and_refuses_an_impossible_one(tmp_path):
     path = model_path("llama", "F32")
-    with WorkerProcess(tmp_path / "a") as a, WorkerProcess(tmp_path / "b", extra=("--mem", "20M")) as b:
+    tenth = sum(t.nbytes for t in open_model(path).tensors.values()) // 10
+    with WorkerProcess(tmp_path / "a") as a, WorkerProcess(tmp_path / "b", extra=("--mem", str(tenth))) as b:
         ok = run("plan", str(path), "--rpc", a.address, "--cache-dir", str(tmp_path / "c"))
         assert ok.returncode == 0, ok.stderr
         assert a.address in ok.stdout and "0-3+embd+head" in ok.stdout and "yes" in ok.stdout
@@ -55,7 +56,7 @@ def test_plan_prints_the_split_and_refuses_an_impossible_one(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_runs_close_to_float32(dtype):
     model = open_model(model_path("qwen3", "F16"))
-    ids = torch.tensor([[5, 17, 300, 42, 7, 1000, 3, 99]])
+    ids = torch.tensor([[5, 17, 300, 42, 7, 100, 3, 99]])
     ref = load_stage(model, 0, 4)
     half = load_stage(model, 0, 4, dtype=dtype)
     for s in (ref, half):

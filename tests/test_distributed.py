@@ -10,7 +10,7 @@ from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams
 from workers import WorkerProcess
 
-PROMPT = [5, 17, 300, 42, 7, 1000, 3, 99, 123, 4567, 8, 250, 11, 19, 2048, 77]
+PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]  # valid in every test vocabulary (>= 512 tokens)
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, logprobs=10)
 
 

@@ -14,7 +14,7 @@ from shardwire.sampling import GREEDY
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-PROMPT = [5, 17, 300, 42, 7, 1000, 3, 99, 123, 4567, 8, 250, 11, 19, 2048, 77]
+PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]  # valid in every test vocabulary (>= 512 tokens)
 
 
 def reference(name: str):
@@ -47,19 +47,34 @@ def arch(request):
     ref = reference(name)
     with torch.no_grad():
         logits = ref(torch.tensor([PROMPT])).logits[0]
-        generated = ref.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False,
-                                 min_new_tokens=32, pad_token_id=0)[0, len(PROMPT):].tolist()
-    return name, logits, generated
+        generated = list(PROMPT)
+        for _ in range(32):  # plain argmax: generate() would hold back end-of-sequence tokens
+            generated.append(int(ref(torch.tensor([generated])).logits[0, -1].argmax()))
+    return name, logits, generated[len(PROMPT):], ref
+
+
+def assert_same_greedy(ref, ours: list[int], theirs: list[int]) -> None:
+    """Identical, or parting only where the reference's two best tokens tie to within float32
+    rounding (random-weight models meet such ties now and then)."""
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            with torch.no_grad():
+                logits = ref(torch.tensor([PROMPT + theirs[:i]])).logits[0, -1]
+            first, second = torch.topk(logits, 2).values.tolist()
+            assert first - second <= 1e-4 * float(logits.max() - logits.min()), (
+                f"step {i}: {a} != {b} although the reference's margin is {first - second:.5f}")
+            return
 
 
 @pytest.mark.parametrize("form", ["gguf", "safetensors"])
 def test_logits_and_greedy_match_transformers(arch, form):
-    name, ref_logits, ref_tokens = arch
+    name, ref_logits, ref_tokens, ref = arch
     path = model_path(name, "F32") if form == "gguf" else hf_path(name)
     ours = our_logits(path, PROMPT)
     spread = float(ref_logits.max() - ref_logits.min())
     assert float((ours - ref_logits).abs().max()) <= 1e-4 * spread
-    assert greedy_tokens(path, PROMPT, 32) == ref_tokens
+    assert_same_greedy(ref, greedy_tokens(path, PROMPT, 32), ref_tokens)
 
 
 @pytest.mark.parametrize("weight_type", ["F16", "Q8_0", "Q4_0", "Q4_K"])

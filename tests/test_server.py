@@ -278,7 +278,7 @@ def wait_for_stages(server, client, model, n, timeout=30):
 
 class _GonePipeline:
     """A pipeline whose worker has gone: every step fails."""
-    n_slots, ctx, n_stages, broken = 2, 64, 1, None
+    n_slots, ctx, n_stages, vocab_size, broken = 2, 64, 1, 151936, None
 
     def __init__(self):
         self.on_result = lambda result: None
