@@ -61,6 +61,8 @@ def test_ctrl_c_stops_the_workers_too(env):
             break
     pids = worker_pids("".join(lines))
     assert len(pids) == 2 and all(running(p) for p in pids)
+    # Freeze one worker, as a hung machine would be, so the demo cannot finish before Ctrl-C.
+    os.kill(pids[1], signal.SIGSTOP)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, "".join(lines) + out + err
