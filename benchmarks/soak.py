@@ -78,7 +78,7 @@ def main() -> None:
     cluster = Cluster([w.address for w in workers], cache_dir=tmp / "coord", show_progress=False)
     cluster.dead_after = 2.0
     cluster.connect(open_model(path))
-    engine = Engine(cluster.load(cluster.make_plan(ctx=512, n_slots=STREAMS, prefill_chunk=32)), prefill_chunk=32)
+    engine = Engine(cluster.load(cluster.make_plan(ctx=512, n_slots=STREAMS, prefill_chunk=32, dtype="float32")), prefill_chunk=32)
     stop = time.monotonic() + args.minutes * 60
     results = {"completed": 0, "wrong": 0, "failed": 0}
     lock = threading.Lock()

@@ -42,7 +42,9 @@ def default_dtype(device: str) -> str:
         return "bfloat16"
     if device == "mps":
         return "float16"
-    return "float32"
+    # CPUs with native bf16 dot products read half the bytes per token at no loss of speed;
+    # elsewhere bf16 arithmetic is emulated and float32 is faster.
+    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
 
 
 def free_memory(device: str) -> int:

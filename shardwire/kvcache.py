@@ -27,10 +27,17 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def update(self, layer: int, rows: slice | torch.Tensor, positions: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+               k: torch.Tensor, v: torch.Tensor, n_keys: int, start: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([B, H, T, D]) at `positions` ([B, T]) of the slots `rows` selects; return
         the first `n_keys` cached positions of those slots as ([B, H, n_keys, D], same).
-        `rows` is a slice when the slots are consecutive, so reading back is a view, not a copy."""
+        `rows` is a slice when the slots are consecutive, so reading back is a view, not a copy;
+        `start` is given when B is 1, the positions start..start+T-1."""
+        if start is not None:  # one sequence at consecutive positions: plain slice copies
+            slot, t = rows.start, k.shape[2]
+            self.k[layer, slot, :, start:start + t] = k[0]
+            self.v[layer, slot, :, start:start + t] = v[0]
+            return self.k[layer, slot:slot + 1, :, :n_keys], self.v[layer, slot:slot + 1, :, :n_keys]
         if isinstance(rows, slice):
             k_layer, v_layer = self.k[layer][rows], self.v[layer][rows]
             batch = torch.arange(k.shape[0], device=k.device)[:, None]

@@ -38,7 +38,7 @@ def distributed(path, addresses, cache_dir, *, tensor_split=None, n_gpu_layers=N
                       token=token, tls=tls)
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, ctx=256)
+        plan = cluster.make_plan(tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, ctx=256, dtype="float32")
         pipeline = cluster.load(plan)
         return generate(pipeline, **kw), plan, cluster.load_stats
     finally:

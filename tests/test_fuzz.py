@@ -145,7 +145,7 @@ def test_live_fuzz_leaves_the_worker_serving(tmp_path):
         model = open_model(path)
         cluster = Cluster([worker.address], token=TOKEN, cache_dir=tmp_path / "coord", show_progress=False)
         cluster.connect(model)
-        pipeline = cluster.load(cluster.make_plan(ctx=256))
+        pipeline = cluster.load(cluster.make_plan(ctx=256, dtype="float32"))
         proc = psutil.Process(worker.proc.pid)
         rss_before = proc.memory_info().rss
         rng = random.Random(1234)
@@ -185,7 +185,7 @@ def test_oversized_and_out_of_plan_requests_are_rejected_without_allocating(tmp_
     try:
         cluster = Cluster([worker.address], token=TOKEN, cache_dir=tmp_path / "coord", show_progress=False)
         cluster.connect(open_model(path))
-        pipeline = cluster.load(cluster.make_plan(ctx=256))
+        pipeline = cluster.load(cluster.make_plan(ctx=256, dtype="float32"))
         proc = psutil.Process(worker.proc.pid)
         rss_before = proc.memory_info().rss
         forward = {"plan": cluster.plan_id, "step": 9, "rows": [[0, 0, 4]], "sampling": [None], "recent": [[]],

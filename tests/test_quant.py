@@ -87,6 +87,15 @@ def test_rows_and_row_chunks_agree(fmt, monkeypatch):
     assert torch.allclose(module(x), x.to(module.compute_dtype).float() @ whole.float().t(), rtol=2e-2, atol=2e-2)
 
 
+def dense_weight(attn, name: str) -> torch.Tensor:
+    """A dense stage holds Q, K and V fused in one matrix; cut one back out."""
+    if name == "wo":
+        return attn.wo.weight
+    q, kv = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+    start, size = {"wq": (0, q), "wk": (q, kv), "wv": (q + kv, kv)}[name]
+    return attn.wqkv.weight[start:start + size]
+
+
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
 def test_packed_stage_undoes_the_qk_interleave(weight_type):
     """The llama test model (a llama-arch GGUF, Q/K rows interleaved, width 256 so K-quants are
@@ -97,7 +106,7 @@ def test_packed_stage_undoes_the_qk_interleave(weight_type):
     for mode in ("packed", "compact"):
         packed = load_stage(model, 0, 1, weights=mode)
         for name in ("wq", "wk", "wv", "wo"):
-            want = getattr(dense.blocks[0].attn, name).weight
+            want = dense_weight(dense.blocks[0].attn, name)
             module = getattr(packed.blocks[0].attn, name)
             assert isinstance(module, quant.PackedLinear)
             got = module.gather(torch.arange(want.shape[0]))
@@ -160,7 +169,7 @@ def test_greedy_tokens_through_a_worker_equal_the_local_packed_path(tmp_path):
     cluster = Cluster([], local_devices=["cpu"], cache_dir=tmp_path, show_progress=False)
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(ctx=128, weights="auto")
+        plan = cluster.make_plan(ctx=128, weights="auto", dtype="float32")
         assert plan.stages[0].weights == "packed"
         remote = cluster.load(plan)
         tokens = []

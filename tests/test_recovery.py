@@ -56,7 +56,7 @@ class Setup:
         self.cluster.heartbeat_interval, self.cluster.dead_after = 0.25, 1.5
         self.cluster.stall_timeout, self.cluster.recovery_timeout = 3.0, recovery_timeout
         self.cluster.connect(self.model)
-        self.pipeline = self.cluster.load(self.cluster.make_plan(ctx=256, n_slots=4, prefill_chunk=CHUNK))
+        self.pipeline = self.cluster.load(self.cluster.make_plan(ctx=256, n_slots=4, prefill_chunk=CHUNK, dtype="float32"))
         assert len(self.cluster.plan.stages) == 3
         self.engine = Engine(self.pipeline, prefill_chunk=CHUNK)
 

@@ -133,7 +133,7 @@ def test_token_and_tls_end_to_end_give_the_same_tokens(pool, certs, tmp_path):
     try:
         cluster.connect(model)
         assert [l.fingerprint for l in cluster.links] == [certs["w1"][2], certs["w2"][2]]
-        pipeline = cluster.load(cluster.make_plan(ctx=256))
+        pipeline = cluster.load(cluster.make_plan(ctx=256, dtype="float32"))
         from test_distributed import generate
         tokens, _ = generate(pipeline)
     finally:

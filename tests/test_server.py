@@ -37,7 +37,7 @@ class ServeProcess:
     def __init__(self, model, workers, cache_dir):
         cmd = [sys.executable, "-m", "shardwire", "--log-level", "info", "serve", str(model),
                "--rpc", ",".join(w.address for w in workers), "--port", "0", "-c", str(CTX), "-np", str(PARALLEL),
-               "--api-key", KEY, "--cache-dir", str(cache_dir), "--threads", "1"]
+               "--api-key", KEY, "--cache-dir", str(cache_dir), "--threads", "1", "--dtype", "float32"]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         self.log: list[str] = []
