@@ -55,6 +55,13 @@ class PipelineError(RuntimeError):
 
 def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Sampled | None]:
     """Sample each row that asks for it from last-position logits [B, 1, vocab]."""
+    if all(r.sampling is not None and r.sampling.greedy and r.sampling.logprobs is None
+           and not (r.sampling.penalized and r.recent) for r in rows):
+        last = logits[:, -1]
+        best = last.float().numpy().argmax(axis=-1) if last.device.type == "cpu" else last.argmax(dim=-1).cpu()
+        return [Sampled(int(t)) for t in best]  # one argmax for the batch
+    if logits.device.type != "cpu":
+        logits = logits.float().cpu()
     out: list[Sampled | None] = []
     for i, row in enumerate(rows):
         if row.sampling is None:

@@ -32,16 +32,15 @@ def test_top_k_keeps_only_the_k_largest():
 
 def test_top_p_keeps_the_smallest_nucleus():
     x = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    values, ids = _candidates(x, SamplingParams(top_k=0, top_p=0.7, min_p=0.0))
-    assert sorted(ids.tolist()) == [0, 1]
-    values, ids = _candidates(x, SamplingParams(top_k=0, top_p=0.81, min_p=0.0))
-    assert sorted(ids.tolist()) == [0, 1, 2]
+    assert sorted(_candidates(x, SamplingParams(top_k=0, top_p=0.7, min_p=0.0)).tolist()) == [0, 1]
+    assert sorted(_candidates(x, SamplingParams(top_k=0, top_p=0.81, min_p=0.0)).tolist()) == [0, 1, 2]
+    assert _candidates(x, SamplingParams(top_k=0, top_p=1.0, min_p=0.0)) is None
 
 
 def test_top_p_over_a_large_vocabulary_matches_a_full_sort():
     x = logits(150_000, seed=3)
     for top_p in (0.3, 0.9, 0.999):
-        _, ids = _candidates(x, SamplingParams(top_k=0, top_p=top_p, min_p=0.0))
+        ids = _candidates(x, SamplingParams(top_k=0, top_p=top_p, min_p=0.0))
         probs, order = torch.sort(torch.softmax(x, -1), descending=True)
         expected = int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(top_p))) + 1
         assert len(ids) == expected and set(ids.tolist()) == set(order[:expected].tolist())
@@ -49,8 +48,8 @@ def test_top_p_over_a_large_vocabulary_matches_a_full_sort():
 
 def test_min_p_drops_the_unlikely():
     x = torch.log(torch.tensor([0.6, 0.3, 0.06, 0.04]))
-    _, ids = _candidates(x, SamplingParams(top_k=0, top_p=1.0, min_p=0.2))
-    assert sorted(ids.tolist()) == [0, 1]
+    assert sorted(_candidates(x, SamplingParams(top_k=0, top_p=1.0, min_p=0.2)).tolist()) == [0, 1]
+    assert sorted(_candidates(x, SamplingParams(top_k=40, top_p=1.0, min_p=0.2)).tolist()) == [0, 1]
 
 
 def test_repetition_penalty_and_frequency_penalty():

@@ -7,7 +7,7 @@ current plan (a slot, a layer range, a memory budget) is the receiver's check.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .frames import FrameError
 
@@ -339,9 +339,8 @@ class Forward:
         return n
 
     def to_header(self) -> dict:
-        d = asdict(self)
-        d["rows"] = [list(r) for r in self.rows]
-        return d
+        return {"plan": self.plan, "step": self.step, "rows": [list(r) for r in self.rows],
+                "sampling": self.sampling, "recent": self.recent, "dtype": self.dtype, "shape": self.shape}
 
 
 @dataclass
