@@ -173,7 +173,7 @@ class Cluster:
         devices, cpu = [], None
         for link in self.links if links is None else links:
             for d in link.devices:
-                pd = PlanDevice(link.name, d.name, d.free, dtype or default_dtype(d.name))
+                pd = PlanDevice(link.name, d.name, d.free, dtype or d.dtype or default_dtype(d.name))
                 if link.name == "local:cpu":
                     cpu = pd
                 else:

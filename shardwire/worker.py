@@ -26,7 +26,7 @@ import torch
 from . import __version__
 from .cache import WeightCache, default_cache_dir
 from .config import ConfigError, ModelConfig
-from .devices import check_device, default_devices, free_memory, set_threads, torch_device
+from .devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
 from .formats import TensorInfo, TensorReader, expected_shape, required_tensors
 from .kvcache import KVCache
 from .loading import build_stage, parse_dtype, weight_formats, weight_nbytes
@@ -177,7 +177,7 @@ class Worker:
         for d in self.devices:
             free = free_memory(d)
             devices.append({"name": d, "free": min(free, self.mem) if self.mem else free,
-                            "total": self.mem or free})
+                            "total": self.mem or free, "dtype": default_dtype(d)})
         return {"worker_id": self.worker_id, "version": __version__, "devices": devices}
 
     # -- connections ---------------------------------------------------------------------

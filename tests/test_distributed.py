@@ -150,3 +150,18 @@ def test_glassllm_split_across_two_workers_continues_like_glassllm(worker_pool, 
     (tokens, _), plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord", n=40,
                                        prompt=prompt)
     assert len(plan.stages) == 2 and tokens == expected
+
+
+def test_each_worker_reports_the_dtype_its_hardware_computes_best_and_the_plan_uses_it(worker_pool, tmp_path):
+    from shardwire.devices import default_dtype
+    model = open_model(model_path("llama", "F32"))
+    cluster = Cluster([w.address for w in worker_pool(2)], cache_dir=tmp_path, show_progress=False)
+    try:
+        cluster.connect(model)
+        assert [d.dtype for link in cluster.links for d in link.devices] == [default_dtype("cpu")] * 2
+        cluster.links[1].devices[0].dtype = "float16"  # as a worker on a machine with other hardware says
+        plan = cluster.make_plan(ctx=64)
+        assert [s.device.dtype for s in plan.stages] == [default_dtype("cpu"), "float16"]
+        assert {s.device.dtype for s in cluster.make_plan(ctx=64, dtype="float32").stages} == {"float32"}  # --dtype wins
+    finally:
+        cluster.close()

@@ -195,3 +195,14 @@ def test_replayed_auth_is_refused():
 def test_fixed_header_size():
     assert FIXED_SIZE == 32
     assert len(pack_header(MessageType.PING, {}, 0)) == 33
+
+
+def test_devices_carry_an_optional_compute_dtype():
+    from shardwire.wire.messages import Devices
+    base = {"worker_id": "w", "version": "1", "devices": [{"name": "cpu", "free": 1, "total": 2}]}
+    assert Devices.parse(base).devices[0].dtype is None  # a worker that does not say
+    base["devices"][0]["dtype"] = "bfloat16"
+    assert Devices.parse(base).devices[0].dtype == "bfloat16"
+    base["devices"][0]["dtype"] = "int4"
+    with pytest.raises(FrameError):
+        Devices.parse(base)

@@ -136,11 +136,13 @@ class DeviceInfo:
     name: str
     free: int
     total: int
+    dtype: str | None = None  # the compute dtype the worker's own hardware does best
 
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
         d = _map(d, what)
-        return cls(_str(d, "name", what, 64), _int(d, "free", what), _int(d, "total", what))
+        dtype = _str(d, "dtype", what, 16, COMPUTE_DTYPES) if "dtype" in d else None
+        return cls(_str(d, "name", what, 64), _int(d, "free", what), _int(d, "total", what), dtype)
 
 
 @dataclass
