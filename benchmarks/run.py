@@ -554,7 +554,7 @@ def parse_args(argv=None):
     p.add_argument("-r", "--reps", type=int, default=2, help="runs of each test inside one invocation")
     p.add_argument("--alternations", type=int, default=2, help="invocations per system per cell, A B B A ...")
     p.add_argument("-t", "--threads", type=int, default=1, help="threads per process (default: %(default)s)")
-    p.add_argument("--dtype", default=None, help="shardwire's compute dtype (default: its own, float32 on CPU)")
+    p.add_argument("--dtype", default=None, help="shardwire's compute dtype (default: each worker's own choice, bf16 on CPUs with native bf16)")
     p.add_argument("--no-rpc-cache", dest="rpc_cache", action="store_false",
                    help="run ggml-rpc-server without -c (its local weight cache)")
     p.add_argument("--no-paired-baseline", dest="paired_baseline", action="store_false",

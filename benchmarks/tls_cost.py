@@ -74,8 +74,9 @@ def main() -> None:
             cluster.connect(model)
             pipelines[name] = cluster.load(cluster.make_plan(ctx=512))
         times: dict[str, list[float]] = {name: [] for name in clusters}
-        for _ in range(args.rounds):
-            for name, pipeline in pipelines.items():
+        for r in range(args.rounds):
+            order = list(pipelines.items())
+            for name, pipeline in order if r % 2 == 0 else order[::-1]:  # A B B A ...
                 times[name].append(decode_seconds_per_token(pipeline, args.tokens))
         base = statistics.median(times["plain TCP"])
         print(f"model: {args.layers} blocks, width {args.dim}, F16; 2 workers on loopback; "
@@ -84,8 +85,9 @@ def main() -> None:
         for name, ts in times.items():
             t = statistics.median(ts)
             print(f"{name:<14} {t * 1000:9.3f} {1 / t:9.1f} {t / base:6.3f}")
-        hidden = args.dim * 4
-        print(f"hidden state per boundary per token: {hidden} bytes (float32) + frame headers")
+        dtype = clusters["plain TCP"].plan.stages[0].device.dtype
+        hidden = args.dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        print(f"hidden state per boundary per token: {hidden} bytes ({dtype}) + frame headers")
     finally:
         for cluster in clusters.values():
             cluster.close()

@@ -59,6 +59,10 @@ def per_step(sizes: dict, n_workers: int) -> int:
 def show_computed(args) -> None:
     import models
 
+    from shardwire.devices import default_dtype
+    if args.dtype is None:
+        args.dtype = default_dtype("cpu")
+
     layouts = [(name, l.params["dim"]) for name, l in models.LAYOUTS.items()] if args.dim is None else [
         (f"width {args.dim}", args.dim)]
     for name, dim in layouts:
@@ -82,7 +86,7 @@ def measure(args) -> None:
 
     from shardwire.engine import Engine, Request
     from shardwire.formats import open_model
-    from shardwire.launch import build_pipeline
+    from shardwire.launch import add_cluster_args, build_pipeline
     from shardwire.sampling import GREEDY
 
     model = open_model(args.measure)
@@ -99,9 +103,10 @@ def measure(args) -> None:
                 if m:
                     relays.append(Relay(("127.0.0.1", int(m[2]))))
                     break
-        ns = argparse.Namespace(rpc=",".join(r.address for r in relays), ctx_size=args.steps + 16,
-                                n_gpu_layers=None, tensor_split=None, device=None, dtype=None, cache_dir=None,
-                                token=None, token_file=None, tls_ca=None, tls_pin=None, tls_cert=None, tls_key=None)
+        parser = argparse.ArgumentParser()
+        add_cluster_args(parser)  # the coordinator's own defaults, as `shardwire generate` has them
+        ns = parser.parse_args(["--rpc", ",".join(r.address for r in relays)])
+        ns.ctx_size, ns.device, ns.dtype, ns.weights = args.steps + 16, None, None, "auto"
         pipeline = build_pipeline(model, ns, quiet=True)
         engine = Engine(pipeline, None)
         links = pipeline.cluster.links
@@ -126,8 +131,9 @@ def measure(args) -> None:
             src = "coordinator" if i == 0 else f"worker {i - 1} (+ coordinator {from_coordinator:.0f})"
             print(f"  link into worker {i}: {up:8.0f} B/step up (from {src}), {down:8.0f} B/step down")
         print(f"  all links: {total:.0f} B per decode step")
-        sizes = frame_sizes(model.config.dim, "float32")
-        print(f"  computed: {per_step(sizes, args.workers)} B per decode step")
+        dtype = pipeline.cluster.plan.stages[0].device.dtype
+        sizes = frame_sizes(model.config.dim, dtype)
+        print(f"  computed: {per_step(sizes, args.workers)} B per decode step ({dtype} activations)")
     finally:
         for r in relays:
             r.close()
@@ -139,8 +145,8 @@ def measure(args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=None, help="hidden width (default: the benchmark's layouts)")
-    p.add_argument("--dtype", default="float32", choices=sorted(ELEMENT), help="activation dtype on the wire "
-                   "(the stage's compute dtype: float32 on CPU, bfloat16 on CUDA) (default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=sorted(ELEMENT), help="activation dtype on the wire "
+                   "(default: the stage's compute dtype on this machine's CPU)")
     p.add_argument("--rows", type=int, default=1, help="sequences in one step (default: %(default)s)")
     p.add_argument("--measure", default=None, metavar="MODEL", help="count bytes on real sockets for this model")
     p.add_argument("--workers", type=int, default=2)
