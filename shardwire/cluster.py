@@ -465,7 +465,7 @@ class RemotePipeline:
         with self._lock:
             return now - self._last_progress if self._in_flight else 0.0
 
-    def _break(self, message: str) -> None:
+    def _break(self, message: str, worker: str | None = None) -> None:
         """Give up on every step in flight; recovery starts from scratch."""
         if self.broken is None:
             self.broken = message
@@ -474,7 +474,7 @@ class RemotePipeline:
             failed = list(self._in_flight)
             self._in_flight.clear()
         for step_id in failed:
-            self.on_result(StepResult(step_id, error=PipelineError(message)))
+            self.on_result(StepResult(step_id, error=PipelineError(message, worker)))
         self.on_wake()
 
     def submit(self, step: Step) -> None:
@@ -532,15 +532,7 @@ class RemotePipeline:
             return  # closed on purpose, or already reported
         link.alive = False
         link.lost_since = time.monotonic()
-        if self.broken is None:
-            self.broken = message
-            log.error("%s", message)
-        with self._lock:
-            failed = list(self._in_flight)
-            self._in_flight.clear()
-        for step_id in failed:
-            self.on_result(StepResult(step_id, error=PipelineError(message, link.name)))
-        self.on_wake()
+        self._break(message, link.name)
 
     def close(self) -> None:
         self.cluster.close()
