@@ -123,6 +123,7 @@ class Engine:
         self._waiting: list[Handle] = []
         self._running: dict[int, _Sequence] = {}  # slot -> sequence
         self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
+        self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
         pipeline.on_result = lambda result: self._inbox.put(("result", result))
         pipeline.on_wake = lambda: self._inbox.put(("wake", None))
@@ -203,6 +204,7 @@ class Engine:
 
     def _on_result(self, result: StepResult) -> None:
         seqs = self._steps.pop(result.step_id, [])
+        self._decoding.discard(result.step_id)
         broken = self._recoverable and getattr(self.pipeline, "broken", None)
         for i, seq in enumerate(seqs):
             seq.in_flight -= 1
@@ -234,14 +236,20 @@ class Engine:
                 self._release(seq)
                 continue
             self._prefill(seq)
+        # One decode step per stage keeps every stage busy; sequences that become ready while
+        # that many are in flight wait and join the next step, so a step carries many rows and
+        # each stage reads its weights once for all of them.
+        free = max(1, self.pipeline.n_stages) - len(self._decoding)
         ready = [s for s in self._running.values() if not (s.finished or s.interrupted) and s.in_flight == 0]
-        if not ready:
+        if not ready or free <= 0:
             return
-        groups = min(len(ready), max(1, self.pipeline.n_stages))
+        groups = min(len(ready), free)
         size = -(-len(ready) // groups)
         for i in range(0, len(ready), size):
             group = ready[i:i + size]
-            self._send(Step([self._decode_row(s) for s in group]), group)
+            step = Step([self._decode_row(s) for s in group])
+            self._decoding.add(step.id)
+            self._send(step, group)
 
     def _recover(self) -> bool:
         """Rebuild the pipeline and replay every unfinished sequence; False if that failed and

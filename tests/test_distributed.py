@@ -165,3 +165,31 @@ def test_each_worker_reports_the_dtype_its_hardware_computes_best_and_the_plan_u
         assert {s.device.dtype for s in cluster.make_plan(ctx=64, dtype="float32").stages} == {"float32"}  # --dtype wins
     finally:
         cluster.close()
+
+
+def test_concurrent_sequences_share_decode_steps(worker_pool, tmp_path):
+    """Results come back one step at a time; sequences that become ready while every stage is
+    busy wait for the next step instead of each sending its own, so steps carry many rows."""
+    path = model_path("llama", "F32")
+    model = open_model(path)
+    cluster = Cluster([w.address for w in worker_pool(2)], cache_dir=tmp_path, show_progress=False)
+    try:
+        cluster.connect(model)
+        pipeline = cluster.load(cluster.make_plan(ctx=128, n_slots=4, dtype="float32"))
+        widths = []
+        submit = pipeline.submit
+        pipeline.submit = lambda step: (widths.append(len(step.rows)) if step.width == 1 else None,
+                                        submit(step))[1]
+        engine = Engine(pipeline)
+        try:
+            handles = [engine.submit(Request(PROMPT[i:], GREEDY_LOGPROBS, max_tokens=24)) for i in range(4)]
+            together = [[e.token for e in h if e.token is not None] for h in handles]
+        finally:
+            engine.close()
+        pipeline.submit = submit
+        alone = [generate(pipeline, prompt=PROMPT[i:])[0] for i in range(4)]
+    finally:
+        cluster.close()
+    assert together == alone
+    decode_rows = sum(widths)
+    assert max(widths) >= 2 and len(widths) <= decode_rows / 1.5, widths
