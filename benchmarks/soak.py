@@ -26,8 +26,7 @@ from shardwire.formats import open_model  # noqa: E402
 from shardwire.loading import load_stage  # noqa: E402
 from shardwire.pipeline import LocalPipeline  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.synthetic import random_model, tiny_vocab_metadata  # noqa: E402
-from shardwire.writer import write_gguf  # noqa: E402
+from shardwire.synthetic import write_random_llama  # noqa: E402
 
 STREAMS = 4
 
@@ -63,11 +62,9 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="shardwire-soak-"))
-    vocab = tiny_vocab_metadata()
-    cfg, tensors = random_model("llama", n_layers=6, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                                vocab_size=len(vocab["tokenizer.ggml.tokens"]), context_length=512, seed=11)
     path = tmp / "soak.gguf"
-    write_gguf(path, cfg, tensors, vocab, weight_type="F16")
+    write_random_llama(path, weight_type="F16", n_layers=6, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                       context_length=512, seed=11)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(8, 120))] for _ in range(16)]
     samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)]

@@ -23,9 +23,8 @@ from shardwire.cluster import Cluster  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.synthetic import random_model, tiny_vocab_metadata  # noqa: E402
+from shardwire.synthetic import write_random_llama  # noqa: E402
 from shardwire.wire.tls import ClientTLS, generate_certificate  # noqa: E402
-from shardwire.writer import write_gguf  # noqa: E402
 
 TOKEN = "benchmark-token"
 
@@ -52,11 +51,8 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="shardwire-tls-bench-"))
-    vocab = tiny_vocab_metadata()
-    cfg, tensors = random_model("llama", n_layers=args.layers, dim=args.dim, n_heads=8, n_kv_heads=4,
-                                vocab_size=len(vocab["tokenizer.ggml.tokens"]))
     path = tmp / "model.gguf"
-    write_gguf(path, cfg, tensors, vocab, weight_type="F16")
+    write_random_llama(path, weight_type="F16", n_layers=args.layers, dim=args.dim, n_heads=8, n_kv_heads=4)
     model = open_model(path)
     certs = [generate_certificate(tmp, ["127.0.0.1"], name=f"w{i}") for i in range(2)]
 

@@ -271,6 +271,16 @@ TEST_MODELS = {m.name: m for m in [
 ]}
 
 
+def write_random_llama(path: str | Path, *, weight_type: str = "F32", **layout) -> Path:
+    """A llama GGUF with random weights and the tiny test vocabulary; `layout` as random_model takes it."""
+    from .writer import write_gguf
+
+    vocab = tiny_vocab_metadata()
+    cfg, tensors = random_model("llama", vocab_size=len(vocab["tokenizer.ggml.tokens"]), **layout)
+    write_gguf(path, cfg, tensors, vocab, weight_type=weight_type)
+    return Path(path)
+
+
 def build_test_model(name: str, *, vocab: str | None = None, seed: int = 0):
     """(config, tensors, vocab) of a named test model; `vocab` overrides its vocabulary."""
     spec = TEST_MODELS[name]

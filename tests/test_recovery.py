@@ -10,8 +10,7 @@ from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.plan import PlanDevice, make_plan
 from shardwire.sampling import SamplingParams
-from shardwire.synthetic import random_model, tiny_vocab_metadata
-from shardwire.writer import write_gguf
+from shardwire.synthetic import write_random_llama
 from test_distributed import single_process
 from workers import WorkerProcess
 
@@ -25,12 +24,8 @@ SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
 def model_file(tmp_path_factory):
     """Six blocks that outweigh a small vocabulary, so a memory budget can hold a third of the
     model and not half."""
-    vocab = tiny_vocab_metadata()
-    cfg, tensors = random_model("llama", n_layers=6, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                                vocab_size=len(vocab["tokenizer.ggml.tokens"]), context_length=512, seed=3)
-    path = tmp_path_factory.mktemp("recovery") / "six.gguf"
-    write_gguf(path, cfg, tensors, vocab)
-    return path
+    return write_random_llama(tmp_path_factory.mktemp("recovery") / "six.gguf", n_layers=6, dim=128, n_heads=4,
+                              n_kv_heads=2, ffn_dim=384, context_length=512, seed=3)
 
 
 def budget_for_a_third(path) -> str:
