@@ -28,8 +28,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-d", "--device", default=None,
                    help="device for local stages: cpu, cuda:N or mps (default: the first accelerator, else cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="compute dtype (default: bfloat16 on cuda and on CPUs with native bf16, float16 on mps, "
-                        "else float32)")
+                   help="compute dtype (default: each device's own: bfloat16 on cuda and on CPUs with native "
+                        "bf16, float16 on mps, else float32; a worker's devices as that worker reports them)")
     p.add_argument("--weights", default="auto", choices=["auto", "dequant", "packed", "compact"],
                    help="quantized GGUF weights on the devices: dequant (to the compute dtype), packed (int4/int8 "
                         "kernels), compact (packed only where that costs no more than ~1.1x the file; the rest "
