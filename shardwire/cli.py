@@ -30,10 +30,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="compute dtype (default: each device's own: bfloat16 on cuda and on CPUs with native "
                         "bf16, float16 on mps, else float32; a worker's devices as that worker reports them)")
-    p.add_argument("--weights", default="auto", choices=["auto", "dequant", "packed", "compact"],
+    p.add_argument("--weights", default="auto", choices=["auto", "fast", "dequant", "packed", "compact"],
                    help="quantized GGUF weights on the devices: dequant (to the compute dtype), packed (int4/int8 "
                         "kernels), compact (packed only where that costs no more than ~1.1x the file; the rest "
-                        "dequantized just before use); auto = the fastest that fits (default: %(default)s)")
+                        "dequantized just before use), fast (packed where its kernel beats the dense product on "
+                        "the device, else dequantized: Q8_0 on a bf16 CPU); auto = the first of fast, packed, "
+                        "compact that fits (default: %(default)s)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size per sequence, capped at the model's (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")

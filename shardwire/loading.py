@@ -49,24 +49,24 @@ EMBEDDING = "token_embd.weight (embedding)"  # the token table, where a stage ho
 
 
 def resolve_weights(mode: str, device: torch.device | str) -> str:
-    """--weights for one device when no plan chose: auto packs where the kernels run."""
+    """--weights for one device when no plan chose: auto is fast where the kernels run."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"unknown --weights '{mode}' (choose one of {', '.join(WEIGHT_MODES)})")
     if mode == "auto":
-        return "packed" if kernels_on(device) else "dequant"
+        return "fast" if kernels_on(device) else "dequant"
     return mode
 
 
 def weight_formats(cfg: ModelConfig, tensors: Mapping[str, TensorInfo], first: bool, last: bool, mode: str,
-                   device_type: str) -> dict[str, str]:
-    """How each tensor of a stage lives on a device of `device_type` under weights `mode`
-    (dequant | packed | compact): 'dense' or a packed format of quant.py, by tensor name, plus
-    EMBEDDING when the token table needs a copy of its own beside the head."""
+                   device_type: str, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """How each tensor of a stage lives on a device of `device_type` computing in `dtype` under
+    weights `mode` (fast | dequant | packed | compact): 'dense' or a packed format of quant.py,
+    by tensor name, plus EMBEDDING when the token table needs a copy of its own beside the head."""
     kernels = device_type in ("cpu", "cuda")
     tied_head = last and cfg.tied_embeddings
     out = {}
     for name, info in tensors.items():
-        fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels)
+        fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels, device_type, dtype)
         if name == "token_embd.weight" and not tied_head and fmt != "dense":
             fmt = "gguf"  # an embedding only gathers rows: the stored blocks serve it as they are
         out[name] = fmt
@@ -96,7 +96,7 @@ def build_stage(cfg: ModelConfig, start: int, end: int, first: bool, last: bool,
     device = torch.device(device)
     mode = resolve_weights(weights, device)
     large_allocations_unmapped()
-    formats = weight_formats(cfg, tensors, first, last, mode, device.type if kernels_on(device) else "none")
+    formats = weight_formats(cfg, tensors, first, last, mode, device.type if kernels_on(device) else "none", dtype)
     built, embedding = {}, None
     for name, info in tensors.items():
         raw = read(info)

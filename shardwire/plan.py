@@ -147,11 +147,11 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype
 def stage_cost(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int,
                weights: str = "dequant") -> None:
     """Fill in what `stage` needs on its device with its weights held as `weights` says
-    (dequant | packed | compact)."""
+    (fast | dequant | packed | compact)."""
     cfg = model.config
     dtype = parse_dtype(stage.device.dtype)
     tensors = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
-    formats = weight_formats(cfg, tensors, stage.first, stage.last, weights, stage.device.name.split(":")[0])
+    formats = weight_formats(cfg, tensors, stage.first, stage.last, weights, stage.device.name.split(":")[0], dtype)
     stage.weights = weights
     stage.formats = {}
     for name, fmt in formats.items():
@@ -168,8 +168,8 @@ def stage_cost(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, ch
 
 def _choose_weights(model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, ctx: int,
                     chunk: int) -> None:
-    """Cost every stage; with auto, each device gets the fastest mode that fits it: packed where
-    the kernels run (else dequant), compact when that does not fit."""
+    """Cost every stage; with auto, each device gets the fastest mode that fits it: fast where
+    the kernels run (else dequant), then packed, then compact."""
     if weights not in WEIGHT_MODES:
         raise PlanError(f"unknown --weights '{weights}' (choose one of {', '.join(WEIGHT_MODES)})")
     by_device: dict[PlanDevice, list[PlannedStage]] = {}
@@ -177,7 +177,7 @@ def _choose_weights(model: ModelFile, stages: list[PlannedStage], weights: str, 
         by_device.setdefault(stage.device, []).append(stage)
     for device, group in by_device.items():
         modes = [weights] if weights != "auto" else (
-            ["packed", "compact"] if kernels_for(device.name.split(":")[0]) else ["dequant", "compact"])
+            ["fast", "packed", "compact"] if kernels_for(device.name.split(":")[0]) else ["dequant", "compact"])
         for mode in modes:
             for stage in group:
                 stage_cost(model, stage, n_slots, ctx, chunk, mode)
@@ -189,7 +189,7 @@ def make_plan(model: ModelFile, devices: list[PlanDevice], *, cpu: PlanDevice | 
               tensor_split: list[float] | None = None, n_gpu_layers: int | None = None,
               n_slots: int = 1, ctx: int = 4096, prefill_chunk: int = 512, weights: str = "dequant") -> Plan:
     """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
-    blocks that are not offloaded. `weights` (auto | dequant | packed | compact) says how
+    blocks that are not offloaded. `weights` (auto | fast | dequant | packed | compact) says how
     quantized weights live on the devices; auto picks, per device, the fastest that fits."""
     n = model.config.n_layers
     ctx = min(ctx, model.config.context_length)

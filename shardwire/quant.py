@@ -558,7 +558,7 @@ def pack_matrix(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.d
 # ---------------------------------------------------------------------------------------------
 # Which format each stored type gets, and what it costs on the device
 
-WEIGHT_MODES = ("auto", "dequant", "packed", "compact")
+WEIGHT_MODES = ("auto", "fast", "dequant", "packed", "compact")
 # packed: the fastest format whose error stays within the stored type's own
 FAST = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q2_K": "int4", "Q3_K": "int4", "Q8_0": "int8x2",
         "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8"}
@@ -571,11 +571,20 @@ def kernels_for(device_type: str) -> bool:
     return device_type in ("cpu", "cuda")
 
 
-def matrix_format(stored: str, shape: tuple[int, ...], mode: str, kernels: bool) -> str:
+# fast: packed where its kernel beats a dense matrix-vector product on the device, else dense.
+# On a CPU computing in bf16, Q8_0's two int4 planes run at 0.77x of the dense bf16 product
+# (benchmarks/bench_packed.py speed), and a prompt's dense GEMM skips dequantizing chunks.
+DENSE_WHEN_FAST = {("cpu", torch.bfloat16): frozenset({"Q8_0"})}
+
+
+def matrix_format(stored: str, shape: tuple[int, ...], mode: str, kernels: bool,
+                  device_type: str = "cpu", dtype: torch.dtype | None = None) -> str:
     """How a weight matrix stored as `stored` lives on a device: 'dense' or a packed format."""
     if stored in _PLAIN or len(shape) != 2 or mode == "dequant":
         return "dense"
-    fmt = (FAST if mode == "packed" else COMPACT)[stored]
+    if mode == "fast" and (not kernels or stored in DENSE_WHEN_FAST.get((device_type, dtype), ())):
+        return "dense"
+    fmt = (COMPACT if mode == "compact" else FAST)[stored]
     return fmt if kernels or fmt == "gguf" else "gguf"
 
 

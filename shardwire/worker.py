@@ -484,7 +484,7 @@ class Worker:
             dtype = parse_dtype(spec.dtype)
             tensors = {t.name: t for t in spec.tensors}
             weights = weight_nbytes(tensors, weight_formats(cfg, tensors, spec.first, spec.last, spec.weights,
-                                                            spec.device.split(":")[0]), dtype)
+                                                            spec.device.split(":")[0], dtype), dtype)
             kv = KVCache.nbytes_for(spec.end - spec.start, assign.n_slots, cfg.n_kv_heads, assign.ctx,
                                     cfg.head_dim, dtype)
             budget[spec.device] = budget.get(spec.device, 0) + weights + kv

@@ -150,7 +150,7 @@ def test_plan_auto_packs_and_falls_back_to_compact():
     plan = lambda free, weights="auto": make_plan(model, [PlanDevice("w:1", "cpu", free)], ctx=64,  # noqa: E731
                                                   prefill_chunk=16, weights=weights)
     roomy = plan(1 << 40)
-    assert roomy.stages[0].weights == "packed" and roomy.stages[0].formats["Q6_K"].startswith("int8")
+    assert roomy.stages[0].weights == "fast" and roomy.stages[0].formats["Q6_K"].startswith("int8")
     compact = plan(1 << 40, "compact").stages[0]
     assert compact.formats["Q6_K"] == "gguf" and compact.weight_bytes < roomy.stages[0].weight_bytes
     tight = plan(compact.total_bytes + 1024)
@@ -158,7 +158,27 @@ def test_plan_auto_packs_and_falls_back_to_compact():
     assert plan(compact.total_bytes - 1024).shortfalls()
     assert make_plan(model, [PlanDevice("w:1", "mps", 1 << 40)], ctx=64, weights="auto").stages[0].weights == "dequant"
     table = roomy.table()
-    assert "packed (Q6_K:int8+gguf)" in table  # the matrices' format, and the embedding's
+    assert "fast (Q6_K:int8+gguf)" in table  # the matrices' format, and the embedding's
+
+
+def test_auto_keeps_q8_0_dense_on_a_bf16_cpu_while_it_fits():
+    """Q8_0's int8x2 planes are slower than the dense bf16 product on a CPU: auto holds Q8_0
+    dense when memory allows and packs it when it does not (compact here: on a model this small
+    the packed formats' dequantization workspace outweighs what they save); a float32 CPU keeps
+    the planes."""
+    model = open_model(model_path("llama", "Q8_0"))
+
+    def plan(free, dtype="bfloat16"):
+        return make_plan(model, [PlanDevice("w:1", "cpu", free, dtype=dtype)], ctx=64, prefill_chunk=16,
+                         weights="auto").stages[0]
+    roomy = plan(1 << 40)
+    assert roomy.weights == "fast" and roomy.formats["Q8_0"] == "dense"
+    tight = plan(roomy.total_bytes - 1024)
+    assert tight.weights in ("packed", "compact") and tight.formats["Q8_0"].startswith("int8x2")
+    assert plan(1 << 40, "float32").formats["Q8_0"].startswith("int8x2")
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", dtype=torch.bfloat16)
+    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.bfloat16
+               for n, p in stage.named_parameters() if n.endswith("wqkv.weight"))
 
 
 def test_greedy_tokens_through_a_worker_equal_the_local_packed_path(tmp_path):
@@ -170,7 +190,7 @@ def test_greedy_tokens_through_a_worker_equal_the_local_packed_path(tmp_path):
     try:
         cluster.connect(model)
         plan = cluster.make_plan(ctx=128, weights="auto", dtype="float32")
-        assert plan.stages[0].weights == "packed"
+        assert plan.stages[0].weights == "fast" and plan.stages[0].formats["Q4_K"].startswith("int4")
         remote = cluster.load(plan)
         tokens = []
         for pipeline in (local, remote):

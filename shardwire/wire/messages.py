@@ -20,7 +20,7 @@ TENSOR_DTYPES = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
 STORED_DTYPES = {"F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                  "Q4_K", "Q5_K", "Q6_K"}
 COMPUTE_DTYPES = {"float32", "float16", "bfloat16"}
-WEIGHT_MODES = {"dequant", "packed", "compact"}
+WEIGHT_MODES = {"fast", "dequant", "packed", "compact"}
 
 
 def _get(h: dict, key: str, kind, what: str):
