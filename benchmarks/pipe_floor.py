@@ -28,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import models  # noqa: E402
-from run import cores_for, free_port  # noqa: E402
+import run  # noqa: E402
 
 WARMUP = 16
 STOP = b"\xff\xff\xff\xff"
@@ -133,6 +134,7 @@ def bare_pipe(model: Path, coord_core: str, cores: tuple[str, str], steps: int) 
     b = _spawn(["--child", "second", *common, "--fds", str(a_to_b_r), str(b_to_c_w)], cores[1], (a_to_b_r, b_to_c_w))
     for fd in (to_a_r, a_to_b_w, a_to_b_r, b_to_c_w, ready_w):
         os.close(fd)
+    affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {int(coord_core)})
     try:
         _read_exact(ready_r, 1)
@@ -147,61 +149,21 @@ def bare_pipe(model: Path, coord_core: str, cores: tuple[str, str], steps: int) 
         os.write(to_a_w, STOP)
         first = json.loads(a.communicate()[0].strip().splitlines()[-1])["compute_ms"]
     finally:
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        os.sched_setaffinity(0, affinity)
         for fd in (to_a_w, b_to_c_r, ready_r):
             os.close(fd)
     second = json.loads(b.communicate()[0].strip().splitlines()[-1])["compute_ms"]
     return {"ms_per_token": wall, "first_compute_ms": first, "second_compute_ms": second}
 
 
-def _shardwire_workers(model: Path, cores: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    procs, addresses = [], []
-    for core in cores:
-        port = free_port()
-        procs.append(subprocess.Popen(
-            ["taskset", "-c", core, sys.executable, "-m", "shardwire", "--log-level", "warning", "worker",
-             "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--threads", "1",
-             "--cache-dir", str(models.CACHE / "shardwire-cache"), "--model-dir", str(model.parent)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        addresses.append(f"127.0.0.1:{port}")
-    return procs, addresses
-
-
-def shardwire_bench(model: Path, coord_core: str, rpc: list[str], steps: int) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = ["taskset", "-c", coord_core, sys.executable, "-m", "shardwire", "bench", str(model), "-p", "0",
-           "-n", str(steps), "-r", "1", "-t", "1", "-o", "json", "--rpc", ",".join(rpc),
-           "-ts", ",".join("1" for _ in rpc)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    test = next(t for t in json.loads(out)["tests"] if t["n_gen"] > 0)
-    return test["avg_ns"] / 1e6 / test["n_gen"]
-
-
-def llama_bench(prefix: Path, model: Path, coord_core: str, rpc: list[str], steps: int) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1", LD_LIBRARY_PATH=str(prefix / "lib"))
-    cmd = ["taskset", "-c", coord_core, str(prefix / "bin" / "llama-bench"), "-m", str(model), "-p", "0",
-           "-n", str(steps), "-r", "1", "-t", "1", "-ngl", "99", "-o", "json"]
-    if rpc:
-        cmd += ["--rpc", ",".join(rpc), "-ts", "/".join("1" for _ in rpc)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    test = next(t for t in json.loads(out) if t["n_gen"] > 0)
-    return statistics.mean(test["samples_ns"]) / 1e6 / test["n_gen"]
-
-
-def _wait_ports(addresses: list[str], timeout: float = 120) -> None:
-    import socket
-    deadline = time.monotonic() + timeout
-    for address in addresses:
-        host, port = address.rsplit(":", 1)
-        while True:
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"nothing listens on {address}") from None
-                time.sleep(0.2)
+def decode_ms(system: "run.System", model: Path, core: str, rpc: list[str], steps: int) -> float:
+    """ms per decoded token of one coordinator invocation, built and parsed as run.py does."""
+    cell = run.Cell(model.stem, len(rpc), "direct" if rpc else "local", 0, steps)
+    cmd = ["taskset", "-c", core, *system.command(model, cell, rpc, 1)]
+    out = subprocess.run(cmd, env=system.env(), capture_output=True, text=True, check=True).stdout
+    result = run.Run(system.name, cell.key, 0)
+    system.parse(json.loads(out), result)
+    return statistics.mean(result.tg_ns) / 1e6 / steps
 
 
 def main() -> int:
@@ -222,37 +184,31 @@ def main() -> int:
 
     prefix = None if args.shardwire_only else models.llama_cpp_prefix()
     model = models.ensure(models.WORKLOADS[args.workload], prefix)
-    coord_core, (core_a, core_b) = cores_for(2, 1)
+    coord_core, (core_a, core_b) = run.cores_for(2, 1)
     print(f"{args.workload}: {args.steps} decode steps per figure, {args.rounds} rounds; coordinator on core "
           f"{coord_core}, halves on cores {core_a} and {core_b} (one-core pipe: both on {core_a})", flush=True)
-    workers, rpc = _shardwire_workers(model, [core_a, core_b])
-    servers: list[subprocess.Popen] = []
-    llama_rpc: list[str] = []
-    if prefix is not None:
-        env = dict(os.environ, LD_LIBRARY_PATH=str(prefix / "lib"))
-        for core in (core_a, core_b):
-            port = free_port()
-            servers.append(subprocess.Popen(["taskset", "-c", core, str(prefix / "bin" / "ggml-rpc-server"), "-H",
-                                             "127.0.0.1", "-p", str(port), "-t", "1"], env=env,
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            llama_rpc.append(f"127.0.0.1:{port}")
+    options = argparse.Namespace(threads=1, dtype=None, rpc_cache=True)
+    logs = Path(tempfile.mkdtemp(prefix="pipe-floor-"))
+    shardwire = run.Shardwire(options, logs)
+    llama_cpp = run.LlamaCpp(options, logs, prefix) if prefix is not None else None
     rows: dict[str, list[float]] = {}
     try:
-        _wait_ports(rpc + llama_rpc)
+        rpc = shardwire.start_workers(2, [core_a, core_b], logs / "workers.log", model)
+        llama_rpc = llama_cpp.start_workers(2, [core_a, core_b], logs / "workers.log") if llama_cpp else []
         for r in range(args.rounds):
             single = one_process(model, core_a, args.steps)
             pipe = bare_pipe(model, coord_core, (core_a, core_b), args.steps)
             pipe_one = bare_pipe(model, coord_core, (core_a, core_a), args.steps)
-            sw = shardwire_bench(model, coord_core, rpc, args.steps)
+            sw = decode_ms(shardwire, model, coord_core, rpc, args.steps)
             figures = {"one process": single, "bare pipe": pipe["ms_per_token"],
                        "bare pipe, one core": pipe_one["ms_per_token"], "shardwire 2 workers": sw}
             line = (f"round {r + 1}: one process {single:.2f} ms/token; bare pipe {pipe['ms_per_token']:.2f} "
                     f"(eff {single / pipe['ms_per_token']:.2f}; halves computing {pipe['first_compute_ms']:.2f} + "
                     f"{pipe['second_compute_ms']:.2f} ms); one core {pipe_one['ms_per_token']:.2f} "
                     f"(eff {single / pipe_one['ms_per_token']:.2f}); shardwire {sw:.2f} (eff {single / sw:.2f})")
-            if prefix is not None:
-                lc_one = llama_bench(prefix, model, core_a, [], args.steps)
-                lc_rpc = llama_bench(prefix, model, coord_core, llama_rpc, args.steps)
+            if llama_cpp is not None:
+                lc_one = decode_ms(llama_cpp, model, core_a, [], args.steps)
+                lc_rpc = decode_ms(llama_cpp, model, coord_core, llama_rpc, args.steps)
                 figures.update({"llama.cpp one process": lc_one, "llama.cpp 2 workers": lc_rpc})
                 line += f"; llama.cpp {lc_one:.2f} -> {lc_rpc:.2f} (eff {lc_one / lc_rpc:.2f})"
             for k, v in figures.items():
@@ -260,8 +216,9 @@ def main() -> int:
             rows.setdefault("bare pipe compute", []).append(pipe["first_compute_ms"] + pipe["second_compute_ms"])
             print(line, flush=True)
     finally:
-        for proc in workers + servers:
-            proc.kill()
+        shardwire.stop_workers()
+        if llama_cpp is not None:
+            llama_cpp.stop_workers()
     med = {k: statistics.median(v) for k, v in rows.items()}
     print("\nmedians (ms/token) and efficiency against the same system's one process:")
     for k, v in med.items():
