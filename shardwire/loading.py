@@ -58,7 +58,7 @@ def resolve_weights(mode: str, device: torch.device | str) -> str:
 
 
 def weight_formats(cfg: ModelConfig, tensors: Mapping[str, TensorInfo], first: bool, last: bool, mode: str,
-                   device_type: str, dtype: torch.dtype | None = None) -> dict[str, str]:
+                   device_type: str, dtype: torch.dtype) -> dict[str, str]:
     """How each tensor of a stage lives on a device of `device_type` computing in `dtype` under
     weights `mode` (fast | dequant | packed | compact): 'dense' or a packed format of quant.py,
     by tensor name, plus EMBEDDING when the token table needs a copy of its own beside the head."""

@@ -572,13 +572,13 @@ def kernels_for(device_type: str) -> bool:
 
 
 # fast: packed where its kernel beats a dense matrix-vector product on the device, else dense.
-# On a CPU computing in bf16, Q8_0's two int4 planes run at 0.77x of the dense bf16 product
-# (benchmarks/bench_packed.py speed), and a prompt's dense GEMM skips dequantizing chunks.
+# On a CPU computing in bf16, Q8_0's two int4 planes decode at 0.83x of the dense bf16 product
+# (benchmarks/bench_packed.py speed --types Q8_0), and a prompt's dense GEMM skips dequantizing chunks.
 DENSE_WHEN_FAST = {("cpu", torch.bfloat16): frozenset({"Q8_0"})}
 
 
-def matrix_format(stored: str, shape: tuple[int, ...], mode: str, kernels: bool,
-                  device_type: str = "cpu", dtype: torch.dtype | None = None) -> str:
+def matrix_format(stored: str, shape: tuple[int, ...], mode: str, kernels: bool, device_type: str,
+                  dtype: torch.dtype) -> str:
     """How a weight matrix stored as `stored` lives on a device: 'dense' or a packed format."""
     if stored in _PLAIN or len(shape) != 2 or mode == "dequant":
         return "dense"
