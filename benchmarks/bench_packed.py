@@ -42,10 +42,10 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
     """One stage in this (fresh) process: what it holds, and what the plan said it would."""
     import torch
 
+    from shardwire.devices import release_memory
     from shardwire.formats import TensorReader, open_model
     from shardwire.loading import load_stage
-    from shardwire.plan import PlanDevice, PlannedStage, stage_cost
-    from shardwire.quant import release_memory
+    from shardwire.plan import stage_cost
 
     torch.set_num_threads(threads)
     torch.ones(1) @ torch.ones(1)  # load the math libraries before the baseline
@@ -53,8 +53,8 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
     first, last = start == 0, end == model.config.n_layers
     tensors = model.stage_tensors(start, end, first, last)
     gguf_bytes = sum(t.nbytes for t in tensors.values())
-    planned = PlannedStage(PlanDevice("local", "cpu", 1 << 40, "bfloat16"), start, end, first, last)
-    stage_cost(model, planned, 1, ctx, chunk, mode)
+    planned = stage_cost(model.config, tensors, start, end, first, last, device_type="cpu", kernels=True,
+                         dtype="bfloat16", weights=mode, n_slots=1, ctx=ctx, chunk=chunk)
     # warm up: a one-block stage first, so one-time costs (libraries paging in, allocator and
     # thread-pool set-up) are not counted as the stage's
     warm = load_stage(model, start, start + 1, first=False, last=False, dtype=torch.bfloat16, weights=mode)
@@ -125,9 +125,9 @@ def decode_tps(stage, steps: int, start: int) -> float:
 def cmd_speed(args) -> None:
     import torch
 
+    from shardwire import quant
     from shardwire.formats import open_model
     from shardwire.loading import load_stage
-    from shardwire import quant
 
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU kernel int4 layout block "

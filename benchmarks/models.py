@@ -25,7 +25,7 @@ LAYOUT_VERSION = 1
 @dataclass(frozen=True)
 class Layout:
     name: str
-    params: dict  # shardwire.synthetic.random_model arguments besides vocab_size
+    params: dict  # shardwire_kit.synthetic.random_model arguments besides vocab_size
     vocab: str = "llama-spm"  # a llama.cpp vocabulary in ../shared/vocab (32000 tokens for Llama 2)
 
 
@@ -80,8 +80,8 @@ def _f16_file(layout: Layout) -> Path:
     path = CACHE / "models" / f"v{LAYOUT_VERSION}" / f"{layout.name}-f16.gguf"
     if path.is_file():
         return path
-    from shardwire.synthetic import load_vocab, random_model
-    from shardwire.writer import write_gguf
+    from shardwire_kit.synthetic import load_vocab, random_model
+    from shardwire_kit.writer import write_gguf
 
     vocab = load_vocab(layout.vocab)
     print(f"writing {path.name} (random weights, F16) ...", file=sys.stderr, flush=True)
@@ -107,8 +107,8 @@ def ensure(workload: Workload, prefix: Path | None) -> Path:
         subprocess.run([str(prefix / "bin" / "llama-quantize"), str(f16), str(tmp), _QUANTIZE_NAME[workload.type],
                         str(os.cpu_count() or 1)], check=True, capture_output=True, timeout=3600)
     else:
-        from shardwire.synthetic import load_vocab, random_model
-        from shardwire.writer import write_gguf
+        from shardwire_kit.synthetic import load_vocab, random_model
+        from shardwire_kit.writer import write_gguf
         vocab = load_vocab(layout.vocab)
         print(f"writing {path.name} with shardwire's writer ...", file=sys.stderr, flush=True)
         cfg, tensors = random_model(**layout.params, vocab_size=vocab.size, seed=1234)

@@ -64,8 +64,9 @@ class Shardwire:
     def __init__(self, path: Path, n_ctx: int, weights: str, dtype: str = "float32"):
         import torch
 
+        from shardwire.devices import parse_dtype
         from shardwire.formats import open_model
-        from shardwire.loading import load_stage, parse_dtype
+        from shardwire.loading import load_stage
         model = open_model(path)
         self.stage = load_stage(model, 0, model.config.n_layers, weights=weights, dtype=parse_dtype(dtype))
         self.n_ctx, self.torch = n_ctx, torch
@@ -130,7 +131,7 @@ GLASSLLM_PROMPTS = [
 
 def prompts_for(name: str) -> list[list[int]]:
     if name.startswith("glassllm"):
-        from shardwire import glassllm
+        from shardwire_kit import glassllm
         _, tok = glassllm.load("en")
         return [tok.encode(text) for text in GLASSLLM_PROMPTS]
     return [RANDOM_PROMPT]

@@ -32,8 +32,8 @@ def quantize(src: Path, dst: Path, kind: str) -> Path:
 
 
 def random_llama(out: Path, params: dict, name: str) -> dict[str, Path]:
-    from shardwire.synthetic import load_vocab, random_model
-    from shardwire.writer import write_gguf
+    from shardwire_kit.synthetic import load_vocab, random_model
+    from shardwire_kit.writer import write_gguf
 
     out.mkdir(parents=True, exist_ok=True)
     f16 = out / f"{name}-F16.gguf"
@@ -48,7 +48,7 @@ def random_llama(out: Path, params: dict, name: str) -> dict[str, Path]:
 def glassllm_files(out: Path) -> dict[str, Path]:
     """glassllm as F32 (it ships fp16, so this is lossless) and llama-quantize's Q4_0, Q8_0, Q4_K_M:
     its width of 128 and FFN of 341 leave llama.cpp to fall back where blocks do not fit."""
-    from shardwire.glassllm import convert_glassllm
+    from shardwire_kit.glassllm import convert_glassllm
 
     out.mkdir(parents=True, exist_ok=True)
     f32 = out / "glassllm-F32.gguf"

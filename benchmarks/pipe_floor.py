@@ -35,8 +35,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import models  # noqa: E402
 import run  # noqa: E402
+
+import models  # noqa: E402
 
 WARMUP = 16
 STOP = b"\xff\xff\xff\xff"
@@ -61,7 +62,7 @@ def _load(path: str, part: str):
     model = open_model(path)
     n = model.config.n_layers
     start, end = {"all": (0, n), "first": (0, n // 2), "second": (n // 2, n)}[part]
-    stage = load_stage(model, start, end, dtype=torch.bfloat16, weights="auto")
+    stage = load_stage(model, start, end, dtype=torch.bfloat16, weights="fast")  # auto's choice when memory allows
     stage.allocate_cache(1, 4096)
     return stage
 

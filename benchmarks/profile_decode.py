@@ -28,8 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import models  # noqa: E402
 from run import LISTENING, PROGRESS, Server, cores_for  # noqa: E402
+
+import models  # noqa: E402
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 
@@ -82,7 +83,7 @@ def compute_only(model_path: Path, n_workers: int, threads: int, steps: int) -> 
     from shardwire.loading import load_stage
     from shardwire.model import Stage
     from shardwire.plan import split_blocks
-    from shardwire.synthetic import random_model
+    from shardwire_kit.synthetic import random_model
 
     torch.set_num_threads(threads)
     model = open_model(model_path)

@@ -19,14 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from workers import WorkerProcess  # noqa: E402
-
-from shardwire.cluster import Cluster  # noqa: E402
+from shardwire.coordinator import Cluster  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.synthetic import random_model, tiny_vocab_metadata  # noqa: E402
-from shardwire.writer import write_gguf  # noqa: E402
+from shardwire_kit.synthetic import random_model, tiny_vocab_metadata  # noqa: E402
+from shardwire_kit.writer import write_gguf  # noqa: E402
+
+from workers import WorkerProcess  # noqa: E402
 
 
 def one_b_model(folder: Path) -> Path:
@@ -58,7 +58,7 @@ def main() -> None:
     extra = ("--model-dir", str(models))
     workers = [WorkerProcess(tmp / f"w{i}", extra=extra).start() for i in range(3)]
     cluster = Cluster([w.address for w in workers], cache_dir=tmp / "coord", show_progress=False)
-    cluster.dead_after = 3.0
+    cluster.heartbeat.dead_after = 3.0
     try:
         cluster.connect(open_model(path))
         t = time.monotonic()

@@ -47,9 +47,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import models  # noqa: E402
 import report  # noqa: E402
 from relay import Relay, Shaping  # noqa: E402
+
+import models  # noqa: E402
 
 GBIT = 1e9 / 8
 PROGRESS = re.compile(r"benchmark (\d+)/(\d+): (warmup )?(prompt|generation) run(?: (\d+)/(\d+))?")

@@ -18,15 +18,15 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from workers import WorkerProcess  # noqa: E402
-
-from shardwire.cluster import Cluster  # noqa: E402
+from shardwire.coordinator import Cluster  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.loading import load_stage  # noqa: E402
 from shardwire.pipeline import LocalPipeline  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.synthetic import write_random_llama  # noqa: E402
+from shardwire_kit.synthetic import write_random_llama  # noqa: E402
+
+from workers import WorkerProcess  # noqa: E402
 
 STREAMS = 4
 
@@ -73,7 +73,7 @@ def main() -> None:
 
     workers = [WorkerProcess(tmp / f"w{i}").start() for i in range(3)]
     cluster = Cluster([w.address for w in workers], cache_dir=tmp / "coord", show_progress=False)
-    cluster.dead_after = 2.0
+    cluster.heartbeat.dead_after = 2.0
     cluster.connect(open_model(path))
     engine = Engine(cluster.load(cluster.make_plan(ctx=512, n_slots=STREAMS, prefill_chunk=32, dtype="float32")), prefill_chunk=32)
     stop = time.monotonic() + args.minutes * 60

@@ -12,19 +12,18 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from workers import WorkerProcess  # noqa: E402
-
-from shardwire.cluster import Cluster  # noqa: E402
+from shardwire.coordinator import Cluster  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.synthetic import write_random_llama  # noqa: E402
 from shardwire.wire.tls import ClientTLS, generate_certificate  # noqa: E402
+from shardwire_kit.synthetic import write_random_llama  # noqa: E402
+
+from workers import WorkerProcess  # noqa: E402
 
 TOKEN = "benchmark-token"
 

@@ -57,9 +57,9 @@ def per_step(sizes: dict, n_workers: int) -> int:
 
 
 def show_computed(args) -> None:
-    import models
-
     from shardwire.devices import default_dtype
+
+    import models
     if args.dtype is None:
         args.dtype = default_dtype("cpu")
 
@@ -84,9 +84,9 @@ def measure(args) -> None:
 
     from relay import Relay
 
+    from shardwire.coordinator.launch import add_cluster_args, build_pipeline
     from shardwire.engine import Engine, Request
     from shardwire.formats import open_model
-    from shardwire.launch import add_cluster_args, build_pipeline
     from shardwire.sampling import GREEDY
 
     model = open_model(args.measure)
@@ -107,9 +107,9 @@ def measure(args) -> None:
         add_cluster_args(parser)  # the coordinator's own defaults, as `shardwire generate` has them
         ns = parser.parse_args(["--rpc", ",".join(r.address for r in relays)])
         ns.ctx_size, ns.device, ns.dtype, ns.weights = args.steps + 16, None, None, "auto"
-        pipeline = build_pipeline(model, ns, quiet=True)
+        pipeline, cluster = build_pipeline(model, ns, quiet=True)
         engine = Engine(pipeline, None)
-        links = pipeline.cluster.links
+        links = cluster.links
         engine.submit(Request([1], GREEDY, max_tokens=4, ignore_eos=True)).result()  # warm up
         before = [(r.counter.up, r.counter.down) for r in relays]
         sent = [l.conn.bytes_sent for l in links]

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardwire.synthetic import TEST_MODELS, write_test_model
-from shardwire.writer import WEIGHT_TYPES
+from shardwire_kit.synthetic import TEST_MODELS, write_test_model
+from shardwire_kit.writer import WEIGHT_TYPES
 
 
 def csv(choices):
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
             print(f"{path}  {describe(path)}")
         print(f"  {name}: {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if args.glassllm:
-        from shardwire.glassllm import convert_glassllm
+        from shardwire_kit.glassllm import convert_glassllm
 
         for path in (convert_glassllm(args.out_dir / "glassllm-en-F16.gguf", "gguf"),
                      convert_glassllm(args.out_dir / "glassllm-en-hf", "hf")):

@@ -49,18 +49,6 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class _WireCounter:
-    """Bytes on the coordinator's own connections (to the first and last stage and the rest);
-    worker-to-worker traffic is not visible from here."""
-
-    def __init__(self, pipeline):
-        cluster = getattr(pipeline, "cluster", None)
-        self.links = cluster.links if cluster is not None else []
-
-    def total(self) -> int:
-        return sum(l.conn.bytes_sent + l.conn.bytes_received for l in self.links if l.conn is not None)
-
-
 def _stats(samples_ns: list[int], tokens: int) -> dict:
     ts = [tokens / (s / 1e9) for s in samples_ns]
     mean = sum(ts) / len(ts)
@@ -69,10 +57,10 @@ def _stats(samples_ns: list[int], tokens: int) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from .coordinator.launch import build_pipeline
     from .devices import set_threads
     from .engine import Engine, Request
     from .formats import open_model
-    from .launch import build_pipeline
     from .sampling import GREEDY
 
     if args.repetitions < 1:
@@ -84,10 +72,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.ctx_size == 4096:  # the generic default: size the context to the tests instead
         args.ctx_size = max(args.n_prompt, args.n_gen) + 8
     streams = max(args.streams, 0)
-    pipeline = build_pipeline(model, args, n_slots=max(1, streams), quiet=True)
+    pipeline, cluster = build_pipeline(model, args, n_slots=max(1, streams), quiet=True)
     load_s = time.perf_counter() - t0
     engine = Engine(pipeline, None)  # 512-token prefill chunks, as llama-bench's -ub 512
-    wire = _WireCounter(pipeline)
+    wire_total = cluster.wire_bytes if cluster is not None else (lambda: 0)
     rng = random.Random(args.seed)
     workers = [a for a in (args.rpc or "").split(",") if a.strip()]
     progress = args.progress
@@ -133,9 +121,9 @@ def run_bench(args: argparse.Namespace) -> int:
             samples, wire_bytes = [], []
             for rep in range(args.repetitions):
                 say(f"benchmark {index}/{len(tests)}: {label} run {rep + 1}/{args.repetitions}")
-                before = wire.total()
+                before = wire_total()
                 elapsed, _ = run(prompts(), 1 if kind == "pp" else n_gen)
-                wire_bytes.append(wire.total() - before)
+                wire_bytes.append(wire_total() - before)
                 samples.append(elapsed)
             tokens = n_prompt if kind == "pp" else n_gen * n_seq
             entry = {"test": name, "n_prompt": n_prompt, "n_gen": n_gen, "streams": n_seq, **_stats(samples, tokens)}

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -112,7 +113,9 @@ class WeightCache:
         if actual != digest:
             path.unlink(missing_ok=True)  # corrupted: drop it, it will be fetched again
             return None
-        os.utime(path)  # most recently used
+        # Most recently used: the access time carries it, so the modification time the hash index
+        # keys on stays put and the next lookup finds this hash remembered.
+        os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
         return path
 
     def writer(self, digest: str, total: int) -> "CacheWriter":
@@ -123,7 +126,7 @@ class WeightCache:
         if self.max_bytes is None or not self.directory.is_dir():
             return 0
         files = sorted((p for p in self.directory.glob("*/*") if p.is_file() and ".part" not in p.name),
-                       key=lambda p: p.stat().st_mtime)
+                       key=lambda p: p.stat().st_atime)
         total = sum(p.stat().st_size for p in files)
         freed = 0
         for p in files:

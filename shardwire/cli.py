@@ -7,7 +7,8 @@ import os
 import sys
 
 from . import __version__
-from .launch import add_cluster_args
+from .coordinator.launch import add_cluster_args
+from .enums import COMPUTE_DTYPES, WEIGHT_MODES
 from .pipeline import PipelineError
 from .security import add_worker_tls_args, resolve_token, server_tls
 
@@ -27,10 +28,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf file (first part of a split model) or a Hugging Face folder")
     p.add_argument("-d", "--device", default=None,
                    help="device for local stages: cpu, cuda:N or mps (default: the first accelerator, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: each device's own: bfloat16 on cuda and on CPUs with native "
                         "bf16, float16 on mps, else float32; a worker's devices as that worker reports them)")
-    p.add_argument("--weights", default="auto", choices=["auto", "fast", "dequant", "packed", "compact"],
+    p.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                    help="quantized GGUF weights on the devices: dequant (to the compute dtype), packed (int4/int8 "
                         "kernels), compact (packed only where that costs no more than ~1.1x the file; the rest "
                         "dequantized just before use), fast (packed where its kernel beats the dense product on "
@@ -158,8 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .worker import Worker
     from .wire.frames import Limits
+    from .worker import Worker
     tls = server_tls(args)
     worker = Worker(host=args.host, port=args.port, devices=args.device.split(",") if args.device else None,
                     mem=parse_size(args.mem), cache_dir=Path(args.cache_dir) if args.cache_dir else None,
@@ -168,11 +169,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     max_connections=args.max_connections, limits=Limits(max_payload=parse_size(args.max_frame)))
     port = worker.bind()
     desc = worker.describe()
-    print(f"shardwire worker {desc['worker_id']} listening on {args.host}:{port}"
+    print(f"shardwire worker {desc.worker_id} listening on {args.host}:{port}"
           f" ({'TLS ' + tls.fingerprint() if tls else 'plain TCP'}, "
           f"{'token required' if worker.token else 'no token'})", flush=True)
-    for d in desc["devices"]:
-        print(f"  {d['name']}: {d['free'] / 2**30:.1f} GiB available", flush=True)
+    for d in desc.devices:
+        print(f"  {d.name}: {d.free / 2**30:.1f} GiB available", flush=True)
     try:
         worker.serve_forever()
     finally:
@@ -206,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .coordinator.launch import plan_only
     from .formats import open_model
-    from .launch import plan_only
     print(plan_only(open_model(args.model), args))
     return 0

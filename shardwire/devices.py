@@ -1,10 +1,24 @@
-"""The compute devices of this machine, their dtypes and free memory."""
+"""The compute devices of this machine, their dtypes, free memory and the CPU allocator."""
 from __future__ import annotations
 
+import ctypes
 import os
+from functools import lru_cache
 
 import psutil
 import torch
+
+from .enums import COMPUTE_DTYPES
+
+TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """A compute dtype by name."""
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown dtype '{name}' (choose one of {', '.join(COMPUTE_DTYPES)})")
+    return TORCH_DTYPES[name]
 
 
 def default_devices() -> list[str]:
@@ -61,3 +75,29 @@ def set_threads(n: int | None) -> None:
     if n:
         torch.set_num_threads(n)
         os.environ.setdefault("OMP_NUM_THREADS", str(n))
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise), so that the resident
+    size after loading is what the stage holds."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+@lru_cache(maxsize=None)
+def large_allocations_unmapped() -> None:
+    """Serve every CPU allocation of 1 MiB or more by its own mapping, returned when freed: glibc
+    otherwise raises that threshold to the largest block freed so far and keeps such transients
+    (dequantized chunks, prefill activations) in its heap, and a stage's resident size drifts
+    above its tensors by whatever the loading and the prefill happened to free."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD

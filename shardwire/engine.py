@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .pipeline import PipelineError, Row, Step, StepResult
+from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams
 
 log = logging.getLogger("shardwire.engine")
@@ -56,7 +56,7 @@ class Event:
 class Stats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    t_submit: float = 0.0
+    t_submit: float = field(default_factory=time.perf_counter)
     t_first_token: float = 0.0
     t_end: float = 0.0
 
@@ -77,13 +77,13 @@ class Handle:
     def __init__(self, engine: "Engine", request: Request, events=None):
         self.request, self._engine = request, engine
         self.events: queue.Queue[Event] = queue.Queue() if events is None else events
-        self.stats = Stats(prompt_tokens=len(request.prompt), t_submit=time.perf_counter())
+        self.stats = Stats(prompt_tokens=len(request.prompt))
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
 
     def cancel(self) -> None:
-        self._engine._inbox.put(("cancel", self))
+        self._engine.cancel(self)
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -116,7 +116,7 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, pipeline, tokenizer=None, *, prefill_chunk: int = 512):
+    def __init__(self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.prefill_chunk = prefill_chunk
         self._inbox: queue.Queue = queue.Queue()
@@ -125,9 +125,9 @@ class Engine:
         self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
         self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
-        pipeline.on_result = lambda result: self._inbox.put(("result", result))
-        pipeline.on_wake = lambda: self._inbox.put(("wake", None))
-        self._recoverable = hasattr(pipeline, "recover")
+        pipeline.on_result = lambda result: self._inbox.put((self._on_result, result))
+        pipeline.on_wake = lambda: self._inbox.put((self._on_wake, None))
+        self._recoverable = isinstance(pipeline, Recoverable)
         self._thread = threading.Thread(target=self._loop, name="shardwire-engine", daemon=True)
         self._thread.start()
 
@@ -139,8 +139,12 @@ class Engine:
         if request.sampling.seed is None:
             request.sampling = SamplingParams(**{**request.sampling.to_dict(), "seed": random.getrandbits(31)})
         handle = Handle(self, request, events)
-        self._inbox.put(("request", handle))
+        self._inbox.put((self._on_request, handle))
         return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Stop a request from any thread: it ends with finish_reason "cancelled"."""
+        self._inbox.put((self._on_cancel, handle))
 
     @property
     def running(self) -> bool:
@@ -151,21 +155,21 @@ class Engine:
         return {"total": self.pipeline.n_slots, "busy": len(self._running), "waiting": len(self._waiting)}
 
     def close(self) -> None:
-        self._inbox.put(("stop", None))
+        self._inbox.put((None, None))
         self._thread.join(timeout=10)
 
     # -- engine thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
-            kind, item = self._inbox.get()
+            handler, item = self._inbox.get()
             while True:
-                if kind == "stop":
+                if handler is None:  # close()
                     self._fail_all("the engine is shutting down", "cancelled")
                     return
-                self._guarded(getattr(self, f"_on_{kind}"), item)
+                self._guarded(handler, item)
                 try:
-                    kind, item = self._inbox.get_nowait()
+                    handler, item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
             self._guarded(self._schedule)
@@ -197,7 +201,8 @@ class Engine:
         for seq in self._running.values():
             if seq.handle is handle:
                 seq.cancelled = True
-                self._finish(seq, "cancelled")
+                self._finish(seq, "cancelled")  # may release the slot: stop iterating over them
+                return
 
     def _on_wake(self, _) -> None:
         pass  # the pipeline broke or wants rebalancing; _schedule() looks
@@ -205,7 +210,7 @@ class Engine:
     def _on_result(self, result: StepResult) -> None:
         seqs = self._steps.pop(result.step_id, [])
         self._decoding.discard(result.step_id)
-        broken = self._recoverable and getattr(self.pipeline, "broken", None)
+        broken = self._recoverable and self.pipeline.broken
         for i, seq in enumerate(seqs):
             seq.in_flight -= 1
             if result.error is not None:

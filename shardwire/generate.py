@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .coordinator.launch import build_pipeline
 from .devices import set_threads
 from .engine import Engine, Request
 from .formats import open_model
-from .launch import build_pipeline
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -30,7 +30,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     tokenizer = load_tokenizer(model)
     prompt = encode_prompt(tokenizer, args.prompt, args.chat)
-    pipeline = build_pipeline(model, args)
+    pipeline, _ = build_pipeline(model, args)
     engine = Engine(pipeline, tokenizer)
     try:
         handle = engine.submit(Request(prompt, sampling_from_args(args), max_tokens=args.n_predict,

@@ -8,24 +8,20 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
 from .model import Stage
-from .quant import (WEIGHT_MODES, format_nbytes, kernels_on, large_allocations_unmapped, matrix_format, pack_matrix,
-                    raw_rows, release_memory, to_torch)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype '{name}' (choose one of {', '.join(DTYPES)})")
-    return DTYPES[name]
+from .quant.codecs import raw_rows, to_torch
+from .quant.kernels import kernels_on
+from .quant.packed import pack_matrix
+from .quant.policy import EMBEDDING, weight_formats
 
 
-def undo_qk_interleave(t: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's converter permute: rows (head, pair, 2) -> (head, 2, pair)."""
+def undo_qk_interleave(t, n_heads: int):
+    """Inverse of llama.cpp's converter permute: rows (head, pair, 2) -> (head, 2, pair), for a
+    torch tensor or a numpy array."""
     shape = t.shape
-    return t.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+    return t.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
 def model_rows(cfg: ModelConfig, name: str, t: torch.Tensor, qk_interleaved: bool) -> torch.Tensor:
@@ -43,60 +39,16 @@ def decode_tensor(cfg: ModelConfig, info: TensorInfo, raw: np.ndarray, qk_interl
     return model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape), qk_interleaved)
 
 
-# -- weight formats ----------------------------------------------------------------------
-
-EMBEDDING = "token_embd.weight (embedding)"  # the token table, where a stage holds it apart from its head
-
-
-def resolve_weights(mode: str, device: torch.device | str) -> str:
-    """--weights for one device when no plan chose: auto is fast where the kernels run."""
-    if mode not in WEIGHT_MODES:
-        raise ValueError(f"unknown --weights '{mode}' (choose one of {', '.join(WEIGHT_MODES)})")
-    if mode == "auto":
-        return "fast" if kernels_on(device) else "dequant"
-    return mode
-
-
-def weight_formats(cfg: ModelConfig, tensors: Mapping[str, TensorInfo], first: bool, last: bool, mode: str,
-                   device_type: str, dtype: torch.dtype) -> dict[str, str]:
-    """How each tensor of a stage lives on a device of `device_type` computing in `dtype` under
-    weights `mode` (fast | dequant | packed | compact): 'dense' or a packed format of quant.py,
-    by tensor name, plus EMBEDDING when the token table needs a copy of its own beside the head."""
-    kernels = device_type in ("cpu", "cuda")
-    tied_head = last and cfg.tied_embeddings
-    out = {}
-    for name, info in tensors.items():
-        fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels, device_type, dtype)
-        if name == "token_embd.weight" and not tied_head and fmt != "dense":
-            fmt = "gguf"  # an embedding only gathers rows: the stored blocks serve it as they are
-        out[name] = fmt
-    # a tied head serves as the table too, unless its rows cannot be read back (int4 on CUDA)
-    head = out.get("token_embd.weight")
-    if first and tied_head and head in ("int4", "int8x2") and device_type != "cpu":
-        out[EMBEDDING] = "gguf"
-    return out
-
-
-def weight_nbytes(tensors: Mapping[str, TensorInfo], formats: Mapping[str, str], dtype: torch.dtype) -> int:
-    """Device bytes of a stage's weights in the given formats."""
-    total = 0
-    for name, fmt in formats.items():
-        info = tensors["token_embd.weight" if name == EMBEDDING else name]
-        total += format_nbytes(fmt, info.dtype, tuple(info.shape),
-                               torch.float32 if name == "rope_freqs.weight" else dtype)
-    return total
-
-
 def build_stage(cfg: ModelConfig, start: int, end: int, first: bool, last: bool,
                 tensors: Mapping[str, TensorInfo], read: Callable[[TensorInfo], np.ndarray],
                 qk_interleaved: bool, device: str | torch.device, dtype: torch.dtype,
                 progress: Callable[[int], None] | None = None, weights: str = "dequant") -> Stage:
-    """`weights`: dequant (every tensor decoded to `dtype`), packed or compact (quant.py's
-    formats), or auto (packed where the kernels run, else dequant)."""
+    """`weights`: the stage's mode (quant/policy.py: fast | dequant | packed | compact), as the
+    plan resolved it."""
     device = torch.device(device)
-    mode = resolve_weights(weights, device)
     large_allocations_unmapped()
-    formats = weight_formats(cfg, tensors, first, last, mode, device.type if kernels_on(device) else "none", dtype)
+    formats = weight_formats(tensors, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device),
+                             dtype)
     built, embedding = {}, None
     for name, info in tensors.items():
         raw = read(info)

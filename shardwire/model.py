@@ -48,7 +48,7 @@ class Linear(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-Weight = torch.Tensor | nn.Module  # a dense tensor, or a packed module from quant.py
+Weight = torch.Tensor | nn.Module  # a dense tensor, or a packed module from quant/packed.py
 
 
 def linear(weight: Weight, bias: torch.Tensor | None = None) -> nn.Module:
@@ -186,7 +186,7 @@ class Block(nn.Module):
 class Stage(nn.Module):
     """Blocks [start, end), plus the token embedding if first and the norm + head if last.
 
-    Weights are dense tensors or packed modules (quant.py); `embedding` is the token table when
+    Weights are dense tensors or packed modules (quant/packed.py); `embedding` is the token table when
     it is held apart from the head (a packed head of a tied model may serve as both)."""
 
     def __init__(self, cfg: ModelConfig, start: int, end: int, weights: Mapping[str, Weight],

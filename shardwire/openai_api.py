@@ -195,7 +195,7 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 def _message(m, i: int) -> dict:
     param = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in _ROLES:
         raise bad_request(f"{param} must be an object with a role of {', '.join(sorted(_ROLES))}", param)
     content = m.get("content")
     if isinstance(content, list):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import psutil
 import torch
@@ -51,6 +51,34 @@ class PipelineError(RuntimeError):
     def __init__(self, message: str, worker: str | None = None):
         super().__init__(message)
         self.worker = worker
+
+
+class Pipeline(Protocol):
+    """What the engine drives: stages in this process (LocalPipeline) or on workers
+    (coordinator.remote.RemotePipeline). Results arrive through on_result, from any thread."""
+    n_slots: int
+    ctx: int
+    vocab_size: int
+    n_stages: int
+    on_result: Callable[[StepResult], None]
+    on_wake: Callable[[], None]  # the pipeline broke, or wants rebalancing
+
+    def submit(self, step: Step) -> None: ...
+
+    def free(self, slot: int) -> None: ...
+
+    def status(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Recoverable(Pipeline, Protocol):
+    """A pipeline that can be rebuilt on the capacity that is left after a failure."""
+    broken: str | None  # why it broke; None while it works
+    rebalance_due: bool  # a lost worker answers again
+
+    def recover(self) -> dict: ...
 
 
 def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Sampled | None]:

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ModelConfig
+from .devices import parse_dtype
 from .formats import ModelFile
 from .kvcache import KVCache
-from .loading import EMBEDDING, parse_dtype, weight_formats, weight_nbytes
-from .quant import CHUNK_ELEMENTS, WEIGHT_MODES, kernels_for
+from .quant.packed import CHUNK_ELEMENTS
+from .quant.policy import EMBEDDING, WeightModeError, modes_for, weight_formats, weight_nbytes
 
 
 class PlanError(ValueError):
@@ -28,6 +29,11 @@ class PlanDevice:
     name: str  # device on that worker: "cpu", "cuda:0", "mps"
     free: int  # bytes available for this plan
     dtype: str = "float32"
+    kernels: bool = False  # whether PyTorch's packed int4/int8 kernels run there, as its worker found
+
+    @property
+    def type(self) -> str:
+        return self.name.split(":")[0]
 
     @property
     def label(self) -> str:
@@ -44,7 +50,7 @@ class PlannedStage:
     weight_bytes: int = 0
     kv_bytes: int = 0
     workspace_bytes: int = 0
-    weights: str = "dequant"  # dequant | packed | compact: how its weights live on the device
+    weights: str = "dequant"  # fast | dequant | packed | compact: how its weights live on the device
     formats: dict[str, str] = field(default_factory=dict)  # stored type -> on-device format(s)
 
     @property
@@ -144,43 +150,65 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype
     return ffn + scores + logits + 4 * chunk * cfg.dim * size + dequant
 
 
-def stage_cost(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int,
-               weights: str = "dequant") -> None:
-    """Fill in what `stage` needs on its device with its weights held as `weights` says
-    (fast | dequant | packed | compact)."""
-    cfg = model.config
-    dtype = parse_dtype(stage.device.dtype)
-    tensors = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
-    formats = weight_formats(cfg, tensors, stage.first, stage.last, weights, stage.device.name.split(":")[0], dtype)
-    stage.weights = weights
-    stage.formats = {}
+@dataclass
+class StageCost:
+    """What a stage needs on its device."""
+    weight_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    formats: dict[str, str]  # stored type -> its on-device format(s), "+"-joined
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.workspace_bytes
+
+
+def stage_cost(cfg: ModelConfig, tensors: dict, start: int, end: int, first: bool, last: bool, *,
+               device_type: str, kernels: bool, dtype: str, weights: str, n_slots: int, ctx: int,
+               chunk: int) -> StageCost:
+    """What blocks [start, end) need on a device with their `tensors` (anything with .dtype and
+    .shape, by name) held as `weights` says (fast | dequant | packed | compact). The planner and
+    a worker checking an ASSIGN against its memory both count with this."""
+    torch_dtype = parse_dtype(dtype)
+    formats = weight_formats(tensors, first, last, cfg.tied_embeddings, weights, device_type, kernels, torch_dtype)
+    by_type: dict[str, str] = {}
     for name, fmt in formats.items():
         info = tensors["token_embd.weight" if name == EMBEDDING else name]
         if len(info.shape) > 1:
-            kind = stage.formats.setdefault(info.dtype, fmt)
+            kind = by_type.setdefault(info.dtype, fmt)
             if fmt not in kind.split("+"):
-                stage.formats[info.dtype] = kind + "+" + fmt
-    stage.weight_bytes = weight_nbytes(tensors, formats, dtype)
-    stage.kv_bytes = KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype)
-    stage.workspace_bytes = workspace_bytes(cfg, chunk, stage.last, dtype,
-                                            packed=any(f != "dense" for f in formats.values()))
+                by_type[info.dtype] = kind + "+" + fmt
+    return StageCost(
+        weight_nbytes(tensors, formats, torch_dtype),
+        KVCache.nbytes_for(end - start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, torch_dtype),
+        workspace_bytes(cfg, chunk, last, torch_dtype, packed=any(f != "dense" for f in formats.values())),
+        by_type)
+
+
+def cost_stage(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int, weights: str) -> None:
+    """Fill in what a planned stage needs with its weights held as `weights` says."""
+    d = stage.device
+    cost = stage_cost(model.config, model.stage_tensors(stage.start, stage.end, stage.first, stage.last),
+                      stage.start, stage.end, stage.first, stage.last, device_type=d.type, kernels=d.kernels,
+                      dtype=d.dtype, weights=weights, n_slots=n_slots, ctx=ctx, chunk=chunk)
+    stage.weights, stage.formats = weights, cost.formats
+    stage.weight_bytes, stage.kv_bytes, stage.workspace_bytes = cost.weight_bytes, cost.kv_bytes, cost.workspace_bytes
 
 
 def _choose_weights(model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, ctx: int,
                     chunk: int) -> None:
-    """Cost every stage; with auto, each device gets the fastest mode that fits it: fast where
-    the kernels run (else dequant), then packed, then compact."""
-    if weights not in WEIGHT_MODES:
-        raise PlanError(f"unknown --weights '{weights}' (choose one of {', '.join(WEIGHT_MODES)})")
+    """Cost every stage; with auto, each device gets the fastest mode that fits it."""
     by_device: dict[PlanDevice, list[PlannedStage]] = {}
     for stage in stages:
         by_device.setdefault(stage.device, []).append(stage)
     for device, group in by_device.items():
-        modes = [weights] if weights != "auto" else (
-            ["fast", "packed", "compact"] if kernels_for(device.name.split(":")[0]) else ["dequant", "compact"])
+        try:
+            modes = modes_for(weights, device.kernels)
+        except WeightModeError as e:
+            raise PlanError(str(e)) from None
         for mode in modes:
             for stage in group:
-                stage_cost(model, stage, n_slots, ctx, chunk, mode)
+                cost_stage(model, stage, n_slots, ctx, chunk, mode)
             if sum(s.total_bytes for s in group) <= device.free:
                 break
 

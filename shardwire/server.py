@@ -25,13 +25,26 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .cluster import parse_address
+from .coordinator import Cluster
+from .coordinator.launch import build_pipeline
+from .coordinator.links import parse_address
 from .devices import set_threads
 from .engine import Engine, Event
 from .formats import open_model
-from .launch import build_pipeline
-from .openai_api import (APIError, Choice, Job, bad_request, chunk, chunk_choice, parse_chat, parse_completion,
-                         response, unavailable, usage)
+from .openai_api import (
+    APIError,
+    Choice,
+    Job,
+    bad_request,
+    chunk,
+    chunk_choice,
+    parse_chat,
+    parse_completion,
+    response,
+    unavailable,
+    usage,
+)
+from .pipeline import Pipeline
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("shardwire.server")
@@ -46,14 +59,15 @@ class Backend:
 
     def __init__(self, model_id: str, tokenizer, names: set[str], info: dict):
         self.model_id, self.tokenizer, self.names, self.info = model_id, tokenizer, names | {model_id}, info
-        self.pipeline = None
+        self.pipeline: Pipeline | None = None
+        self.cluster: Cluster | None = None  # when stages live on workers
         self.engine: Engine | None = None
         self.ctx = 0
         self.closing = False
         self.requests = {"served": 0, "failed": 0, "client_gone": 0}
 
-    def attach(self, pipeline, engine: Engine) -> None:
-        self.pipeline, self.ctx, self.engine = pipeline, pipeline.ctx, engine
+    def attach(self, pipeline: Pipeline, cluster: Cluster | None, engine: Engine) -> None:
+        self.pipeline, self.cluster, self.ctx, self.engine = pipeline, cluster, pipeline.ctx, engine
 
     def ready_engine(self) -> Engine:
         if self.closing:
@@ -67,8 +81,7 @@ class Backend:
     def pipeline_status(self) -> dict | None:
         if self.pipeline is None:
             return None
-        cluster = getattr(self.pipeline, "cluster", None)
-        return cluster.status() if cluster is not None else self.pipeline.status()
+        return self.pipeline.status()
 
     def problem(self) -> str | None:
         """Why the model cannot serve right now, or None when every stage is loaded and reachable."""
@@ -315,7 +328,7 @@ async def add_worker(request: web.Request) -> web.Response:
     address = body.get("address")
     if not isinstance(address, str) or not address.strip():
         raise bad_request("'address' must be a worker's host:port", "address")
-    cluster = getattr(backend.pipeline, "cluster", None)
+    cluster = backend.cluster
     if cluster is None:
         raise bad_request("this server runs its model in one process; start it with --rpc to use workers")
     try:
@@ -439,7 +452,7 @@ def _load_in_background(model, args: argparse.Namespace, tokenizer) -> asyncio.F
 
     def load():
         try:
-            pipeline = build_pipeline(model, args, n_slots=args.parallel)
+            pipeline, cluster = build_pipeline(model, args, n_slots=args.parallel)
             engine = Engine(pipeline, tokenizer)
         except Exception as e:  # noqa: BLE001 -- handed to the event loop, which re-raises it
             settle(future.set_exception, e)
@@ -448,7 +461,7 @@ def _load_in_background(model, args: argparse.Namespace, tokenizer) -> asyncio.F
         def release():
             engine.close()
             pipeline.close()
-        settle(future.set_result, (pipeline, engine), release)
+        settle(future.set_result, (pipeline, cluster, engine), release)
 
     threading.Thread(target=load, name="shardwire-load", daemon=True).start()
     return future

@@ -6,7 +6,7 @@
     hf_path("qwen3")              # Hugging Face folder (safetensors, config.json, tokenizer.json)
     model_source("llama")         # (ModelConfig, float32 tensors in HF order, Vocab)
 
-Names: llama, llama3.1, mistral, qwen2, qwen3 (shardwire.synthetic.TEST_MODELS); each uses the
+Names: llama, llama3.1, mistral, qwen2, qwen3 (shardwire_kit.synthetic.TEST_MODELS); each uses the
 vocabulary its real models use, from ../shared/vocab (a small built-in BPE where that is absent).
 Files go to a temporary folder removed at exit, or to $SHARDWIRE_TEST_MODELS when set, where
 they are kept and reused across sessions (in a subfolder named after the generating code).
@@ -22,8 +22,8 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-from shardwire import synthetic, writer
-from shardwire.synthetic import TEST_MODELS, build_test_model
+from shardwire_kit import synthetic, writer
+from shardwire_kit.synthetic import TEST_MODELS, build_test_model
 
 NAMES = tuple(TEST_MODELS)
 _lock = threading.RLock()

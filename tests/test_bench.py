@@ -12,6 +12,8 @@ import pytest
 
 from models import model_path
 
+pytestmark = pytest.mark.slow  # worker processes
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from relay import Relay, Shaping  # noqa: E402
 

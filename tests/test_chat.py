@@ -52,7 +52,8 @@ def _metadata(name: str) -> dict:
 
 def transformers_render(template, messages, add_generation_prompt, bos_token="<s>", eos_token="</s>", **kwargs):
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer as HFTokenizer, models
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
     from transformers import PreTrainedTokenizerFast
 
     hf = HFTokenizer(models.WordLevel({bos_token: 0, eos_token: 1, "[UNK]": 2}, unk_token="[UNK]"))

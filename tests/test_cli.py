@@ -6,14 +6,17 @@ import sys
 import pytest
 import torch
 
-from models import model_path
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import GREEDY
 from shardwire.tokenizer import load_tokenizer
+
+from models import model_path
 from workers import WorkerProcess
+
+pytestmark = pytest.mark.slow  # worker processes
 
 
 def run(*args, timeout=180):

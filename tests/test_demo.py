@@ -11,6 +11,8 @@ import sys
 import psutil
 import pytest
 
+pytestmark = pytest.mark.slow  # worker processes
+
 pytest.importorskip("glassllm")
 
 PROMPT = "Alice was beginning to get very tired"

@@ -1,14 +1,17 @@
 """One model split across real worker processes on loopback gives the single-process tokens."""
 import pytest
 
-from models import hf_path, model_path
-from shardwire.cluster import Cluster
+from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams
+
+from models import hf_path, model_path
 from workers import WorkerProcess
+
+pytestmark = pytest.mark.slow  # worker processes
 
 PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]  # valid in every test vocabulary (>= 512 tokens)
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, logprobs=10)
@@ -139,8 +142,8 @@ def test_unreachable_worker_is_named(tmp_path):
 
 def test_glassllm_split_across_two_workers_continues_like_glassllm(worker_pool, tmp_path):
     glassllm = pytest.importorskip("glassllm")
-    from shardwire.glassllm import convert_glassllm
     from shardwire.tokenizer import load_tokenizer
+    from shardwire_kit.glassllm import convert_glassllm
     path = convert_glassllm(tmp_path / "glass.gguf", "gguf")
     model, tokenizer = glassllm.load_pretrained("en")
     prompt = tokenizer.encode("Alice was beginning to get very tired")

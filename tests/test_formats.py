@@ -7,15 +7,16 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import shared_path
-from models import hf_path, model_path, model_source
+
 from shardwire.config import ConfigError
 from shardwire.formats import TensorReader, open_model
 from shardwire.formats.gguf import GGUFError
 from shardwire.loading import load_stage
 from shardwire.tokenizer import load_tokenizer
-from shardwire.writer import write_gguf
+from shardwire_kit.writer import write_gguf
+
+from models import hf_path, model_path, model_source
 
 
 def test_llama_cpp_written_gguf_loads_tokenizes_and_runs():
@@ -42,7 +43,7 @@ def test_loading_a_layer_range_reads_only_its_tensors():
 
 
 def test_sharded_safetensors_folder(tmp_path):
-    from shardwire.writer import write_hf
+    from shardwire_kit.writer import write_hf
     cfg, tensors, vocab = model_source("qwen2")
     write_hf(tmp_path, cfg, tensors, tokenizer_json=vocab.tokenizer_json, shard_max_tensors=7)
     assert (tmp_path / "model.safetensors.index.json").is_file()

@@ -5,25 +5,32 @@ import socket
 import struct
 import time
 
-import msgpack
 import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models import model_path
-from shardwire.cluster import Cluster
+from shardwire.coordinator import Cluster
 from shardwire.formats import open_model
-from shardwire.wire import auth
 from shardwire.wire.conn import Connection, connect
-from shardwire.wire.frames import (MAGIC, PROTOCOL_VERSION, FrameError, Limits, MessageType, decode_header,
-                                   pack_header, parse_fixed, read_frame)
-from shardwire.wire.messages import (Assign, Auth, Challenge, Devices, Error, Forward, Free, Hello, Need,
-                                     Ready, Result, Weights, Welcome)
+from shardwire.wire.frames import (
+    MAGIC,
+    PROTOCOL_VERSION,
+    FrameError,
+    Limits,
+    MessageType,
+    decode_header,
+    pack_header,
+    parse_fixed,
+    read_frame,
+)
+from shardwire.wire.messages import MESSAGES, Assign, StageSpec, TensorSpec
+
+from models import model_path
 from test_distributed import generate, single_process
 from workers import WorkerProcess
 
-PARSERS = [Hello, Challenge, Auth, Welcome, Error, Devices, Assign, Need, Weights, Ready, Forward, Result, Free]
+PARSERS = list(MESSAGES.values())
 
 leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
                  st.text(max_size=20), st.binary(max_size=40))
@@ -32,7 +39,8 @@ values = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=5),
                       max_leaves=30)
 FIELDS = ["role", "nonce", "proof", "worker_id", "auth", "code", "message", "devices", "version", "plan",
           "config", "qk_interleaved", "n_slots", "ctx", "stages", "next", "hashes", "hash", "offset", "total",
-          "step", "rows", "sampling", "recent", "dtype", "shape", "tokens", "logprobs", "slot", "name", "free"]
+          "step", "rows", "sampling", "recent", "dtype", "shape", "tokens", "logprobs", "slot", "name", "free",
+          "t", "sources", "prefill_chunk", "coordinator", "kernels", "weights"]
 headers = st.dictionaries(st.sampled_from(FIELDS), values, max_size=12)
 
 
@@ -138,6 +146,7 @@ def send_and_drop(port: int, payload: bytes, authed: bool) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_live_fuzz_leaves_the_worker_serving(tmp_path):
     path = model_path("llama", "Q8_0")
     worker = WorkerProcess(tmp_path / "cache", token=TOKEN).start()
@@ -179,6 +188,7 @@ def test_live_fuzz_leaves_the_worker_serving(tmp_path):
         worker.stop()
 
 
+@pytest.mark.slow
 def test_oversized_and_out_of_plan_requests_are_rejected_without_allocating(tmp_path):
     path = model_path("llama", "F32")
     worker = WorkerProcess(tmp_path / "cache", token=TOKEN).start()
@@ -207,13 +217,9 @@ def test_oversized_and_out_of_plan_requests_are_rejected_without_allocating(tmp_
             conn.close()
         # an ASSIGN with a layer outside the model, from a second coordinator: refused
         conn, _ = connect("127.0.0.1", worker.port, token=TOKEN)
-        spec = {"name": "blk.9.attn_q.weight", "dtype": "F32", "shape": [256, 256], "nbytes": 262144,
-                "hash": "a" * 64, "file": "x.gguf", "file_size": 1, "offset": 0}
-        stage = {"index": 0, "device": "cpu", "start": 8, "end": 10, "first": False, "last": False,
-                 "dtype": "float32", "tensors": [spec]}
-        conn.send(MessageType.ASSIGN, {"plan": "evil", "config": open_model(path).config.to_dict(),
-                                       "qk_interleaved": True, "n_slots": 1, "ctx": 64, "stages": [stage],
-                                       "next": None})
+        spec = TensorSpec("blk.9.attn_q.weight", "F32", [256, 256], 262144, "a" * 64, "x.gguf", 1, 0)
+        stage = StageSpec(0, "cpu", 8, 10, False, False, "float32", "dequant", [spec])
+        conn.send(Assign("evil", "another", open_model(path).config.to_dict(), True, 1, 64, 512, [stage], None))
         with pytest.raises(Exception, match="rejects the plan"):
             conn.recv()
         conn.close()

@@ -1,4 +1,4 @@
-"""shardwire.glassllm: the trained glassllm model, converted by our code, must continue text exactly
+"""shardwire_kit.glassllm: the trained glassllm model, converted by our code, must continue text exactly
 as glassllm does, and its tokenizer must give glassllm's ids."""
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from gguf import GGUFReader  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from shardwire import glassllm as gl  # noqa: E402
+from shardwire.cache import default_cache_dir  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.formats.gguf import read_gguf  # noqa: E402
-from shardwire.writer import unpermute_qk  # noqa: E402
+from shardwire.loading import undo_qk_interleave  # noqa: E402
+from shardwire_kit import glassllm as gl  # noqa: E402
 
 PROMPTS = [
     "Alice was beginning to get very tired",
@@ -142,9 +143,9 @@ def test_gguf_holds_the_hf_weights(converted):
     for t in tensors:
         w = dequantize(t.data, t.tensor_type).reshape(stored[hf_name(t.name)].shape)
         if ".attn_q." in t.name:
-            w = unpermute_qk(w, cfg.n_heads)
+            w = undo_qk_interleave(w, cfg.n_heads)
         elif ".attn_k." in t.name:
-            w = unpermute_qk(w, cfg.n_kv_heads)
+            w = undo_qk_interleave(w, cfg.n_kv_heads)
         assert np.array_equal(w, stored[hf_name(t.name)].astype(np.float32)), t.name
         assert t.tensor_type.name == ("F32" if w.ndim == 1 else "F16")
 
@@ -172,9 +173,9 @@ def test_cached_gguf_is_converted_once(tmp_path, monkeypatch):
 
     monkeypatch.delenv("SHARDWIRE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert gl.cache_root() == tmp_path / "xdg" / "shardwire"
+    assert default_cache_dir() == tmp_path / "xdg" / "shardwire"
     monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path / "sw"))
-    assert gl.cache_root() == tmp_path / "sw"
+    assert default_cache_dir() == tmp_path / "sw"
     assert gl.cached_glassllm_gguf().parent == tmp_path / "sw" / "models"
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # worker processes
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 numerics = pytest.importorskip("numerics_llamacpp")
@@ -26,7 +28,7 @@ NEAR_TIE = 0.05  # logits: where llama.cpp's 8-bit activations may reorder the t
 
 @pytest.fixture(scope="module")
 def glassllm_f32(tmp_path_factory):
-    from shardwire.glassllm import convert_glassllm
+    from shardwire_kit.glassllm import convert_glassllm
     return convert_glassllm(tmp_path_factory.mktemp("glassllm") / "glassllm-F32.gguf", "gguf", weight_type="F32")
 
 

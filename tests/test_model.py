@@ -4,12 +4,13 @@ import os
 import pytest
 import torch
 
-from models import NAMES, hf_path, model_path
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import GREEDY
+
+from models import NAMES, hf_path, model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

@@ -5,16 +5,19 @@ import numpy as np
 import pytest
 import torch
 
-from models import model_path
-from shardwire import quant
-from shardwire.cluster import Cluster
+from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
-from shardwire.loading import load_stage, weight_formats, weight_nbytes
+from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.plan import PlanDevice, make_plan
+from shardwire.quant import codecs, policy
+from shardwire.quant import packed as packing
+from shardwire.quant.policy import weight_formats, weight_nbytes
 from shardwire.sampling import GREEDY
-from shardwire.writer import quantize
+from shardwire_kit.writer import quantize
+
+from models import model_path
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8x2"}  # lossless up to bf16 scales
@@ -37,7 +40,7 @@ def matrix(dtype: str, rows: int = 72, cols: int = 512, seed: int = 0):
 @pytest.mark.parametrize("dtype", TYPES)
 def test_unpack_is_gguf_bit_for_bit(dtype):
     _, raw, ref = matrix(dtype)
-    assert torch.equal(quant.unpack(raw, dtype).dequantize(), ref)
+    assert torch.equal(codecs.unpack(raw, dtype).dequantize(), ref)
 
 
 def rms(t: torch.Tensor) -> float:
@@ -47,7 +50,7 @@ def rms(t: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype,fmt", [(t, f) for t in TYPES for f in ("int4", "int8", "gguf")] + [("Q8_0", "int8x2")])
 def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
     w, raw, ref = matrix(dtype)
-    module = quant.pack_matrix(raw, dtype, fmt, "cpu", torch.float32)
+    module = packing.pack_matrix(raw, dtype, fmt, "cpu", torch.float32)
     packed = module.gather(torch.arange(w.shape[0]))
     own = rms(ref - torch.from_numpy(w))
     added = rms(packed - ref) / own
@@ -56,7 +59,7 @@ def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
     elif EXACT.get(dtype) == fmt:
         # only the bf16 rounding of scale and zero: no more than rounding the weights to bf16 does
         assert added <= 1.2 * rms(ref.bfloat16().float() - ref) / own + 1e-3
-    elif quant.FAST[dtype] == fmt:
+    elif policy.FAST[dtype] == fmt:
         assert added <= REQUANT_BOUND
     torch.manual_seed(0)
     bias = torch.randn(w.shape[0])
@@ -74,9 +77,9 @@ def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
 def test_rows_and_row_chunks_agree(fmt, monkeypatch):
     """gather (embedding lookups), dequantize(a, b) by chunks, and the dense-GEMM path read the
     same weights, across layout blocks and the padded tail."""
-    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 64 * 64)  # 64-row chunks of a 64-column matrix
+    monkeypatch.setattr(packing, "CHUNK_ELEMENTS", 64 * 64)  # 64-row chunks of a 64-column matrix
     w, raw, ref = matrix("Q8_0", rows=200, cols=64)
-    module = quant.pack_matrix(raw, "Q8_0", fmt, "cpu", torch.float32)
+    module = packing.pack_matrix(raw, "Q8_0", fmt, "cpu", torch.float32)
     exact = module.gather(torch.arange(200))
     whole = exact.to(module.compute_dtype)
     chunks = torch.cat([module.dequantize(a, min(a + 64, 200)) for a in range(0, 200, 64)])
@@ -108,7 +111,7 @@ def test_packed_stage_undoes_the_qk_interleave(weight_type):
         for name in ("wq", "wk", "wv", "wo"):
             want = dense_weight(dense.blocks[0].attn, name)
             module = getattr(packed.blocks[0].attn, name)
-            assert isinstance(module, quant.PackedLinear)
+            assert isinstance(module, packing.PackedLinear)
             got = module.gather(torch.arange(want.shape[0]))
             tolerance = (REQUANT_BOUND if module.fmt not in (EXACT.get(weight_type), "gguf") else 0.05) * rms(want)
             assert rms(got - want) <= tolerance, (mode, name, module.fmt)
@@ -140,14 +143,14 @@ def test_planned_weight_bytes_are_what_the_stage_holds(mode, first, last, start,
         model = open_model(model_path(name, weight_type))
         tensors = model.stage_tensors(start, end, first, last)
         stage = load_stage(model, start, end, first=first, last=last, weights=mode)
-        formats = weight_formats(model.config, tensors, first, last, mode, "cpu", torch.float32)
+        formats = weight_formats(tensors, first, last, model.config.tied_embeddings, mode, "cpu", True, torch.float32)
         held = sum(p.nbytes for p in stage.parameters())
         assert weight_nbytes(tensors, formats, torch.float32) == held
 
 
 def test_plan_auto_packs_and_falls_back_to_compact():
     model = open_model(model_path("llama", "Q6_K"))
-    plan = lambda free, weights="auto": make_plan(model, [PlanDevice("w:1", "cpu", free)], ctx=64,  # noqa: E731
+    plan = lambda free, weights="auto": make_plan(model, [PlanDevice("w:1", "cpu", free, kernels=True)], ctx=64,  # noqa: E731
                                                   prefill_chunk=16, weights=weights)
     roomy = plan(1 << 40)
     assert roomy.stages[0].weights == "fast" and roomy.stages[0].formats["Q6_K"].startswith("int8")
@@ -169,7 +172,7 @@ def test_auto_keeps_q8_0_dense_on_a_bf16_cpu_while_it_fits():
     model = open_model(model_path("llama", "Q8_0"))
 
     def plan(free, dtype="bfloat16"):
-        return make_plan(model, [PlanDevice("w:1", "cpu", free, dtype=dtype)], ctx=64, prefill_chunk=16,
+        return make_plan(model, [PlanDevice("w:1", "cpu", free, dtype=dtype, kernels=True)], ctx=64, prefill_chunk=16,
                          weights="auto").stages[0]
     roomy = plan(1 << 40)
     assert roomy.weights == "fast" and roomy.formats["Q8_0"] == "dense"

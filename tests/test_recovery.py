@@ -4,15 +4,18 @@ import time
 
 import pytest
 
-from freezable_relay import FreezableRelay
-from shardwire.cluster import Cluster
+from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.plan import PlanDevice, make_plan
 from shardwire.sampling import SamplingParams
-from shardwire.synthetic import write_random_llama
+from shardwire_kit.synthetic import write_random_llama
+
+from freezable_relay import FreezableRelay
 from test_distributed import single_process
 from workers import WorkerProcess
+
+pytestmark = pytest.mark.slow  # worker processes
 
 PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]
 CHUNK = 16
@@ -48,8 +51,8 @@ class Setup:
             addresses[relay_index] = self.relay.address
         self.model = open_model(path)
         self.cluster = Cluster(addresses, cache_dir=tmp_path / "coord", show_progress=False)
-        self.cluster.heartbeat_interval, self.cluster.dead_after = 0.25, 1.5
-        self.cluster.stall_timeout, self.cluster.recovery_timeout = 3.0, recovery_timeout
+        self.cluster.heartbeat.interval, self.cluster.heartbeat.dead_after = 0.25, 1.5
+        self.cluster.heartbeat.stall_timeout, self.cluster.recovery_timeout = 3.0, recovery_timeout
         self.cluster.connect(self.model)
         self.pipeline = self.cluster.load(self.cluster.make_plan(ctx=256, n_slots=4, prefill_chunk=CHUNK, dtype="float32"))
         assert len(self.cluster.plan.stages) == 3

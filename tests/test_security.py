@@ -6,14 +6,18 @@ import time
 
 import pytest
 
-from models import model_path
-from shardwire.cluster import Cluster
+from shardwire.coordinator import Cluster
 from shardwire.formats import open_model
 from shardwire.wire.conn import AuthError, Connection, RemoteError, connect
-from shardwire.wire.frames import FrameError, MessageType
+from shardwire.wire.frames import FrameError
+from shardwire.wire.messages import Auth, Challenge, Describe, Devices, Hello, Welcome
 from shardwire.wire.tls import ClientTLS, TLSError, generate_certificate
+
+from models import model_path
 from test_distributed import distributed, single_process
 from workers import WorkerProcess
+
+pytestmark = pytest.mark.slow  # worker processes
 
 TOKEN = "correct horse battery staple"
 
@@ -45,7 +49,7 @@ def tls_args(cert):
 def assert_no_model_command_ran(conn: Connection):
     """After a refused handshake nothing is served: a DESCRIBE gets no DEVICES back."""
     try:
-        conn.send(MessageType.DESCRIBE)
+        conn.send(Describe())
         frame = conn.recv()
     except RemoteError as e:  # an error reply, then the connection closes
         assert "expected AUTH" in str(e)
@@ -65,12 +69,12 @@ def test_missing_or_wrong_token_is_refused(pool, client_token):
     # A client that skips AUTH and goes straight for a model command is cut off.
     sock = socket.create_connection(("127.0.0.1", worker.port))
     conn = Connection(sock, "raw")
-    conn.send(MessageType.HELLO, {"role": "coordinator", "nonce": b"x" * 32})
-    conn.expect(MessageType.CHALLENGE)
+    conn.send(Hello("coordinator", b"x" * 32))
+    conn.expect(Challenge)
     assert_no_model_command_ran(conn)
     good, _ = connect("127.0.0.1", worker.port, token=TOKEN)  # the worker still serves the right token
-    good.send(MessageType.DESCRIBE)
-    assert good.expect(MessageType.DEVICES).header["devices"]
+    good.send(Describe())
+    assert good.expect(Devices).devices
 
 
 def test_replayed_handshake_is_refused(pool):
@@ -80,18 +84,18 @@ def test_replayed_handshake_is_refused(pool):
     sock = socket.create_connection(("127.0.0.1", worker.port))
     conn = Connection(sock, "victim")
     nonce = auth.new_nonce()
-    conn.send(MessageType.HELLO, {"role": "coordinator", "nonce": nonce})
-    challenge = conn.expect(MessageType.CHALLENGE).header
-    recorded = auth.client_proof(TOKEN, nonce, challenge["nonce"])
+    conn.send(Hello("coordinator", nonce))
+    challenge = conn.expect(Challenge)
+    recorded = auth.client_proof(TOKEN, nonce, challenge.nonce)
     conn.close()
 
     sock = socket.create_connection(("127.0.0.1", worker.port))
     replay = Connection(sock, "attacker")
-    replay.send(MessageType.HELLO, {"role": "coordinator", "nonce": nonce})
-    replay.expect(MessageType.CHALLENGE)
-    replay.send(MessageType.AUTH, {"proof": recorded})
+    replay.send(Hello("coordinator", nonce))
+    replay.expect(Challenge)
+    replay.send(Auth(recorded))
     with pytest.raises(Exception, match="authentication failed"):
-        replay.expect(MessageType.WELCOME)
+        replay.expect(Welcome)
 
 
 def test_plain_tcp_client_against_a_tls_worker(pool, certs):
@@ -116,8 +120,8 @@ def test_mutual_tls_requires_a_client_certificate(pool, certs):
     pin = certs["w1"][2]
     with pytest.raises((TLSError, ConnectionError, OSError)):
         conn, _ = connect("127.0.0.1", worker.port, token=None, tls=ClientTLS(pins={pin}))
-        conn.send(MessageType.DESCRIBE)
-        conn.expect(MessageType.DEVICES)
+        conn.send(Describe())
+        conn.expect(Devices)
     conn, _ = connect("127.0.0.1", worker.port, token=None,
                       tls=ClientTLS(pins={pin}, cert=certs["coord"][0], key=certs["coord"][1]))
     conn.close()

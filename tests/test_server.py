@@ -15,15 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+pytestmark = pytest.mark.slow  # worker processes
+
 openai = pytest.importorskip("openai")
 
-from models import model_path  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.loading import load_stage  # noqa: E402
 from shardwire.pipeline import LocalPipeline, PipelineError  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
 from shardwire.tokenizer import load_tokenizer  # noqa: E402
+
+from models import model_path  # noqa: E402
 from workers import WorkerProcess  # noqa: E402
 
 KEY = "test-key"
@@ -281,13 +284,16 @@ class _GonePipeline:
     n_slots, ctx, n_stages, vocab_size, broken = 2, 64, 1, 151936, None
 
     def __init__(self):
-        self.on_result = lambda result: None
+        self.on_result = self.on_wake = lambda *args: None
 
     def submit(self, step):
         raise PipelineError("worker 10.0.0.9:50052 is gone (connection reset)", "10.0.0.9:50052")
 
     def free(self, slot):
         pass
+
+    def status(self):
+        return {"plan": "p", "ready": True, "broken": None, "workers": []}
 
     def close(self):
         pass
@@ -301,7 +307,7 @@ def test_generation_failing_on_a_gone_worker_is_503_and_the_server_stays_up(mode
 
     async def scenario():
         backend = Backend("m", load_tokenizer(open_model(model)), set(), {})
-        backend.attach(_GonePipeline(), Engine(_GonePipeline(), backend.tokenizer))
+        backend.attach(_GonePipeline(), None, Engine(_GonePipeline(), backend.tokenizer))
         runner = web.AppRunner(create_app(backend), handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()

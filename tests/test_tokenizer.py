@@ -157,7 +157,12 @@ def test_token_text():
 
 def test_encode_speed():
     # ~4000 tokens of varied English prose and code, on a fresh tokenizer (empty word cache)
-    import argparse, collections, email, json as json_module, textwrap, typing
+    import argparse
+    import collections
+    import email
+    import json as json_module
+    import textwrap
+    import typing
 
     text = "\n\n".join(inspect.getdoc(m) for m in (argparse, collections, email, json_module, typing))
     text += inspect.getsource(textwrap)
@@ -202,7 +207,8 @@ def test_load_tokenizer_from_model_file():
 # --- tokenizer.json through the tokenizers library ---
 
 def _trained_byte_level_tokenizer():
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -246,7 +252,8 @@ def test_hf_folder_without_tokenizer_json(tmp_path):
 
 def test_gguf_metadata_with_huggingface_json():
     # a character-level BPE, as shardwire's converter writes for its small trained model
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
 
     chars = ["<s>", "</s>", *"abcdefghijklmnopqrstuvwxyz ,.!", "ab", "abc"]
     hf = HFTokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [("a", "b"), ("ab", "c")]))

@@ -6,11 +6,47 @@ import threading
 import msgpack
 import pytest
 
+from shardwire.sampling import Sampled
 from shardwire.wire import auth
 from shardwire.wire.conn import AuthError, Connection, connect, server_handshake
-from shardwire.wire.frames import (FIXED_SIZE, MAGIC, PROTOCOL_VERSION, FrameError, Limits, MessageType,
-                                   pack_header, read_frame, send_frame)
-from shardwire.wire.messages import Assign, Forward, TensorSpec
+from shardwire.wire.frames import (
+    FIXED_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    FrameError,
+    Limits,
+    MessageType,
+    pack_header,
+    read_frame,
+    send_frame,
+)
+from shardwire.wire.messages import (
+    MESSAGES,
+    Assign,
+    Auth,
+    Challenge,
+    Describe,
+    DeviceInfo,
+    Devices,
+    Error,
+    Forward,
+    Free,
+    Hello,
+    Need,
+    NextHop,
+    Ok,
+    Ping,
+    Pong,
+    Ready,
+    Release,
+    Result,
+    StageReport,
+    StageSpec,
+    TensorSpec,
+    Weights,
+    Welcome,
+    parse_message,
+)
 
 
 def socket_pair():
@@ -120,14 +156,57 @@ def test_tensor_spec_validation():
 
 def test_assign_stages_must_be_consecutive():
     stage = {"index": 0, "device": "cpu", "start": 0, "end": 2, "first": True, "last": False,
-             "dtype": "float32", "tensors": [tensor_spec()]}
+             "dtype": "float32", "weights": "dequant", "tensors": [tensor_spec()]}
     later = dict(stage, index=1, start=3, end=4, first=False)
-    h = {"plan": "p", "config": {}, "qk_interleaved": True, "n_slots": 1, "ctx": 64, "stages": [stage, later],
-         "next": None}
+    h = {"plan": "p", "coordinator": "c", "config": {}, "qk_interleaved": True, "n_slots": 1, "ctx": 64,
+         "prefill_chunk": 512, "stages": [stage, later], "next": None}
     with pytest.raises(FrameError, match="consecutive"):
         Assign.parse(h)
     h["stages"] = [stage, dict(later, start=2)]
     assert len(Assign.parse(h).stages) == 2
+
+
+# One of each message, as a sender builds it.
+SPEC = TensorSpec("blk.0.attn_q.weight", "Q4_K", [64, 256], 9216, "a" * 64, "m.gguf", 123456, 4096)
+EXAMPLES = [
+    Hello("coordinator", b"n" * 32), Challenge(b"c" * 32, "host/1234", True), Auth(b"p" * 32), Welcome(b""),
+    Error("plan", "worker w rejects the plan: too big"), Ping(12.5), Pong(12.5), Describe(), Release(), Ok(),
+    Free(3),
+    Devices("host/1234", "0.1.0", [DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True),
+                                   DeviceInfo("cuda:0", 5, 9, "float16", False)]),
+    Assign("plan1", "coord1", {"arch": "llama", "n_layers": 2}, True, 4, 256, 64,
+           [StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", [SPEC]),
+            StageSpec(1, "cpu:1", 1, 2, False, True, "bfloat16", "compact", [])],
+           NextHop("10.0.0.2", 50052, "sha256:" + "b" * 64)),
+    Need(["a" * 64, "b" * 64]), Weights("a" * 64, 8 << 20, 9 << 20),
+    Ready([StageReport(0, 1000, 200), StageReport(1, 50, 20)], {"file": 10, "cache": 0, "streamed": 5}),
+    Forward("plan1", 7, [(0, 0, 4), (2, 10, 4)], [None, {"temperature": 0.0}], [[], [1, 2]], "float32",
+            [2, 4, 16]),
+    Result(7, [None, 42], [None, [-0.5, [[42, -0.5], [7, -1.25]]]]),
+]
+
+
+def test_every_message_type_has_an_example():
+    assert {type(m) for m in EXAMPLES} == set(MESSAGES.values())
+    assert set(MESSAGES) == set(MessageType)
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_messages_round_trip_through_a_frame(message):
+    a, b = socket.socketpair()
+    try:
+        Connection(a, "a").send(message, request=5)
+        frame = read_frame(b, Limits())
+    finally:
+        a.close()
+        b.close()
+    assert frame.type == message.TYPE and frame.request == 5
+    assert parse_message(frame) == message
+
+
+def test_result_carries_sampled_tokens_both_ways():
+    sampled = [None, Sampled(42), Sampled(9, -0.25, [(9, -0.25), (3, -2.0)])]
+    assert Result.of_sampled(3, sampled).sampled() == sampled
 
 
 # -- the handshake -----------------------------------------------------------------------
@@ -183,11 +262,11 @@ def test_replayed_auth_is_refused():
     recorded = auth.client_proof(token, old_client_nonce, old_server_nonce)
     sock = socket.create_connection(("127.0.0.1", port))
     conn = Connection(sock, "attacker")
-    conn.send(MessageType.HELLO, {"role": "coordinator", "nonce": old_client_nonce})
-    conn.expect(MessageType.CHALLENGE)
-    conn.send(MessageType.AUTH, {"proof": recorded})
+    conn.send(Hello("coordinator", old_client_nonce))
+    conn.expect(Challenge)
+    conn.send(Auth(recorded))
     with pytest.raises(Exception, match="authentication failed"):
-        conn.expect(MessageType.WELCOME)
+        conn.expect(Welcome)
     t.join(5)
     assert isinstance(results[0], AuthError)
 
@@ -197,12 +276,11 @@ def test_fixed_header_size():
     assert len(pack_header(MessageType.PING, {}, 0)) == 33
 
 
-def test_devices_carry_an_optional_compute_dtype():
-    from shardwire.wire.messages import Devices
-    base = {"worker_id": "w", "version": "1", "devices": [{"name": "cpu", "free": 1, "total": 2}]}
-    assert Devices.parse(base).devices[0].dtype is None  # a worker that does not say
-    base["devices"][0]["dtype"] = "bfloat16"
-    assert Devices.parse(base).devices[0].dtype == "bfloat16"
-    base["devices"][0]["dtype"] = "int4"
-    with pytest.raises(FrameError):
-        Devices.parse(base)
+def test_devices_carry_the_compute_dtype_and_kernels_each_device_does_best():
+    base = {"worker_id": "w", "version": "1",
+            "devices": [{"name": "cpu", "free": 1, "total": 2, "dtype": "bfloat16", "kernels": True}]}
+    assert Devices.parse(base).devices[0] == DeviceInfo("cpu", 1, 2, "bfloat16", True)
+    for field, bad in [("dtype", "int4"), ("kernels", "yes"), ("dtype", None)]:
+        devices = [dict(base["devices"][0], **{field: bad})]
+        with pytest.raises(FrameError, match=field):
+            Devices.parse(dict(base, devices=devices))

@@ -1,4 +1,4 @@
-"""shardwire.writer: GGUF files and Hugging Face folders as llama.cpp's converter and transformers
+"""shardwire_kit.writer: GGUF files and Hugging Face folders as llama.cpp's converter and transformers
 write them, read back by shardwire, by the gguf package and by transformers."""
 from __future__ import annotations
 
@@ -9,16 +9,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import shared_path
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from conftest import shared_path
 from shardwire.formats import TensorReader, open_model
 from shardwire.formats.gguf import read_gguf
 from shardwire.formats.safetensors import hf_name
-from shardwire.synthetic import LLAMA3_SCALING, load_vocab, random_model
-from shardwire.writer import (GGUF_ARCH, PERMUTED_ARCHS, WEIGHT_TYPES, gguf_config, llama3_rope_factors, quantize,
-                              unpermute_qk, write_gguf, write_hf)
+from shardwire.loading import undo_qk_interleave
+from shardwire_kit.synthetic import LLAMA3_SCALING, load_vocab, random_model
+from shardwire_kit.writer import (
+    GGUF_ARCH,
+    PERMUTED_ARCHS,
+    WEIGHT_TYPES,
+    gguf_config,
+    llama3_rope_factors,
+    quantize,
+    write_gguf,
+    write_hf,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -93,9 +102,9 @@ def rel_error(got: np.ndarray, want: np.ndarray) -> float:
 def hf_order(name: str, w: np.ndarray, cfg) -> np.ndarray:
     """A GGUF tensor back in Hugging Face row order (undoing the converter's Q/K permutation)."""
     if cfg.arch in PERMUTED_ARCHS and ".attn_q." in name:
-        return unpermute_qk(w, cfg.n_heads)
+        return undo_qk_interleave(w, cfg.n_heads)
     if cfg.arch in PERMUTED_ARCHS and ".attn_k." in name:
-        return unpermute_qk(w, cfg.n_kv_heads)
+        return undo_qk_interleave(w, cfg.n_kv_heads)
     return w
 
 

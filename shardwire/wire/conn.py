@@ -6,9 +6,9 @@ import ssl
 import threading
 
 from . import auth
-from .tls import ClientTLS, TLSError
 from .frames import Frame, FrameError, Limits, MessageType, read_frame, send_frame
-from .messages import Auth, Challenge, Error, Hello, Welcome
+from .messages import Auth, Challenge, Error, Hello, Message, Welcome
+from .tls import ClientTLS, TLSError
 
 
 class RemoteError(RuntimeError):
@@ -33,9 +33,10 @@ class Connection:
         self.closed = False
         self.fingerprint: str | None = None  # the peer's TLS certificate, when TLS is on
 
-    def send(self, type: MessageType, header: dict | None = None, payload=b"", request: int = 0) -> int:
+    def send(self, message: Message, payload=b"", request: int = 0) -> int:
+        header = message.to_wire()
         with self._send_lock:
-            n = send_frame(self.sock, type, header, payload, request)
+            n = send_frame(self.sock, message.TYPE, header, payload, request)
         self.bytes_sent += n
         return n
 
@@ -47,15 +48,20 @@ class Connection:
             raise RemoteError(err.code, f"{self.peer}: {err.message}", frame.request)
         return frame
 
-    def expect(self, type: MessageType, payload_into=None) -> Frame:
-        frame = self.recv(payload_into)
-        if frame.type != type:
-            raise FrameError(f"{self.peer}: expected {type.name}, got {frame.type.name}")
+    def expect_frame(self, cls: type[Message]) -> Frame:
+        """The next frame, which must be of `cls`'s type (its payload is wanted too)."""
+        frame = self.recv()
+        if frame.type != cls.TYPE:
+            raise FrameError(f"{self.peer}: expected {cls.TYPE.name}, got {frame.type.name}")
         return frame
+
+    def expect(self, cls: type[Message]) -> Message:
+        """The next message, which must be a `cls`."""
+        return cls.parse(self.expect_frame(cls).header)
 
     def send_error(self, code: str, message: str, request: int = 0) -> None:
         try:
-            self.send(MessageType.ERROR, {"code": code, "message": message[:4000]}, request=request)
+            self.send(Error(code, message), request=request)
         except OSError:
             pass
 
@@ -94,8 +100,8 @@ def connect(host: str, port: int, *, token: str | None, role: str = "coordinator
         conn = Connection(sock, peer, limits)
         conn.fingerprint = fingerprint
         nonce = auth.new_nonce()
-        conn.send(MessageType.HELLO, {"role": role, "nonce": nonce})
-        challenge = Challenge.parse(conn.expect(MessageType.CHALLENGE).header)
+        conn.send(Hello(role, nonce))
+        challenge = conn.expect(Challenge)
         if token is not None and not challenge.auth:
             raise AuthError(f"{peer}: worker has no token configured, but this side requires one")
         if token is None and challenge.auth:
@@ -103,9 +109,9 @@ def connect(host: str, port: int, *, token: str | None, role: str = "coordinator
         # The client proves itself first, so a stranger who connects to a worker learns
         # nothing derived from the token to guess at offline.
         proof = auth.client_proof(token, nonce, challenge.nonce) if token is not None else b""
-        conn.send(MessageType.AUTH, {"proof": proof})
+        conn.send(Auth(proof))
         try:
-            welcome = Welcome.parse(conn.expect(MessageType.WELCOME).header)
+            welcome = conn.expect(Welcome)
         except RemoteError as e:
             raise AuthError(str(e)) from None
         if token is not None and not auth.verify(auth.server_proof(token, nonce, challenge.nonce), welcome.proof):
@@ -124,9 +130,9 @@ def server_handshake(conn: Connection, token: str | None, worker_id: str) -> Hel
         raise FrameError(f"expected HELLO first, got {frame.type.name}")
     hello = Hello.parse(frame.header)
     nonce = auth.new_nonce()
-    conn.send(MessageType.CHALLENGE, {"nonce": nonce, "worker_id": worker_id, "auth": token is not None})
-    answer = Auth.parse(conn.expect(MessageType.AUTH).header)
+    conn.send(Challenge(nonce, worker_id, token is not None))
+    answer = conn.expect(Auth)
     if token is not None and not auth.verify(auth.client_proof(token, hello.nonce, nonce), answer.proof):
         raise AuthError(f"{conn.peer}: authentication failed")
-    conn.send(MessageType.WELCOME, {"proof": auth.server_proof(token, hello.nonce, nonce) if token else b""})
+    conn.send(Welcome(auth.server_proof(token, hello.nonce, nonce) if token else b""))
     return hello

@@ -22,7 +22,7 @@ from enum import IntEnum
 import msgpack
 
 MAGIC = b"SHWR"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: DEVICES reports kernels, ASSIGN carries prefill_chunk
 _FIXED = struct.Struct("<4sHHHHQIQ")
 FIXED_SIZE = _FIXED.size
 

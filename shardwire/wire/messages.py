@@ -1,26 +1,28 @@
-"""Every message header that crosses the network, and the checks each field must pass.
+"""Every message that crosses the network, declared once: both sides build a frame's header
+with `to_wire()` and read it with `parse()`, which checks every field and raises FrameError
+naming the one that is wrong.
 
-Parsers take the decoded msgpack map of a frame and return a typed message or raise
-FrameError naming the field. They check shape and range only; whether a value fits the
-current plan (a slot, a layer range, a memory budget) is the receiver's check.
+Parsers check shape and range only; whether a value fits the current plan (a slot, a layer
+range, a memory budget) is the receiver's check. `MESSAGES` maps each frame type to its
+message; `parse_message` reads any frame's header by it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from .frames import FrameError
+from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, STAGE_WEIGHT_MODES, STORED_TYPES
+from ..sampling import Sampled
+from .frames import Frame, FrameError, MessageType
 
 MAX_ROWS = 4096
 MAX_DIM = 1 << 20
 MAX_TOKENS_PER_STEP = 1 << 20
 MAX_ELEMENTS = 1 << 31
 HASH_LEN = 64  # sha256 hex
-TENSOR_DTYPES = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
-STORED_DTYPES = {"F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
-                 "Q4_K", "Q5_K", "Q6_K"}
-COMPUTE_DTYPES = {"float32", "float16", "bfloat16"}
-WEIGHT_MODES = {"fast", "dequant", "packed", "compact"}
+SOURCE_KINDS = ("file", "cache", "streamed")  # where a worker found a tensor's bytes
 
 
 def _get(h: dict, key: str, kind, what: str):
@@ -72,61 +74,154 @@ def _map(value, what: str) -> dict:
     return value
 
 
+def _hash(h: dict, key: str, what: str) -> str:
+    digest = _str(h, key, what, HASH_LEN)
+    if len(digest) != HASH_LEN or any(c not in "0123456789abcdef" for c in digest):
+        raise FrameError(f"{what}: {key} is not a sha256 hex digest")
+    return digest
+
+
+def _nonce(h: dict, what: str) -> bytes:
+    nonce = _bytes(h, "nonce", what, 64)
+    if len(nonce) < 16:
+        raise FrameError(f"{what}: nonce is too short")
+    return nonce
+
+
+MESSAGES: dict[MessageType, type["Message"]] = {}
+
+
+def message(type: MessageType):
+    """Register a message class as the header of frames of `type`."""
+    def register(cls):
+        cls.TYPE = type
+        MESSAGES[type] = cls
+        return cls
+    return register
+
+
+class Message:
+    TYPE: ClassVar[MessageType]
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def parse(cls, h: dict) -> "Message":
+        return cls()
+
+
+def parse_message(frame: Frame) -> Message:
+    return MESSAGES[frame.type].parse(frame.header)
+
+
 # -- handshake ---------------------------------------------------------------------------
 
+@message(MessageType.HELLO)
 @dataclass
-class Hello:
+class Hello(Message):
     role: str  # "coordinator" | "peer"
     nonce: bytes
 
     @classmethod
     def parse(cls, h: dict) -> "Hello":
-        nonce = _bytes(h, "nonce", "HELLO", 64)
-        if len(nonce) < 16:
-            raise FrameError("HELLO: nonce is too short")
+        nonce = _nonce(h, "HELLO")
         return cls(_str(h, "role", "HELLO", choices={"coordinator", "peer"}), nonce)
 
 
+@message(MessageType.CHALLENGE)
 @dataclass
-class Challenge:
+class Challenge(Message):
     nonce: bytes
     worker_id: str
     auth: bool  # whether the worker requires a token
 
     @classmethod
     def parse(cls, h: dict) -> "Challenge":
-        nonce = _bytes(h, "nonce", "CHALLENGE", 64)
-        if len(nonce) < 16:
-            raise FrameError("CHALLENGE: nonce is too short")
+        nonce = _nonce(h, "CHALLENGE")
         return cls(nonce, _str(h, "worker_id", "CHALLENGE", 256), _get(h, "auth", bool, "CHALLENGE"))
 
 
 @dataclass
-class Welcome:
-    proof: bytes  # HMAC proving the worker knows the token too; empty when it has none
+class _Proof(Message):
+    proof: bytes  # an HMAC over both nonces proving the sender knows the token; empty without one
 
     @classmethod
-    def parse(cls, h: dict) -> "Welcome":
-        return cls(_bytes(h, "proof", "WELCOME"))
+    def parse(cls, h: dict) -> "_Proof":
+        return cls(_bytes(h, "proof", cls.TYPE.name))
 
 
+@message(MessageType.AUTH)
+class Auth(_Proof):
+    """The client's proof, sent first."""
+
+
+@message(MessageType.WELCOME)
+class Welcome(_Proof):
+    """The worker's proof; the handshake is done."""
+
+
+@message(MessageType.ERROR)
 @dataclass
-class Auth:
-    proof: bytes
-
-    @classmethod
-    def parse(cls, h: dict) -> "Auth":
-        return cls(_bytes(h, "proof", "AUTH"))
-
-
-@dataclass
-class Error:
+class Error(Message):
     code: str
     message: str
+
+    def __post_init__(self):
+        self.message = self.message[:4000]
 
     @classmethod
     def parse(cls, h: dict) -> "Error":
         return cls(_str(h, "code", "ERROR", 64), _str(h, "message", "ERROR", 4096))
+
+
+# -- liveness and control ------------------------------------------------------------------
+
+@dataclass
+class _Clock(Message):
+    t: float = 0.0  # the pinging side's clock, echoed back
+
+    @classmethod
+    def parse(cls, h: dict) -> "_Clock":
+        return cls(_get(h, "t", float, cls.TYPE.name) if "t" in h else 0.0)
+
+
+@message(MessageType.PING)
+class Ping(_Clock):
+    pass
+
+
+@message(MessageType.PONG)
+class Pong(_Clock):
+    pass
+
+
+@message(MessageType.DESCRIBE)
+@dataclass
+class Describe(Message):
+    """Asks for DEVICES."""
+
+
+@message(MessageType.RELEASE)
+@dataclass
+class Release(Message):
+    """Drop the plan and its memory; answered by OK."""
+
+
+@message(MessageType.OK)
+@dataclass
+class Ok(Message):
+    pass
+
+
+@message(MessageType.FREE)
+@dataclass
+class Free(Message):
+    slot: int  # a sequence slot no longer used
+
+    @classmethod
+    def parse(cls, h: dict) -> "Free":
+        return cls(_int(h, "slot", "FREE", 0, 4095))
 
 
 # -- devices and plans -------------------------------------------------------------------
@@ -136,17 +231,19 @@ class DeviceInfo:
     name: str
     free: int
     total: int
-    dtype: str | None = None  # the compute dtype the worker's own hardware does best
+    dtype: str  # the compute dtype the worker's own hardware does best
+    kernels: bool  # whether PyTorch's packed int4/int8 kernels run on it
 
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
         d = _map(d, what)
-        dtype = _str(d, "dtype", what, 16, COMPUTE_DTYPES) if "dtype" in d else None
-        return cls(_str(d, "name", what, 64), _int(d, "free", what), _int(d, "total", what), dtype)
+        return cls(_str(d, "name", what, 64), _int(d, "free", what), _int(d, "total", what),
+                   _str(d, "dtype", what, 16, COMPUTE_DTYPES), _get(d, "kernels", bool, what))
 
 
+@message(MessageType.DEVICES)
 @dataclass
-class Devices:
+class Devices(Message):
     worker_id: str
     version: str
     devices: list[DeviceInfo]
@@ -174,14 +271,11 @@ class TensorSpec:
         shape = _list(d, "shape", what, 4)
         if not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 1 << 31 for x in shape):
             raise FrameError(f"{what}: bad shape")
-        digest = _str(d, "hash", what, HASH_LEN)
-        if len(digest) != HASH_LEN or any(c not in "0123456789abcdef" for c in digest):
-            raise FrameError(f"{what}: hash is not a sha256 hex digest")
         file = _str(d, "file", what, 255)
         if "/" in file or "\\" in file or file in ("", ".", ".."):
             raise FrameError(f"{what}: file must be a plain base name")
-        return cls(_str(d, "name", what, 128), _str(d, "dtype", what, 8, STORED_DTYPES), shape,
-                   _int(d, "nbytes", what, 1, 1 << 40), digest, file, _int(d, "file_size", what),
+        return cls(_str(d, "name", what, 128), _str(d, "dtype", what, 8, STORED_TYPES), shape,
+                   _int(d, "nbytes", what, 1, 1 << 40), _hash(d, "hash", what), file, _int(d, "file_size", what),
                    _int(d, "offset", what))
 
 
@@ -194,8 +288,8 @@ class StageSpec:
     first: bool
     last: bool
     dtype: str
+    weights: str  # how quantized weights live on the device: fast | dequant | packed | compact
     tensors: list[TensorSpec]
-    weights: str = "dequant"  # how quantized weights live on the device: dequant | packed | compact
 
     @classmethod
     def parse(cls, d) -> "StageSpec":
@@ -204,25 +298,47 @@ class StageSpec:
         stage = cls(_int(d, "index", what, 0, 1 << 16), _str(d, "device", what, 32),
                     _int(d, "start", what, 0, 1 << 16), _int(d, "end", what, 0, 1 << 16),
                     _get(d, "first", bool, what), _get(d, "last", bool, what),
-                    _str(d, "dtype", what, 16, COMPUTE_DTYPES), tensors,
-                    _str(d, "weights", what, 16, WEIGHT_MODES) if "weights" in d else "dequant")
+                    _str(d, "dtype", what, 16, COMPUTE_DTYPES), _str(d, "weights", what, 16, STAGE_WEIGHT_MODES),
+                    tensors)
         if stage.start > stage.end:
             raise FrameError(f"{what}: start {stage.start} > end {stage.end}")
         return stage
 
 
 @dataclass
-class Assign:
+class NextHop:
+    """The worker holding the following stage, and its TLS certificate as the coordinator verified it."""
+    host: str
+    port: int
+    fingerprint: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, d) -> "NextHop":
+        d, what = _map(d, "ASSIGN next"), "ASSIGN next"
+        fp = None
+        if d.get("fingerprint") is not None:
+            fp = _str(d, "fingerprint", what, 71)
+            if not fp.startswith("sha256:") or len(fp) != 71:
+                raise FrameError(f"{what}: fingerprint is not sha256:<64 hex>")
+        return cls(_str(d, "host", what, 255), _int(d, "port", what, 1, 65535), fp)
+
+
+@message(MessageType.ASSIGN)
+@dataclass
+class Assign(Message):
     plan: str
+    coordinator: str  # which coordinator sent it: the same one may take its plan over
     config: dict
     qk_interleaved: bool
     n_slots: int
     ctx: int
+    prefill_chunk: int  # the most tokens per row of a step: the stages' workspace follows it
     stages: list[StageSpec]
-    next_host: str | None  # the worker holding the following stage; None after the last
-    next_port: int | None
-    next_fingerprint: str | None = None  # its TLS certificate, as the coordinator verified it
-    coordinator: str = ""  # which coordinator sent it: the same one may take its plan over
+    next: NextHop | None  # None after the last stage
 
     @classmethod
     def parse(cls, h: dict) -> "Assign":
@@ -234,23 +350,17 @@ class Assign:
             if b.start != a.end or b.index != a.index + 1:
                 raise FrameError(f"{what}: stages are not consecutive")
         nxt = h.get("next")
-        host = port = fp = None
-        if nxt is not None:
-            nxt = _map(nxt, what)
-            host, port = _str(nxt, "host", what, 255), _int(nxt, "port", what, 1, 65535)
-            if nxt.get("fingerprint") is not None:
-                fp = _str(nxt, "fingerprint", what, 71)
-                if not fp.startswith("sha256:") or len(fp) != 71:
-                    raise FrameError(f"{what}: next fingerprint is not sha256:<64 hex>")
-        return cls(_str(h, "plan", what, 64), _map(_get(h, "config", dict, what), what),
-                   _get(h, "qk_interleaved", bool, what), _int(h, "n_slots", what, 1, 4096),
-                   _int(h, "ctx", what, 1, 1 << 24), stages, host, port, fp,
-                   _str(h, "coordinator", what, 64) if "coordinator" in h else "")
+        return cls(_str(h, "plan", what, 64), _str(h, "coordinator", what, 64),
+                   _map(_get(h, "config", dict, what), what), _get(h, "qk_interleaved", bool, what),
+                   _int(h, "n_slots", what, 1, 4096), _int(h, "ctx", what, 1, 1 << 24),
+                   _int(h, "prefill_chunk", what, 1, 1 << 20), stages,
+                   None if nxt is None else NextHop.parse(nxt))
 
 
+@message(MessageType.NEED)
 @dataclass
-class Need:
-    hashes: list[str]
+class Need(Message):
+    hashes: list[str]  # the tensors the worker found neither in its own file nor its cache
 
     @classmethod
     def parse(cls, h: dict) -> "Need":
@@ -260,8 +370,10 @@ class Need:
         return cls(hashes)
 
 
+@message(MessageType.WEIGHTS)
 @dataclass
-class Weights:
+class Weights(Message):
+    """One chunk of one tensor's bytes; the payload is the chunk."""
     hash: str
     offset: int
     total: int
@@ -269,25 +381,43 @@ class Weights:
     @classmethod
     def parse(cls, h: dict) -> "Weights":
         what = "WEIGHTS"
-        digest = _str(h, "hash", what, HASH_LEN)
-        if len(digest) != HASH_LEN:
-            raise FrameError(f"{what}: bad hash")
-        return cls(digest, _int(h, "offset", what, 0, 1 << 40), _int(h, "total", what, 1, 1 << 40))
+        return cls(_hash(h, "hash", what), _int(h, "offset", what, 0, 1 << 40), _int(h, "total", what, 1, 1 << 40))
 
 
 @dataclass
-class Ready:
-    stages: list[dict] = field(default_factory=list)  # per stage: weight/kv bytes, weight sources
+class StageReport:
+    index: int
+    weight_bytes: int
+    kv_bytes: int
+
+    @classmethod
+    def parse(cls, d) -> "StageReport":
+        d, what = _map(d, "READY stage"), "READY stage"
+        return cls(_int(d, "index", what, 0, 1 << 16), _int(d, "weight_bytes", what), _int(d, "kv_bytes", what))
+
+
+@message(MessageType.READY)
+@dataclass
+class Ready(Message):
+    stages: list[StageReport]
+    sources: dict[str, int] = field(default_factory=dict)  # weight bytes by where they came from
 
     @classmethod
     def parse(cls, h: dict) -> "Ready":
-        return cls([_map(s, "READY") for s in _list(h, "stages", "READY", 64)])
+        sources = _map(_get(h, "sources", dict, "READY"), "READY")
+        if set(sources) - set(SOURCE_KINDS):
+            raise FrameError(f"READY: sources must be among {', '.join(SOURCE_KINDS)}")
+        return cls([StageReport.parse(s) for s in _list(h, "stages", "READY", 64)],
+                   {k: _int(sources, k, "READY sources") for k in sources})
 
 
 # -- the data path -----------------------------------------------------------------------
 
+@message(MessageType.FORWARD)
 @dataclass
-class Forward:
+class Forward(Message):
+    """One step for a batch of rows; the payload is int32 token ids (into the first stage) or
+    hidden states (between stages)."""
     plan: str
     step: int
     rows: list[tuple[int, int, int]]  # (slot, start position, new tokens)
@@ -321,7 +451,7 @@ class Forward:
         for r in recent:
             if not isinstance(r, list) or len(r) > 4096 or not all(isinstance(x, int) and 0 <= x < 1 << 31 for x in r):
                 raise FrameError(f"{what}: recent tokens must be lists of token ids")
-        dtype = _str(h, "dtype", what, 16, TENSOR_DTYPES)
+        dtype = _str(h, "dtype", what, 16, PAYLOAD_DTYPES)
         shape = _list(h, "shape", what, 3)
         if not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_DIM for x in shape):
             raise FrameError(f"{what}: bad shape")
@@ -334,19 +464,28 @@ class Forward:
             raise FrameError(f"{what}: token ids are [rows, n] int32; hidden states are [rows, n, dim]")
         return cls(_str(h, "plan", what, 64), _int(h, "step", what), parsed, sampling, recent, dtype, shape)
 
-    def payload_nbytes(self) -> int:
-        n = TENSOR_DTYPES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+    @classmethod
+    def of_rows(cls, plan: str, step: int, rows) -> "Forward":
+        """The first stage's FORWARD for rows with .slot, .start, .tokens, .sampling and .recent."""
+        return cls(plan, step, [(r.slot, r.start, len(r.tokens)) for r in rows],
+                   [r.sampling.to_dict() if r.sampling is not None else None for r in rows],
+                   [list(r.recent) for r in rows], "int32", [len(rows), len(rows[0].tokens)])
 
-    def to_header(self) -> dict:
+    def passing_on(self, dtype: str, shape: list[int]) -> "Forward":
+        """The same step, carrying hidden states of `dtype` and `shape` to the next stage."""
+        return dataclasses.replace(self, dtype=dtype, shape=list(shape))
+
+    def payload_nbytes(self) -> int:
+        return PAYLOAD_DTYPES[self.dtype] * math.prod(self.shape)
+
+    def to_wire(self) -> dict:
         return {"plan": self.plan, "step": self.step, "rows": [list(r) for r in self.rows],
                 "sampling": self.sampling, "recent": self.recent, "dtype": self.dtype, "shape": self.shape}
 
 
+@message(MessageType.RESULT)
 @dataclass
-class Result:
+class Result(Message):
     step: int
     tokens: list[int | None]
     logprobs: list[list | None]  # per row: [chosen logprob, [[id, logprob], ...]] or None
@@ -355,15 +494,23 @@ class Result:
     def parse(cls, h: dict) -> "Result":
         tokens = _list(h, "tokens", "RESULT", MAX_ROWS)
         logprobs = _list(h, "logprobs", "RESULT", MAX_ROWS)
-        if not all(t is None or (isinstance(t, int) and t >= 0) for t in tokens) or len(logprobs) != len(tokens):
+        if not all(t is None or (isinstance(t, int) and not isinstance(t, bool) and t >= 0) for t in tokens) \
+                or len(logprobs) != len(tokens):
             raise FrameError("RESULT: bad tokens")
+        for lp in logprobs:
+            if lp is not None and not (isinstance(lp, list) and len(lp) == 2 and isinstance(lp[0], (int, float))
+                                       and isinstance(lp[1], list)
+                                       and all(isinstance(t, list) and len(t) == 2 for t in lp[1])):
+                raise FrameError("RESULT: bad logprobs")
         return cls(_int(h, "step", "RESULT"), tokens, logprobs)
 
-
-@dataclass
-class Free:
-    slot: int
-
     @classmethod
-    def parse(cls, h: dict) -> "Free":
-        return cls(_int(h, "slot", "FREE", 0, 4095))
+    def of_sampled(cls, step: int, sampled: list[Sampled | None]) -> "Result":
+        return cls(step, [s.token if s is not None else None for s in sampled],
+                   [[s.logprob, [list(t) for t in s.top]] if s is not None and s.logprob is not None else None
+                    for s in sampled])
+
+    def sampled(self) -> list[Sampled | None]:
+        return [None if token is None else Sampled(token) if lp is None
+                else Sampled(token, lp[0], [tuple(t) for t in lp[1]])
+                for token, lp in zip(self.tokens, self.logprobs)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
+from shardwire.config import ModelConfig
 
 SHARED_VOCAB = Path(os.environ.get("SHARDWIRE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "vocab"
 
@@ -170,7 +170,7 @@ def hf_tokenizer(meta: dict) -> tuple[str, dict]:
 def load_vocab(name: str) -> Vocab:
     """A vocabulary by name: 'tiny', or a llama.cpp vocab file ('llama-spm', 'llama-bpe', 'qwen2',
     'gpt-2', 'phi-3' in ../shared/vocab). Falls back to 'tiny' when ../shared is absent."""
-    from .formats.gguf import read_gguf
+    from shardwire.formats.gguf import read_gguf
 
     path = SHARED_VOCAB / f"ggml-vocab-{name}.gguf"
     if name == "tiny" or not path.is_file():

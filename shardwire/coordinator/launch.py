@@ -6,12 +6,14 @@ import os
 import sys
 from pathlib import Path
 
+from ..devices import check_device, default_devices, default_dtype, free_memory, parse_dtype, torch_device
+from ..formats import ModelFile
+from ..loading import load_stage
+from ..pipeline import LocalPipeline, Pipeline
+from ..plan import PlanDevice, make_plan
+from ..quant.kernels import kernels_on
+from ..security import add_client_tls_args, client_tls, resolve_token
 from .cluster import Cluster
-from .devices import check_device, default_devices, default_dtype, torch_device
-from .formats import ModelFile
-from .loading import load_stage, parse_dtype
-from .pipeline import LocalPipeline
-from .security import add_client_tls_args, client_tls, resolve_token
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -47,32 +49,51 @@ def parse_split(text: str | None) -> list[float] | None:
         raise ValueError(f"--tensor-split '{text}' is not a comma-separated list of numbers") from None
 
 
-def build_pipeline(model: ModelFile, args: argparse.Namespace, n_slots: int = 1, quiet: bool = False):
-    """A LocalPipeline, or a loaded cluster's RemotePipeline when --rpc or -ngl asks for one."""
-    ctx = min(args.ctx_size, model.config.context_length)
-    workers = [a for a in (args.rpc or "").split(",") if a.strip()]
-    n_layers = model.config.n_layers
+def local_pipeline(model: ModelFile, device: str, dtype: str, weights: str, n_slots: int, ctx: int,
+                   prefill_chunk: int = 512) -> LocalPipeline:
+    """Every block in this process on one device, its weights held as the plan resolves `weights`
+    for that device (auto: the first mode that fits its free memory), as a worker's would be."""
+    planned = PlanDevice("local", device, free_memory(device), dtype, kernels_on(torch_device(device)))
+    plan = make_plan(model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights)
+    stage = plan.stages[0]
+    return LocalPipeline([load_stage(model, 0, model.config.n_layers, device=torch_device(device),
+                                     dtype=parse_dtype(dtype), weights=stage.weights)], n_slots=n_slots, ctx=ctx)
+
+
+def _cluster(model: ModelFile, args: argparse.Namespace, workers: list[str], local: list[str],
+             show_progress: bool) -> Cluster:
     ngl = args.n_gpu_layers
-    if not workers and (ngl is None or ngl >= n_layers):
+    return Cluster(workers, token=resolve_token(args), tls=client_tls(args), local_devices=local,
+                   local_cpu=ngl is not None and ngl < model.config.n_layers,
+                   cache_dir=Path(args.cache_dir) if args.cache_dir else None, show_progress=show_progress)
+
+
+def _workers(args: argparse.Namespace) -> list[str]:
+    return [a for a in (args.rpc or "").split(",") if a.strip()]
+
+
+def build_pipeline(model: ModelFile, args: argparse.Namespace, n_slots: int = 1,
+                   quiet: bool = False) -> tuple[Pipeline, Cluster | None]:
+    """A LocalPipeline, or a loaded cluster's pipeline when --rpc or -ngl asks for one, with its
+    cluster."""
+    ctx = min(args.ctx_size, model.config.context_length)
+    workers = _workers(args)
+    ngl = args.n_gpu_layers
+    if not workers and (ngl is None or ngl >= model.config.n_layers):
         device = check_device(args.device or default_devices()[0])
-        dtype = parse_dtype(args.dtype or default_dtype(device))
-        stage = load_stage(model, 0, n_layers, device=torch_device(device), dtype=dtype,
-                           weights=getattr(args, "weights", "auto"))
-        return LocalPipeline([stage], n_slots=n_slots, ctx=ctx)
+        return local_pipeline(model, device, args.dtype or default_dtype(device), args.weights, n_slots, ctx), None
     local = [check_device(d) for d in args.device.split(",")] if args.device else (
         [d for d in default_devices() if d != "cpu"])
-    cluster = Cluster(workers, token=resolve_token(args), tls=client_tls(args), local_devices=local,
-                      local_cpu=ngl is not None and ngl < n_layers,
-                      cache_dir=Path(args.cache_dir) if args.cache_dir else None, show_progress=not quiet)
-    cluster.dead_after, cluster.stall_timeout = args.dead_after, args.stall_timeout
+    cluster = _cluster(model, args, workers, local, show_progress=not quiet)
+    cluster.heartbeat.dead_after, cluster.heartbeat.stall_timeout = args.dead_after, args.stall_timeout
     cluster.recovery_timeout = args.recovery_timeout
     try:
         cluster.connect(model)
         plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=ngl,
-                                 n_slots=n_slots, ctx=ctx, dtype=args.dtype, weights=getattr(args, "weights", "auto"))
+                                 n_slots=n_slots, ctx=ctx, dtype=args.dtype, weights=args.weights)
         if not quiet:
             print(plan.table(), file=sys.stderr)
-        return cluster.load(plan)
+        return cluster.load(plan), cluster
     except BaseException:
         cluster.close()
         raise
@@ -81,17 +102,14 @@ def build_pipeline(model: ModelFile, args: argparse.Namespace, n_slots: int = 1,
 def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
     """The plan table for `shardwire plan`: workers are asked for their devices, nothing is loaded."""
     ctx = min(args.ctx_size, model.config.context_length)
-    workers = [a for a in (args.rpc or "").split(",") if a.strip()]
-    ngl = args.n_gpu_layers
+    workers = _workers(args)
     local = [check_device(d) for d in args.device.split(",")] if args.device else (
         [d for d in default_devices() if d != "cpu"] if workers else ["cpu"])
-    cluster = Cluster(workers, token=resolve_token(args), tls=client_tls(args), local_devices=local,
-                      local_cpu=ngl is not None and ngl < model.config.n_layers, show_progress=False)
+    cluster = _cluster(model, args, workers, local, show_progress=False)
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=ngl,
-                                 n_slots=args.parallel, ctx=ctx, dtype=args.dtype,
-                                 weights=getattr(args, "weights", "auto"))
+        plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=args.n_gpu_layers,
+                                 n_slots=args.parallel, ctx=ctx, dtype=args.dtype, weights=args.weights)
     finally:
         cluster.close()
     table = plan.table()

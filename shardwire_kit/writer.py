@@ -17,12 +17,20 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, QK_K, GGMLQuantizationType, GGUFEndian, GGUFValueType,
-                  GGUFWriter, LlamaFileType)
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGML_QUANT_VERSION,
+    QK_K,
+    GGMLQuantizationType,
+    GGUFEndian,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+)
 from gguf import quants as gguf_quants
 
-from .config import ModelConfig
-from .formats.safetensors import hf_name
+from shardwire.config import ModelConfig
+from shardwire.formats.safetensors import hf_name
 
 # llama.cpp's converter writes Mistral (and every other LlamaForCausalLM look-alike) as arch "llama".
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -45,11 +53,6 @@ WEIGHT_TYPES = tuple(_FILE_TYPES)
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: rotate-half rows (head, 2, pair) -> interleaved (head, pair, 2)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of permute_qk (what transformers' GGUF loader and shardwire do on load)."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def llama3_rope_factors(cfg: ModelConfig) -> np.ndarray:

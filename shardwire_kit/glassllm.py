@@ -10,13 +10,15 @@ checkpoints. Its tokenizer is character BPE over NFC text with spaces as U+2581.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .writer import unpermute_qk, write_gguf, write_hf
+from shardwire.cache import default_cache_dir
+from shardwire.config import ModelConfig
+from shardwire.loading import undo_qk_interleave
+
+from .writer import write_gguf, write_hf
 
 SPACE = "\u2581"
 CHUNK_REGEX = "\n|\u2581*[^\u2581\n]+|\u2581+"  # glassllm.tokenizer._CHUNK
@@ -48,8 +50,8 @@ def model_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
         out[p + "attn_norm.weight"] = f32(block.norm1.gamma)
         # Interleaved pairs are exactly llama.cpp's GGUF row order, so the GGUF loaders' inverse
         # permutation turns them into rotate-half order.
-        out[p + "attn_q.weight"] = unpermute_qk(f32(attn.W_Q).T, cfg.n_heads)
-        out[p + "attn_k.weight"] = unpermute_qk(f32(attn.W_K).T, cfg.n_kv_heads)
+        out[p + "attn_q.weight"] = undo_qk_interleave(f32(attn.W_Q).T, cfg.n_heads)
+        out[p + "attn_k.weight"] = undo_qk_interleave(f32(attn.W_K).T, cfg.n_kv_heads)
         out[p + "attn_v.weight"] = f32(attn.W_V).T
         out[p + "attn_output.weight"] = f32(attn.W_O).T
         out[p + "ffn_norm.weight"] = f32(block.norm2.gamma)
@@ -135,19 +137,11 @@ def convert_glassllm(out: str | Path, fmt: str, lang: str = "en", weight_type: s
     raise ValueError(f"unknown format {fmt!r} (gguf or hf)")
 
 
-def cache_root() -> Path:
-    """$SHARDWIRE_CACHE, else $XDG_CACHE_HOME/shardwire, else ~/.cache/shardwire."""
-    if os.environ.get("SHARDWIRE_CACHE"):
-        return Path(os.environ["SHARDWIRE_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "shardwire"
-
-
 def cached_glassllm_gguf(cache_dir: str | Path | None = None, lang: str = "en") -> Path:
     """The converted GGUF in the cache (<cache root>/models), converting it on first use."""
     import glassllm
 
-    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "models"
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
     path = folder / f"glassllm-{lang}-{glassllm.__version__}-F16.gguf"
     if not path.is_file():
         convert_glassllm(path, "gguf", lang=lang, weight_type="F16")

@@ -1,0 +1,115 @@
+"""One worker as the coordinator sees it: its address, its connection, and the thread that reads
+what it sends back (results, step errors, PONGs)."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..wire.conn import Connection, RemoteError
+from ..wire.frames import FrameError
+from ..wire.messages import DeviceInfo, Ok, Pong, Result, parse_message
+
+_HOST = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def parse_address(text: str, default_port: int = 50052) -> tuple[str, int]:
+    """'host:port', 'host' or '[ipv6]:port' -> (host, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, port = text[1:].partition("]")
+        port = port.lstrip(":")
+        valid = bool(host) and all(c in "0123456789abcdefABCDEF:." for c in host)
+    else:
+        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+        valid = bool(_HOST.match(host))
+    if not valid:
+        raise ValueError(f"bad worker address '{text}' (expected host:port)")
+    try:
+        number = int(port) if port else default_port
+    except ValueError:
+        raise ValueError(f"bad port in worker address '{text}'") from None
+    if not 0 < number < 65536:
+        raise ValueError(f"bad port in worker address '{text}'")
+    return host, number
+
+
+@dataclass
+class LinkEvents:
+    """What a link's reader reports, and to whom."""
+    result: Callable[[Result], None]
+    step_failed: Callable[[RemoteError, "WorkerLink"], None]
+    lost: Callable[["WorkerLink", str], None]
+
+
+@dataclass
+class WorkerLink:
+    name: str  # host:port, or "local" / "local:cpu" for the coordinator's own
+    host: str
+    port: int
+    conn: Connection | None = None
+    worker_id: str = ""
+    devices: list[DeviceInfo] = field(default_factory=list)
+    alive: bool = False
+    reader: threading.Thread | None = None
+    local: object | None = None  # the in-process Worker behind a local link
+    latency_ms: float | None = None  # last heartbeat round trip
+    last_pong: float = 0.0
+    fingerprint: str | None = None  # its TLS certificate, once verified
+    pin: str | None = None  # the certificate a local worker was started with
+    lost_since: float | None = None  # when it was lost; None while it is part of the plan or never was
+
+    @classmethod
+    def at(cls, address: str) -> "WorkerLink":
+        return cls(address, *parse_address(address))
+
+    @property
+    def watched(self) -> bool:
+        """Serving a loaded plan: its reader runs and the heartbeat watches it."""
+        return self.alive and self.reader is not None
+
+    def drop(self) -> None:
+        """Close this link on purpose: its reader reports nothing."""
+        self.alive = False
+        self.reader = None
+        if self.conn is not None and not self.conn.closed:
+            self.conn.close()
+
+    def start_reader(self, events: LinkEvents) -> None:
+        self.last_pong = time.monotonic()
+        self.reader = threading.Thread(target=self._read, args=(events,), daemon=True, name=f"link-{self.name}")
+        self.reader.start()
+
+    def _read(self, events: LinkEvents) -> None:
+        while True:
+            try:
+                frame = self.conn.recv()
+                msg = parse_message(frame)
+            except RemoteError as e:
+                if e.code in ("step", "next_hop"):  # one step failed; the worker carries on
+                    events.step_failed(e, self)
+                    continue
+                events.lost(self, str(e))
+                return
+            except (OSError, ConnectionError, FrameError) as e:
+                events.lost(self, f"worker {self.name} is gone ({e})")
+                return
+            if isinstance(msg, Result):
+                events.result(msg)
+            elif isinstance(msg, Pong):
+                self.last_pong = time.monotonic()
+                if msg.t:
+                    self.latency_ms = (self.last_pong - msg.t) * 1000
+            elif not isinstance(msg, Ok):
+                events.lost(self, f"worker {self.name} sent an unexpected {frame.type.name}")
+                return
+
+    def status(self, stages: list) -> dict:
+        """For GET /v1/cluster: this worker, its devices, and its (index, PlannedStage) stages."""
+        return {"name": self.name, "worker_id": self.worker_id, "alive": self.alive,
+                "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
+                "devices": [{"name": d.name, "free": d.free, "total": d.total} for d in self.devices],
+                "stages": [{"index": i, "device": s.device.name, "blocks": [s.start, s.end],
+                            "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes} for i, s in stages]}

@@ -1,0 +1,17 @@
+"""The names the command line, the plan, both sides of the wire and the loaders agree on,
+declared once."""
+from __future__ import annotations
+
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+# Bytes per element of a FORWARD payload: int32 token ids, or hidden states in a compute dtype.
+PAYLOAD_DTYPES = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
+
+# How quantized weights live on a device (quant/policy.py): what a user may ask for, and what a
+# stage is built with once the plan has resolved "auto" to one of the others.
+WEIGHT_MODES = ("auto", "fast", "dequant", "packed", "compact")
+STAGE_WEIGHT_MODES = ("fast", "dequant", "packed", "compact")
+
+# Tensor types as GGUF stores them.
+PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+STORED_TYPES = PLAIN_TYPES + QUANT_TYPES

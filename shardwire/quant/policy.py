@@ -1,0 +1,100 @@
+"""Which on-device format each stored weight gets under each --weights mode, and what it costs.
+
+Modes: dequant (every matrix dense in the compute dtype), packed (the fastest packed format
+whose error stays within the stored type's own), compact (packed only where that costs at most
+~1.11x the stored bytes, else the stored blocks), fast (packed where its kernel beats the dense
+product on the device, else dense). `auto` is not a mode a stage is built with: the plan tries
+`modes_for("auto", ...)` in order, per device, and takes the first that fits.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from ..enums import STAGE_WEIGHT_MODES, WEIGHT_MODES
+from .codecs import PLAIN, stored_nbytes
+from .kernels import GROUP, padded_rows
+
+FAST = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q2_K": "int4", "Q3_K": "int4", "Q8_0": "int8x2",
+        "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8"}
+COMPACT = {t: f if f in ("int4", "int8x2") and t not in ("Q2_K", "Q3_K") else "gguf" for t, f in FAST.items()}
+
+# fast: packed where its kernel beats a dense matrix-vector product on the device, else dense.
+# On a CPU computing in bf16, Q8_0's two int4 planes decode at 0.83x of the dense bf16 product
+# (benchmarks/bench_packed.py speed --types Q8_0), and a prompt's dense GEMM skips dequantizing chunks.
+DENSE_WHEN_FAST = {("cpu", torch.bfloat16): frozenset({"Q8_0"})}
+
+EMBEDDING = "token_embd.weight (embedding)"  # the token table, where a stage holds it apart from its head
+
+
+class WeightModeError(ValueError):
+    pass
+
+
+def modes_for(requested: str, kernels: bool) -> list[str]:
+    """The modes to try, fastest first, for what the user asked on a device with or without the
+    packed kernels: auto is fast, packed, compact where the kernels run, else dequant, compact."""
+    if requested not in WEIGHT_MODES:
+        raise WeightModeError(f"unknown --weights '{requested}' (choose one of {', '.join(WEIGHT_MODES)})")
+    if requested != "auto":
+        return [requested]
+    return ["fast", "packed", "compact"] if kernels else ["dequant", "compact"]
+
+
+def matrix_format(stored: str, shape: tuple[int, ...], mode: str, kernels: bool, device_type: str,
+                  dtype: torch.dtype) -> str:
+    """How a weight matrix stored as `stored` lives on a device: 'dense' or a packed format."""
+    if mode not in STAGE_WEIGHT_MODES:
+        raise WeightModeError(f"a stage is built with one of {', '.join(STAGE_WEIGHT_MODES)}, not {mode!r}")
+    if stored in PLAIN or len(shape) != 2 or mode == "dequant":
+        return "dense"
+    if mode == "fast" and (not kernels or stored in DENSE_WHEN_FAST.get((device_type, dtype), ())):
+        return "dense"
+    fmt = (COMPACT if mode == "compact" else FAST)[stored]
+    return fmt if kernels or fmt == "gguf" else "gguf"
+
+
+def format_nbytes(fmt: str, stored: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Device bytes of a tensor in format `fmt` (dense: in `dtype`)."""
+    n = math.prod(shape)
+    if fmt == "dense":
+        return n * torch.empty((), dtype=dtype).element_size()
+    if fmt == "gguf":
+        return stored_nbytes(stored, shape)
+    N, K = shape
+    if fmt == "int8":
+        return N * K + 2 * N
+    n_pad = padded_rows(N)
+    planes = 2 if fmt == "int8x2" else 1
+    return planes * n_pad * K // 2 + K // GROUP * n_pad * 4
+
+
+def weight_formats(tensors: Mapping, first: bool, last: bool, tied_embeddings: bool, mode: str,
+                   device_type: str, kernels: bool, dtype: torch.dtype) -> dict[str, str]:
+    """How each tensor of a stage (anything with .dtype and .shape, by name) lives on a device of
+    `device_type`, with or without the packed kernels, computing in `dtype`: 'dense' or a packed
+    format, plus EMBEDDING when the token table needs a copy of its own beside the head."""
+    tied_head = last and tied_embeddings
+    out = {}
+    for name, info in tensors.items():
+        fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels, device_type, dtype)
+        if name == "token_embd.weight" and not tied_head and fmt != "dense":
+            fmt = "gguf"  # an embedding only gathers rows: the stored blocks serve it as they are
+        out[name] = fmt
+    # a tied head serves as the table too, unless its rows cannot be read back (int4 on CUDA)
+    head = out.get("token_embd.weight")
+    if first and tied_head and head in ("int4", "int8x2") and device_type != "cpu":
+        out[EMBEDDING] = "gguf"
+    return out
+
+
+def weight_nbytes(tensors: Mapping, formats: Mapping[str, str], dtype: torch.dtype) -> int:
+    """Device bytes of a stage's weights in the given formats."""
+    total = 0
+    for name, fmt in formats.items():
+        info = tensors["token_embd.weight" if name == EMBEDDING else name]
+        total += format_nbytes(fmt, info.dtype, tuple(info.shape),
+                               torch.float32 if name == "rope_freqs.weight" else dtype)
+    return total

@@ -1,0 +1,187 @@
+"""A loaded plan on a worker: one thread per stage, and the hop to the next stage's worker.
+
+A FORWARD is checked against the plan before its payload is read (straight into a tensor of
+the right size); the stage threads run it in turn and hand the result to the next stage in
+this process, over the peer connection to the next worker, or, after the last stage, sample
+and answer the coordinator with a RESULT.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+from ..devices import TORCH_DTYPES
+from ..model import Stage
+from ..pipeline import Row, sample_rows
+from ..sampling import SamplingParams
+from ..wire.conn import Connection, RemoteError
+from ..wire.frames import FrameError
+from ..wire.messages import Assign, Forward, Ping, Pong, Result, StageSpec
+from .weights import FoundWeights
+
+log = logging.getLogger("shardwire.worker")
+
+
+@dataclass
+class StageRunner:
+    """One stage and the thread that runs it."""
+    spec: StageSpec
+    stage: Stage
+    queue: "queue.Queue[tuple[Forward, torch.Tensor] | None]" = field(default_factory=queue.Queue)
+    thread: threading.Thread | None = None
+
+
+class Ring:
+    def __init__(self, assign: Assign, config: ModelConfig, runners: list[StageRunner], coordinator: Connection,
+                 next_conn: Connection | None, weights: FoundWeights, worker_id: str, idle_timeout: float):
+        self.id, self.coordinator_id = assign.plan, assign.coordinator
+        self.config, self.n_slots, self.ctx = config, assign.n_slots, assign.ctx
+        self.runners, self.coordinator, self.next_conn = runners, coordinator, next_conn
+        self.next_address = assign.next.address if assign.next is not None else None
+        self.weights, self.worker_id, self.idle_timeout = weights, worker_id, idle_timeout
+        self.filled = [0] * assign.n_slots  # per slot: positions already sent through the first stage
+        self.released = threading.Event()
+
+    @property
+    def first_takes_ids(self) -> bool:
+        return self.runners[0].spec.first
+
+    def start(self) -> None:
+        for i, runner in enumerate(self.runners):
+            runner.thread = threading.Thread(target=self._run_stage, args=(i,), daemon=True,
+                                             name=f"stage-{runner.spec.index}")
+            runner.thread.start()
+        if self.next_conn is not None:
+            threading.Thread(target=self._watch_next, daemon=True, name="next-hop").start()
+
+    # -- steps in ----------------------------------------------------------------------------
+
+    def check_forward(self, msg: Forward, nbytes: int) -> torch.Tensor:
+        """Check a FORWARD against the plan before its payload is read; returns the tensor to
+        read the payload into."""
+        if msg.plan != self.id:
+            raise FrameError(f"FORWARD for plan {msg.plan!r}, which this worker does not hold")
+        if nbytes != msg.payload_nbytes():
+            raise FrameError(f"FORWARD payload of {nbytes} bytes does not match its shape {msg.shape} {msg.dtype}")
+        if self.first_takes_ids != (msg.dtype == "int32"):
+            raise FrameError("FORWARD: the first stage takes int32 token ids, later stages hidden states")
+        if not self.first_takes_ids and msg.shape[2] != self.config.dim:
+            raise FrameError(f"FORWARD: hidden size {msg.shape[2]} is not the model's {self.config.dim}")
+        for slot, start, n in msg.rows:
+            if slot >= self.n_slots:
+                raise FrameError(f"FORWARD: slot {slot} is outside the plan's {self.n_slots} slots")
+            if start + n > self.ctx:
+                raise FrameError(f"FORWARD: positions up to {start + n} exceed the context of {self.ctx}")
+            if start > self.filled[slot]:
+                raise FrameError(f"FORWARD: slot {slot} holds {self.filled[slot]} positions, "
+                                 f"a step cannot start at {start}")
+        if self.runners[-1].spec.last:
+            for s in msg.sampling:
+                if s is not None:
+                    try:
+                        SamplingParams.from_dict(s)
+                    except (TypeError, ValueError) as e:
+                        raise FrameError(f"FORWARD: bad sampling parameters: {e}") from None
+        for slot, start, n in msg.rows:
+            self.filled[slot] = start + n
+        return torch.empty(msg.shape, dtype=TORCH_DTYPES[msg.dtype])
+
+    def enqueue(self, conn: Connection, msg: Forward, x: torch.Tensor) -> None:
+        if x.dtype == torch.int32 and x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab_size):
+            # a well-formed frame with a bad request in it: refuse the step, keep the link
+            conn.send_error("step", f"worker {self.worker_id}: token ids must be in "
+                                    f"[0, {self.config.vocab_size})", request=msg.step)
+            return
+        self.runners[0].queue.put((msg, x))
+
+    # -- stage threads -----------------------------------------------------------------------
+
+    def _run_stage(self, index: int) -> None:
+        runner = self.runners[index]
+        while True:
+            item = runner.queue.get()
+            if item is None:
+                return
+            msg, x = item
+            try:
+                if x.dtype == torch.int32:
+                    x = x.long()
+                out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows])
+                if index + 1 < len(self.runners):
+                    self.runners[index + 1].queue.put((msg, out))
+                elif self.next_conn is not None:
+                    self._send_next(msg, out)
+                else:
+                    self._send_result(msg, out)
+            except (RuntimeError, ValueError) as e:
+                log.error("step %d failed on stage %d: %s", msg.step, runner.spec.index, e)
+                self._report(msg.step, "step", f"stage {runner.spec.index}: {e}")
+            except OSError as e:
+                self._report(msg.step, "next_hop", f"cannot reach the next stage at {self.next_address}: {e}")
+            except Exception as e:  # a stage thread must outlive any one step
+                log.exception("step %d failed on stage %d", msg.step, runner.spec.index)
+                self._report(msg.step, "step", f"stage {runner.spec.index}: {type(e).__name__}: {e}")
+
+    def _report(self, step: int, code: str, message: str) -> None:
+        self.coordinator.send_error(code, f"worker {self.worker_id} {message}", request=step)
+
+    def _send_next(self, msg: Forward, out: torch.Tensor) -> None:
+        out = out.contiguous()
+        if out.device.type != "cpu":
+            out = out.cpu()
+        wire = msg.passing_on(str(out.dtype).removeprefix("torch."), list(out.shape))
+        self.next_conn.send(wire, out.view(torch.uint8).numpy(), request=msg.step)
+
+    def _send_result(self, msg: Forward, logits: torch.Tensor) -> None:
+        rows = [Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent)
+                for (slot, start, n), s, recent in zip(msg.rows, msg.sampling, msg.recent)]
+        self.coordinator.send(Result.of_sampled(msg.step, sample_rows(logits, rows)), request=msg.step)
+
+    def _watch_next(self) -> None:
+        """Keep the link to the next stage alive and read what comes back on it: PONGs, or an
+        error about a frame we sent, which the coordinator must hear about."""
+        conn = self.next_conn
+
+        def ping():
+            while not conn.closed and not self.released.wait(self.idle_timeout / 3):
+                try:
+                    conn.send(Ping(time.monotonic()))
+                except OSError:
+                    return
+        threading.Thread(target=ping, daemon=True, name="next-hop-ping").start()
+        while True:
+            try:
+                frame = conn.recv()
+            except RemoteError as e:
+                self._report(e.request, "next_hop", f"reports from the next stage: {e}")
+                continue
+            except (OSError, ConnectionError, FrameError) as e:
+                if not self.released.is_set() and not conn.closed:
+                    self._report(0, "next_hop", f"lost the next stage at {self.next_address}: {e}")
+                return
+            if frame.type != Pong.TYPE:
+                log.warning("next stage sent an unexpected %s", frame.type.name)
+
+    # -- release ------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Stop the stage threads and free the plan's memory."""
+        self.released.set()
+        for runner in self.runners:
+            runner.queue.put(None)
+        for runner in self.runners:
+            if runner.thread is not None and runner.thread is not threading.current_thread():
+                runner.thread.join(timeout=30)
+            runner.stage.cache = None
+        if self.next_conn is not None:
+            self.next_conn.close()
+        self.runners.clear()
+        self.weights.reader.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

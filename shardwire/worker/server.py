@@ -1,0 +1,308 @@
+"""The worker's server: bind, accept, TLS and the HELLO handshake with a back-off for repeated
+failures, then one thread per connection reading its messages and dispatching them.
+
+Nothing a peer sends can stop the worker: a bad frame closes that connection only.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import ssl
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..cache import WeightCache, default_cache_dir
+from ..config import ConfigError, ModelConfig
+from ..devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
+from ..quant.kernels import kernels_on
+from ..wire.conn import AuthError, Connection, RemoteError, server_handshake, tune
+from ..wire.frames import FrameError, Limits, MessageType
+from ..wire.messages import (
+    Assign,
+    DeviceInfo,
+    Devices,
+    Forward,
+    Free,
+    Ok,
+    Ping,
+    Pong,
+    Ready,
+    StageReport,
+    parse_message,
+)
+from ..wire.tls import ClientTLS, ServerTLS
+from .assign import PlanRejected, build_ring, check_assign
+from .ring import Ring
+from .weights import WeightSources
+
+log = logging.getLogger("shardwire.worker")
+
+
+class InsecureBind(ValueError):
+    """Listening beyond this machine without a token."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AuthBackoff:
+    """After repeated authentication failures from an address, each new attempt waits."""
+
+    def __init__(self):
+        self._failures: dict[str, tuple[int, float]] = {}  # address -> (recent failures, last time)
+
+    def wait(self, address: str) -> None:
+        count, last = self._failures.get(address, (0, 0.0))
+        if count >= 3 and time.monotonic() - last < 600:
+            time.sleep(min(2.0 ** (count - 3), 30.0))
+
+    def failed(self, address: str) -> None:
+        count, last = self._failures.get(address, (0, 0.0))
+        if time.monotonic() - last > 600:
+            count = 0
+        if len(self._failures) > 10000:
+            self._failures.clear()
+        self._failures[address] = (count + 1, time.monotonic())
+
+    def succeeded(self, address: str) -> None:
+        self._failures.pop(address, None)
+
+
+class Worker:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 50052, devices: list[str] | None = None,
+                 mem: int | None = None, cache_dir: Path | None = None, cache_max_bytes: int | None = None,
+                 model_dirs: list[Path] = (), token: str | None = None, threads: int | None = None,
+                 limits: Limits | None = None, max_connections: int = 64, handshake_timeout: float = 10.0,
+                 idle_timeout: float = 300.0, tls: ServerTLS | None = None, insecure: bool = False):
+        if not is_loopback(host) and token is None and not insecure:
+            raise InsecureBind(
+                f"refusing to listen on {host} without authentication: anyone who can reach this port could "
+                "run code paths on this machine and read every prompt. Either set a shared token (env "
+                "SHARDWIRE_TOKEN, --token-file, or --token) on the workers and the coordinator, or pass "
+                "--insecure to accept the risk on a network you trust.")
+        if insecure and token is None and not is_loopback(host):
+            log.warning("listening on %s WITHOUT authentication (--insecure): anyone who reaches this port "
+                        "can use this worker", host)
+        self.host, self.port = host, port
+        self.tls = tls
+        self._tls_context = tls.context() if tls is not None else None
+        # Reaching the next stage: present our certificate; trust the fingerprint the plan names.
+        self.peer_tls = ClientTLS(ca=tls.client_ca, cert=tls.cert, key=tls.key) if tls is not None else ClientTLS()
+        self.idle_timeout = idle_timeout
+        self._backoff = AuthBackoff()
+        self.devices = [check_device(d) for d in (devices or default_devices())]
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError("each device may be listed once (name CPU devices cpu:0, cpu:1, ...)")
+        self.mem = mem
+        self.cache = WeightCache(cache_dir or default_cache_dir(), cache_max_bytes)
+        self.weights = WeightSources(self.cache, [Path(d) for d in model_dirs])
+        self.token = token
+        self.limits = limits or Limits()
+        self.handshake_timeout = handshake_timeout
+        self.worker_id = f"{socket.gethostname()}/{uuid.uuid4().hex[:8]}"
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._ring: Ring | None = None
+        self._ring_lock = threading.RLock()
+        self._listener: socket.socket | None = None
+        self._closing = False
+        set_threads(threads)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def bind(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(128)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        return self.port
+
+    def serve_forever(self) -> None:
+        if self._listener is None:
+            self.bind()
+        while not self._closing:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                raise
+            if not self._slots.acquire(blocking=False):
+                log.warning("connection from %s refused: too many connections", addr[0])
+                sock.close()
+                continue
+            threading.Thread(target=self._serve_connection, args=(sock, addr), daemon=True,
+                             name=f"conn-{addr[0]}:{addr[1]}").start()
+
+    def start(self) -> threading.Thread:
+        if self._listener is None:
+            self.bind()
+        t = threading.Thread(target=self.serve_forever, name="shardwire-worker", daemon=True)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        self._closing = True
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+        self._release()
+
+    def describe(self) -> Devices:
+        devices = []
+        for d in self.devices:
+            free = free_memory(d)
+            devices.append(DeviceInfo(d, min(free, self.mem) if self.mem else free, self.mem or free,
+                                      default_dtype(d), kernels_on(torch_device(d))))
+        return Devices(self.worker_id, __version__, devices)
+
+    # -- connections ---------------------------------------------------------------------
+
+    def _serve_connection(self, sock: socket.socket, addr) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        conn = Connection(sock, peer, self.limits)
+        try:
+            tune(sock)
+            sock.settimeout(self.handshake_timeout)
+            self._backoff.wait(addr[0])
+            if self._tls_context is not None:
+                try:
+                    sock = self._tls_context.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError) as e:
+                    log.warning("%s: TLS handshake failed: %s", peer, e)
+                    return
+                conn = Connection(sock, peer, self.limits)
+            try:
+                hello = server_handshake(conn, self.token, self.worker_id)
+            except AuthError:
+                self._backoff.failed(addr[0])
+                conn.send_error("auth", "authentication failed")
+                raise
+            self._backoff.succeeded(addr[0])
+            # Coordinators ping every second and upstream workers ping their peer link; a
+            # connection silent for this long is half-open.
+            sock.settimeout(self.idle_timeout)
+            log.info("%s connected as %s", peer, hello.role)
+            self._read_loop(conn, hello.role)
+        except (ConnectionError, TimeoutError, socket.timeout) as e:
+            if isinstance(e, AuthError):
+                log.warning("%s: %s", peer, e)
+            else:
+                log.info("%s disconnected: %s", peer, e)
+        except FrameError as e:
+            log.warning("%s sent a bad frame: %s", peer, e)
+            conn.send_error("bad_frame", str(e))
+        except RemoteError as e:
+            log.info("%s reported: %s", peer, e)
+        except OSError as e:
+            log.info("%s: connection error: %s", peer, e)
+        except Exception:  # nothing a peer sends may take the worker down
+            log.exception("%s: unexpected error; closing this connection", peer)
+            conn.send_error("internal", "internal error")
+        finally:
+            conn.close()
+            self._slots.release()
+            self._release(owner=conn)
+
+    def _read_loop(self, conn: Connection, role: str) -> None:
+        pending: dict = {}
+
+        def payload_into(mtype, header, nbytes):
+            if mtype != MessageType.FORWARD:
+                return None
+            msg, ring = Forward.parse(header), self._ring
+            if ring is None:
+                raise FrameError(f"FORWARD for plan {msg.plan!r}, which this worker does not hold")
+            tensor = ring.check_forward(msg, nbytes)
+            pending["forward"] = (ring, msg, tensor)
+            return tensor.view(torch.uint8).numpy().reshape(-1)
+
+        while True:
+            frame = conn.recv(payload_into)
+            if frame.type == MessageType.FORWARD:
+                ring, msg, tensor = pending.pop("forward", (None, None, None))
+                if msg is None:
+                    raise FrameError("FORWARD without its payload")
+                ring.enqueue(conn, msg, tensor)
+                continue
+            msg = parse_message(frame)
+            if isinstance(msg, Ping):
+                conn.send(Pong(msg.t), request=frame.request)
+            elif role != "coordinator":
+                raise FrameError(f"a peer may not send {frame.type.name}")
+            elif frame.type == MessageType.DESCRIBE:
+                conn.send(self.describe(), request=frame.request)
+            elif isinstance(msg, Assign):
+                self._assign(conn, msg, frame.request)
+            elif isinstance(msg, Free):
+                # A slot's cache needs no clearing: the next sequence starts at position 0 and
+                # attends only to what it wrote. FREE travels outside the ring and may overtake
+                # the next sequence's first FORWARD, so it must not touch what the ring holds.
+                log.debug("slot %d is free", msg.slot)
+            elif frame.type == MessageType.RELEASE:
+                self._release(owner=conn)
+                conn.send(Ok(), request=frame.request)
+            else:
+                raise FrameError(f"unexpected {frame.type.name}")
+
+    # -- plans ---------------------------------------------------------------------------
+
+    def _assign(self, conn: Connection, assign: Assign, request: int) -> None:
+        try:
+            cfg = ModelConfig.from_dict(assign.config)
+            check_assign(assign, cfg, self.devices, self.mem)
+        except (PlanRejected, ConfigError) as e:
+            conn.send_error("plan", f"worker {self.worker_id} rejects the plan: {e}", request=request)
+            return
+        with self._ring_lock:
+            current = self._ring
+            if (current is not None and current.coordinator is not conn and not current.coordinator.closed
+                    and assign.coordinator != current.coordinator_id):
+                conn.send_error("busy", f"worker {self.worker_id} is serving another coordinator's plan",
+                                request=request)
+                return
+            self._release()
+        found = self.weights.gather(conn, assign, request)
+        try:
+            ring = build_ring(assign, cfg, found, conn, worker_id=self.worker_id, token=self.token,
+                              limits=self.limits, peer_tls=self.peer_tls, idle_timeout=self.idle_timeout)
+        except (OSError, ValueError, RuntimeError) as e:
+            found.reader.close()
+            conn.send_error("load", f"worker {self.worker_id} could not load its stages: {e}", request=request)
+            return
+        ring.start()
+        with self._ring_lock:
+            self._ring = ring
+        self.cache.evict(keep={t.hash for s in assign.stages for t in s.tensors})
+        reports = [StageReport(r.spec.index, sum(p.nbytes for p in r.stage.parameters()), r.stage.cache.nbytes)
+                   for r in ring.runners]
+        conn.send(Ready(reports, found.bytes_by_source(assign)), request=request)
+        log.info("plan %s loaded: %s", ring.id, ", ".join(f"stage {r.spec.index} blocks {r.spec.start}-"
+                                                          f"{r.spec.end - 1} on {r.spec.device}" for r in ring.runners))
+
+    def _release(self, owner: Connection | None = None) -> None:
+        """Drop the plan (only if `owner` is the coordinator that assigned it, when given)."""
+        with self._ring_lock:
+            ring = self._ring
+            if ring is None or (owner is not None and ring.coordinator is not owner):
+                return
+            self._ring = None
+        if owner is not None:
+            log.info("coordinator %s is done; releasing plan %s", owner.peer, ring.id)
+        ring.release()

@@ -1,0 +1,792 @@
+"""Engine scheduling over a fake pipeline: chunked prefill, shared decode steps, waiting for a
+slot, cancellation, step errors and recovery by replay. No processes and no model files.
+
+The fake "model" keeps a KV cache per slot (the tokens written at each position) and answers a
+sampled row with rule(cache of that slot), so a row that skips positions, or a replay that does
+not carry the whole history, shows up as an error and as a wrong token.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from shardwire.engine import Engine, Request
+from shardwire.pipeline import PipelineError, Row, Step, StepResult
+from shardwire.sampling import GREEDY, Sampled, SamplingParams
+
+TIMEOUT = 5.0
+
+
+def plus_one(tokens: list[int]) -> int:
+    return (tokens[-1] + 1) % 1000
+
+
+def mixing(tokens: list[int]) -> int:
+    """A rule that depends on every position, so a wrong replay changes what follows."""
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 31 + len(tokens)) % 997
+
+
+def wait_until(predicate, timeout: float = TIMEOUT, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def finished(handle, timeout: float = TIMEOUT) -> list:
+    """Every event of a handle, up to and including the one with a finish_reason."""
+    events = []
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no finish event; got {events}"
+        event = handle.events.get(timeout=remaining)
+        events.append(event)
+        if event.finish_reason is not None:
+            return events
+
+
+class FakePipeline:
+    """The pipeline interface the engine drives. hold=False answers each step inside submit();
+    hold=True keeps steps pending until the test answers them."""
+
+    def __init__(self, n_slots=2, ctx=64, vocab_size=1000, n_stages=1, hold=False, rule=plus_one):
+        self.n_slots, self.ctx, self.vocab_size, self.n_stages = n_slots, ctx, vocab_size, n_stages
+        self.hold, self.rule = hold, rule
+        self.on_result = None
+        self.on_wake = None
+        self.cond = threading.Condition()
+        self.steps: list[Step] = []  # every step submitted, in order
+        self.pending: list[Step] = []  # held steps, not answered yet
+        self.freed: list[int] = []
+        self.cache: dict[int, list[int]] = {s: [] for s in range(n_slots)}
+        self.problems: list[str] = []  # rows the fake model could not run
+        self.submit_error: PipelineError | None = None
+
+    # -- the interface -----------------------------------------------------------------
+    def submit(self, step: Step) -> None:
+        if self.submit_error is not None:
+            raise self.submit_error
+        with self.cond:
+            self.steps.append(step)
+            if self.hold:
+                self.pending.append(step)
+                self.cond.notify_all()
+                return
+        self.on_result(self.run(step))
+
+    def free(self, slot: int) -> None:
+        with self.cond:
+            self.freed.append(slot)
+            self.cond.notify_all()
+
+    def status(self) -> dict:
+        return {"plan": "fake", "ready": True, "broken": getattr(self, "broken", None)}
+
+    def close(self) -> None:
+        pass
+
+    # -- the fake model ------------------------------------------------------------------
+    def run(self, step: Step) -> StepResult:
+        sampled = []
+        for row in step.rows:
+            cache = self.cache[row.slot]
+            if row.start > len(cache):
+                self.problems.append(f"slot {row.slot}: row starts at {row.start} past its cache of {len(cache)}")
+                return StepResult(step.id, error=PipelineError(self.problems[-1]))
+            del cache[row.start:]
+            cache.extend(row.tokens)
+            sampled.append(Sampled(self.rule(cache)) if row.sampling is not None else None)
+        return StepResult(step.id, sampled)
+
+    # -- test controls -------------------------------------------------------------------
+    def wait_pending(self, n: int, timeout: float = TIMEOUT) -> list[Step]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.pending) >= n, timeout), \
+                f"expected {n} pending step(s), have {len(self.pending)}"
+            return list(self.pending)
+
+    def wait_steps(self, n: int, timeout: float = TIMEOUT) -> list[Step]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.steps) >= n, timeout), \
+                f"expected {n} step(s), have {len(self.steps)}"
+            return list(self.steps)
+
+    def answer(self, step: Step, error: PipelineError | None = None) -> None:
+        with self.cond:
+            self.pending.remove(step)
+        self.on_result(StepResult(step.id, error=error) if error is not None else self.run(step))
+
+    def answer_all(self) -> int:
+        with self.cond:
+            steps = list(self.pending)
+        for step in steps:
+            self.answer(step)
+        return len(steps)
+
+    def drive(self, handles, timeout: float = TIMEOUT) -> None:
+        """Answer steps as they come until every handle has finished."""
+        deadline = time.monotonic() + timeout
+        while not all(h.finish_reason is not None for h in handles):
+            assert time.monotonic() < deadline, "requests did not finish"
+            if not self.answer_all():
+                time.sleep(0.001)
+
+
+class RecoverablePipeline(FakePipeline):
+    """A cluster's extra surface: broken, rebalance_due and recover() (with every member of the
+    Pipeline interface present, so the engine takes it as recoverable)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.broken: str | None = None
+        self.rebalance_due = False
+        self.recoveries: list[dict] = []
+        self.recover_error: Exception | None = None
+
+    def recover(self) -> dict:
+        if self.recover_error is not None:
+            raise self.recover_error
+        with self.cond:
+            event = {"reason": self.broken or "rebalance"}
+            self.recoveries.append(event)
+            self.broken, self.rebalance_due = None, False
+            self.cache = {s: [] for s in range(self.n_slots)}  # a rebuilt pipeline holds no KV cache
+            self.cond.notify_all()
+            return event
+
+    def break_(self, reason: str = "worker w1 is gone") -> None:
+        self.broken = reason
+        self.on_wake()
+
+
+@pytest.fixture
+def make_engine():
+    engines = []
+
+    def make(pipeline, **kw) -> Engine:
+        engine = Engine(pipeline, None, **kw)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+        assert not engine.running
+
+
+def req(prompt, max_tokens=4, **kw) -> Request:
+    return Request(list(prompt), GREEDY, max_tokens=max_tokens, **kw)
+
+
+def expected(prompt, n, rule=plus_one) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(rule(tokens))
+    return tokens[len(prompt):]
+
+
+# -- a whole request -----------------------------------------------------------------------
+
+def test_a_request_generates_max_tokens_and_ends_with_length(make_engine):
+    pipe = FakePipeline()
+    engine = make_engine(pipe)
+    handle = engine.submit(req([5, 6, 7], max_tokens=4))
+    events = finished(handle)
+    assert [e.token for e in events[:-1]] == [8, 9, 10, 11]
+    assert all(e.text == "" for e in events)
+    last = events[-1]
+    assert (last.finish_reason, last.token, last.error) == ("length", None, None)
+    assert handle.tokens == [8, 9, 10, 11]
+    assert handle.finish_reason == "length"
+    assert handle.stats.prompt_tokens == 3 and handle.stats.completion_tokens == 4
+    wait_until(lambda: pipe.freed == [0], what="slot 0 freed")
+    # one prefill step, then one decode step per new token but the last
+    assert len(pipe.steps) == 4
+    assert [r.tokens for s in pipe.steps for r in s.rows] == [[5, 6, 7], [8], [9], [10]]
+    assert [r.start for s in pipe.steps for r in s.rows] == [0, 3, 4, 5]
+    assert pipe.problems == []
+
+
+def result_within(handle, timeout: float = TIMEOUT) -> str:
+    """handle.result() on a helper thread, so a missing finish event fails instead of hanging."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(handle.result()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert out, "handle.result() did not return"
+    return out[0]
+
+
+def test_result_waits_for_the_end(make_engine):
+    engine = make_engine(FakePipeline())
+    handle = engine.submit(req([1, 2], max_tokens=3))
+    assert result_within(handle) == ""  # no tokenizer: token ids only, no text
+    assert handle.finish_reason == "length" and handle.tokens == [3, 4, 5]
+
+
+def test_iterating_a_handle_yields_every_event_then_stops(make_engine):
+    engine = make_engine(FakePipeline())
+    handle = engine.submit(req([1], max_tokens=3))
+    got = []
+    done = threading.Event()
+
+    def consume():
+        got.extend(handle)
+        done.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    assert done.wait(TIMEOUT)
+    assert [e.token for e in got] == [2, 3, 4, None]
+    assert got[-1].finish_reason == "length"
+
+
+def test_max_tokens_zero_finishes_without_a_step_and_frees_its_slot(make_engine):
+    pipe = FakePipeline()
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1, 2, 3], max_tokens=0))
+    events = finished(handle)
+    assert [e.finish_reason for e in events] == ["length"]
+    assert handle.tokens == []
+    wait_until(lambda: pipe.freed == [0], what="slot freed")
+    assert pipe.steps == []
+    # the slot is usable again
+    other = engine.submit(req([1], max_tokens=1))
+    finished(other)
+    assert other.tokens == [2] and pipe.steps[0].rows[0].slot == 0
+
+
+def test_the_context_ends_generation_with_length(make_engine):
+    pipe = FakePipeline(ctx=8)
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1, 2, 3, 4, 5], max_tokens=100))
+    assert finished(handle)[-1].finish_reason == "length"
+    assert handle.tokens == [6, 7, 8]  # 5 + 3 = ctx
+    assert max(r.start + len(r.tokens) for s in pipe.steps for r in s.rows) <= 8
+
+
+def test_request_rejects_an_empty_prompt_and_negative_max_tokens():
+    with pytest.raises(ValueError, match="empty"):
+        Request([])
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request([1], max_tokens=-1)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (list(range(1, 17)), "the prompt has 16 tokens; the context holds 16"),
+    (list(range(1, 30)), "the prompt has 29 tokens"),
+    ([1, 2, 100], "token ids must be in [0, 100)"),
+    ([-1, 2], "token ids must be in [0, 100)"),
+])
+def test_a_prompt_too_long_or_out_of_the_vocabulary_is_an_error(make_engine, prompt, message):
+    pipe = FakePipeline(ctx=16, vocab_size=100)
+    engine = make_engine(pipe)
+    handle = engine.submit(req(prompt))
+    events = finished(handle)
+    assert len(events) == 1
+    assert events[0].finish_reason == "error" and message in events[0].error
+    assert handle.finish_reason == "error" and message in handle.error
+    assert handle.tokens == []
+    # nothing reached the pipeline and the engine still serves
+    assert pipe.steps == []
+    ok = engine.submit(req([1, 2, 3], max_tokens=1))
+    assert finished(ok)[-1].finish_reason == "length" and ok.tokens == [4]
+
+
+def test_a_prompt_of_ctx_minus_one_is_accepted(make_engine):
+    pipe = FakePipeline(ctx=16)
+    engine = make_engine(pipe)
+    handle = engine.submit(req(list(range(15)), max_tokens=5))
+    assert finished(handle)[-1].finish_reason == "length"
+    assert handle.tokens == [15]
+
+
+# -- prefill ---------------------------------------------------------------------------------
+
+def test_a_long_prompt_is_prefilled_in_chunks_and_only_the_last_samples(make_engine):
+    pipe = FakePipeline(ctx=64)
+    engine = make_engine(pipe, prefill_chunk=4)
+    prompt = list(range(10, 20))  # 10 tokens: chunks of 4, 4, 2
+    handle = engine.submit(req(prompt, max_tokens=2))
+    finished(handle)
+    prefill = [s.rows for s in pipe.steps[:3]]
+    assert all(len(rows) == 1 for rows in prefill)
+    rows = [rows[0] for rows in prefill]
+    assert [r.start for r in rows] == [0, 4, 8]
+    assert [r.tokens for r in rows] == [prompt[0:4], prompt[4:8], prompt[8:10]]
+    assert [r.sampling for r in rows] == [None, None, GREEDY]
+    assert all(r.slot == 0 for r in rows)
+    decode = pipe.steps[3].rows
+    assert len(decode) == 1 and decode[0].start == 10 and decode[0].tokens == [20]
+    assert len(pipe.steps) == 4
+    assert handle.tokens == [20, 21]
+    assert pipe.cache[0] == prompt + [20]
+
+
+def test_a_prompt_of_exactly_one_chunk_goes_in_one_step(make_engine):
+    pipe = FakePipeline()
+    engine = make_engine(pipe, prefill_chunk=4)
+    handle = engine.submit(req([1, 2, 3, 4], max_tokens=1))
+    finished(handle)
+    assert len(pipe.steps) == 1
+    assert pipe.steps[0].rows[0].tokens == [1, 2, 3, 4] and pipe.steps[0].rows[0].sampling == GREEDY
+
+
+def test_penalized_sampling_sends_recent_tokens_only_with_sampled_rows(make_engine):
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=3, seed=1)
+    pipe = FakePipeline()
+    engine = make_engine(pipe, prefill_chunk=2)
+    handle = engine.submit(Request([1, 2, 3, 4, 5], params, max_tokens=2))
+    finished(handle)
+    rows = [r for s in pipe.steps for r in s.rows]
+    assert [r.recent for r in rows] == [[], [], [3, 4, 5], [4, 5, 6]]
+    assert handle.tokens == [6, 7]
+
+
+# -- several sequences -------------------------------------------------------------------------
+
+def test_requests_beyond_the_slots_wait_for_a_freed_slot(make_engine):
+    pipe = FakePipeline(n_slots=1, hold=True)
+    engine = make_engine(pipe)
+    first = engine.submit(req([1, 2], max_tokens=2))
+    pipe.wait_pending(1)
+    second = engine.submit(req([50, 51, 52], max_tokens=2))
+    wait_until(lambda: engine.slots()["waiting"] == 1, what="the second request to wait")
+    assert engine.slots() == {"total": 1, "busy": 1, "waiting": 1}
+    time.sleep(0.05)
+    assert len(pipe.steps) == 1  # the second has no slot yet, so no step
+    assert pipe.freed == []
+    pipe.drive([first])
+    assert first.tokens == [3, 4] and first.finish_reason == "length"
+    # the first's slot goes to the second: its prefill starts at position 0 of slot 0
+    steps = pipe.wait_pending(1)
+    assert steps[0].rows[0].slot == 0 and steps[0].rows[0].start == 0 and steps[0].rows[0].tokens == [50, 51, 52]
+    assert pipe.freed == [0]
+    assert engine.slots() == {"total": 1, "busy": 1, "waiting": 0}
+    pipe.drive([second])
+    assert second.tokens == [53, 54]
+    wait_until(lambda: pipe.freed == [0, 0], what="slot freed twice")
+    wait_until(lambda: engine.slots() == {"total": 1, "busy": 0, "waiting": 0}, what="empty slots")
+
+
+def test_many_requests_on_few_slots_all_finish_with_their_own_tokens(make_engine):
+    pipe = FakePipeline(n_slots=3, n_stages=2, rule=mixing)
+    engine = make_engine(pipe, prefill_chunk=3)
+    prompts = [[i, i + 1, i + 2, i + 3][: 1 + i % 4] for i in range(1, 11)]
+    handles = [engine.submit(req(p, max_tokens=1 + i % 5)) for i, p in enumerate(prompts)]
+    for handle in handles:
+        assert finished(handle)[-1].finish_reason == "length"
+    for i, (p, handle) in enumerate(zip(prompts, handles)):
+        assert handle.tokens == expected(p, 1 + i % 5, mixing)
+    assert len(pipe.freed) == 10
+    assert {r.slot for s in pipe.steps for r in s.rows} <= {0, 1, 2}
+    assert pipe.problems == []
+    wait_until(lambda: engine.slots()["busy"] == 0, what="all slots free")
+
+
+def test_ready_sequences_share_one_decode_step_with_one_stage(make_engine):
+    pipe = FakePipeline(n_slots=2, n_stages=1, hold=True)
+    engine = make_engine(pipe)
+    a = engine.submit(req([1, 2], max_tokens=3))
+    (prefill_a,) = pipe.wait_pending(1)
+    b = engine.submit(req([100, 101, 102], max_tokens=3))
+    prefill_b = pipe.wait_pending(2)[1]
+    assert prefill_b.rows[0].slot == 1
+    pipe.answer(prefill_a)
+    (decode_a,) = [s for s in pipe.wait_pending(2) if s is not prefill_b]
+    assert [r.slot for r in decode_a.rows] == [0]
+    pipe.answer(prefill_b)  # b is ready, but the one stage already has a decode step in flight
+    time.sleep(0.05)
+    assert pipe.pending == [decode_a]
+    pipe.answer(decode_a)  # now both are ready: one step, two rows
+    (shared,) = pipe.wait_pending(1)
+    assert [(r.slot, r.start, r.tokens) for r in shared.rows] == [(0, 3, [4]), (1, 3, [103])]
+    pipe.drive([a, b])
+    assert a.tokens == [3, 4, 5] and b.tokens == [103, 104, 105]
+    assert pipe.problems == []
+
+
+def test_two_stages_keep_two_decode_steps_in_flight(make_engine):
+    pipe = FakePipeline(n_slots=2, n_stages=2, hold=True)
+    engine = make_engine(pipe)
+    a = engine.submit(req([1], max_tokens=3))
+    b = engine.submit(req([10], max_tokens=3))
+    pipe.wait_pending(2)
+    pipe.answer_all()
+    decodes = pipe.wait_pending(2)
+    assert sorted(len(s.rows) for s in decodes) == [1, 1]
+    assert sorted(s.rows[0].slot for s in decodes) == [0, 1]
+    pipe.drive([a, b])
+    assert a.tokens == [2, 3, 4] and b.tokens == [11, 12, 13]
+
+
+def test_with_one_stage_one_decode_step_is_in_flight_and_carries_all_ready_sequences(make_engine):
+    pipe = FakePipeline(n_slots=4, n_stages=1, hold=True)
+    engine = make_engine(pipe)
+    handles = [engine.submit(req([10 * i + 1], max_tokens=6)) for i in range(4)]
+    pipe.wait_pending(4)
+    pipe.answer_all()  # the four prefills
+    most_in_flight = 0
+    deadline = time.monotonic() + TIMEOUT
+    while not all(h.finish_reason is not None for h in handles):
+        assert time.monotonic() < deadline, "requests did not finish"
+        with pipe.cond:
+            most_in_flight = max(most_in_flight, len(pipe.pending))
+        if not pipe.answer_all():
+            time.sleep(0.001)
+    assert most_in_flight == 1
+    assert [h.tokens for h in handles] == [expected([10 * i + 1], 6) for i in range(4)]
+    decode = pipe.steps[4:]
+    assert sum(len(s.rows) for s in decode) == 4 * 5
+    # the first decode step may leave before the other prefills are back; every later one
+    # carries all four sequences
+    assert len(decode) <= 6 and max(len(s.rows) for s in decode) == 4
+
+
+# -- cancellation ------------------------------------------------------------------------------
+
+def test_cancel_a_running_request_frees_its_slot_once_its_step_is_back(make_engine):
+    pipe = FakePipeline(n_slots=1, hold=True)
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1, 2, 3], max_tokens=50))
+    pipe.wait_pending(1)
+    pipe.answer_all()
+    (step,) = pipe.wait_pending(1)  # a decode step is in flight
+    handle.cancel()
+    events = finished(handle)
+    assert events[-1].finish_reason == "cancelled" and handle.finish_reason == "cancelled"
+    assert handle.tokens == [4]
+    time.sleep(0.05)
+    assert pipe.freed == []  # the slot is still written by the step in flight
+    assert engine.slots()["busy"] == 1
+    pipe.answer(step)
+    wait_until(lambda: pipe.freed == [0], what="slot freed after the step came back")
+    assert handle.tokens == [4]  # what the step sampled after the cancel is dropped
+    assert handle.events.empty()
+    assert len(pipe.steps) == 2
+    assert engine.slots() == {"total": 1, "busy": 0, "waiting": 0}
+
+
+def test_cancel_a_waiting_request(make_engine):
+    pipe = FakePipeline(n_slots=1, hold=True)
+    engine = make_engine(pipe)
+    running = engine.submit(req([1], max_tokens=2))
+    pipe.wait_pending(1)
+    waiting = engine.submit(req([7], max_tokens=2))
+    wait_until(lambda: engine.slots()["waiting"] == 1, what="a waiting request")
+    waiting.cancel()
+    events = finished(waiting)
+    assert [e.finish_reason for e in events] == ["cancelled"] and waiting.tokens == []
+    assert engine.slots()["waiting"] == 0
+    pipe.drive([running])
+    assert running.tokens == [2, 3]
+    time.sleep(0.05)
+    assert all(r.tokens != [7] for s in pipe.steps for r in s.rows)  # never scheduled
+
+
+def test_cancel_after_finish_changes_nothing(make_engine):
+    engine = make_engine(FakePipeline())
+    handle = engine.submit(req([1], max_tokens=2))
+    finished(handle)
+    handle.cancel()
+    later = engine.submit(req([5], max_tokens=1))
+    finished(later)
+    assert handle.finish_reason == "length" and handle.events.empty()
+
+
+def test_cancel_a_sequence_waiting_to_join_a_decode_step_leaves_the_others_running(make_engine):
+    pipe = FakePipeline(n_slots=2, n_stages=1, hold=True)
+    engine = make_engine(pipe)
+    a = engine.submit(req([1, 2], max_tokens=3))
+    (prefill_a,) = pipe.wait_pending(1)
+    b = engine.submit(req([100], max_tokens=3))
+    prefill_b = pipe.wait_pending(2)[1]
+    pipe.answer(prefill_a)
+    pipe.wait_pending(2)  # a's decode step is in flight
+    pipe.answer(prefill_b)  # b is ready, with no step in flight, waiting for the stage
+    time.sleep(0.05)
+    b.cancel()
+    assert finished(b)[-1].finish_reason == "cancelled"
+    pipe.drive([a])
+    assert a.finish_reason == "length" and a.error is None
+    assert a.tokens == [3, 4, 5]
+
+
+def test_cancel_while_broken_leaves_the_other_sequences_to_be_replayed(make_engine):
+    pipe = RecoverablePipeline(n_slots=2, n_stages=1, hold=True)
+    engine = make_engine(pipe)
+    a = engine.submit(req([1], max_tokens=3))
+    (pa,) = pipe.wait_pending(1)
+    b = engine.submit(req([5], max_tokens=3))
+    pb = pipe.wait_pending(2)[1]
+    pipe.break_()
+    pipe.answer(pa, error=PipelineError("gone"))  # a is interrupted; b's step is still in flight
+    time.sleep(0.05)
+    a.cancel()
+    assert finished(a)[-1].finish_reason == "cancelled"
+    pipe.answer(pb, error=PipelineError("gone"))
+    wait_until(lambda: len(pipe.recoveries) == 1, what="recover()")
+    pipe.drive([b])
+    assert b.finish_reason == "length" and b.tokens == [6, 7, 8]
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def test_a_failed_step_ends_its_sequences_with_error(make_engine):
+    pipe = FakePipeline(n_slots=2, hold=True)
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1, 2], max_tokens=10))
+    pipe.wait_pending(1)
+    pipe.answer_all()
+    (step,) = pipe.wait_pending(1)
+    pipe.answer(step, error=PipelineError("stage 1 failed: out of memory", worker="w1"))
+    events = finished(handle)
+    assert events[-1].finish_reason == "error"
+    assert "stage 1 failed: out of memory" in events[-1].error
+    assert handle.finish_reason == "error" and handle.tokens == [3]
+    wait_until(lambda: pipe.freed == [0], what="slot freed")
+    # the engine keeps serving
+    other = engine.submit(req([9], max_tokens=1))
+    pipe.drive([other])
+    assert other.tokens == [10] and other.finish_reason == "length"
+
+
+def test_a_failed_shared_step_ends_every_sequence_in_it(make_engine):
+    pipe = FakePipeline(n_slots=2, n_stages=1, hold=True)
+    engine = make_engine(pipe)
+    a = engine.submit(req([1], max_tokens=5))
+    (pa,) = pipe.wait_pending(1)
+    b = engine.submit(req([2], max_tokens=5))
+    pb = pipe.wait_pending(2)[1]
+    pipe.answer(pa)
+    da = [s for s in pipe.wait_pending(2) if s is not pb][0]
+    pipe.answer(pb)
+    time.sleep(0.02)
+    pipe.answer(da)
+    (shared,) = pipe.wait_pending(1)
+    assert len(shared.rows) == 2
+    pipe.answer(shared, error=PipelineError("link reset"))
+    assert finished(a)[-1].error == "link reset"
+    assert finished(b)[-1].error == "link reset"
+    wait_until(lambda: sorted(pipe.freed) == [0, 1], what="both slots freed")
+
+
+def test_submit_raising_a_pipeline_error_is_a_failed_step(make_engine):
+    pipe = FakePipeline()
+    pipe.submit_error = PipelineError("no route to worker")
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1, 2], max_tokens=3))
+    events = finished(handle)
+    assert events[-1].finish_reason == "error" and "no route to worker" in events[-1].error
+    wait_until(lambda: pipe.freed == [0], what="slot freed")
+    pipe.submit_error = None
+    ok = engine.submit(req([1, 2], max_tokens=1))
+    assert finished(ok)[-1].finish_reason == "length" and ok.tokens == [3]
+
+
+def test_close_cancels_running_and_waiting_requests():
+    pipe = FakePipeline(n_slots=1, hold=True)
+    engine = Engine(pipe, None)
+    running = engine.submit(req([1], max_tokens=10))
+    pipe.wait_pending(1)
+    waiting = engine.submit(req([2], max_tokens=10))
+    wait_until(lambda: engine.slots()["waiting"] == 1, what="a waiting request")
+    engine.close()
+    assert not engine.running
+    for handle in (running, waiting):
+        last = finished(handle, timeout=1)[-1]
+        assert last.finish_reason == "cancelled" and "shutting down" in last.error
+
+
+# -- recovery ----------------------------------------------------------------------------------
+
+def run_uninterrupted(prompts, max_tokens, rule, prefill_chunk):
+    pipe = FakePipeline(n_slots=len(prompts), n_stages=2, rule=rule)
+    engine = Engine(pipe, None, prefill_chunk=prefill_chunk)
+    try:
+        handles = [engine.submit(req(p, max_tokens)) for p in prompts]
+        for h in handles:
+            assert finished(h)[-1].finish_reason == "length"
+        return [h.tokens for h in handles]
+    finally:
+        engine.close()
+
+
+def test_a_broken_pipeline_is_recovered_and_sequences_replay_their_history(make_engine):
+    prompts, max_tokens, chunk = [[1, 2, 3], [10, 11]], 6, 4
+    pipe = RecoverablePipeline(n_slots=2, n_stages=2, hold=True, rule=mixing)
+    engine = make_engine(pipe, prefill_chunk=chunk)
+    a, b = (engine.submit(req(p, max_tokens)) for p in prompts)
+    for _ in range(3):  # prefill and two decode rounds: three tokens each
+        pipe.wait_pending(2)
+        pipe.answer_all()
+    in_flight = pipe.wait_pending(2)
+    assert len(in_flight) == 2
+    wait_until(lambda: len(a.tokens) == 3 and len(b.tokens) == 3, what="three tokens each")
+    history = [p + h.tokens for p, h in zip(prompts, (a, b))]
+
+    pipe.break_("worker w1 is gone")
+    pipe.answer(in_flight[0], error=PipelineError("worker w1 is gone", worker="w1"))
+    time.sleep(0.1)
+    assert pipe.recoveries == []  # the other step is still in flight
+    assert a.finish_reason is None and b.finish_reason is None
+    n_before = len(pipe.steps)
+    pipe.answer(in_flight[1], error=PipelineError("worker w1 is gone", worker="w1"))
+    wait_until(lambda: len(pipe.recoveries) == 1, what="recover()")
+    assert pipe.recoveries[0]["reason"] == "worker w1 is gone"
+
+    # each sequence replays prompt + generated tokens as a chunked prefill from position 0
+    replay = pipe.wait_steps(n_before + 4)[n_before:]
+    by_slot: dict[int, list[Row]] = {}
+    for step in replay:
+        assert len(step.rows) == 1
+        by_slot.setdefault(step.rows[0].slot, []).append(step.rows[0])
+    for slot, h in enumerate(history):
+        rows = by_slot[slot]
+        assert [r.start for r in rows] == list(range(0, len(h), chunk))
+        assert sum((r.tokens for r in rows), []) == h
+        assert [r.sampling is not None for r in rows] == [False] * (len(rows) - 1) + [True]
+    assert pipe.recoveries[0]["replayed_tokens"] == sum(map(len, history))
+
+    pipe.drive([a, b])
+    assert (a.finish_reason, b.finish_reason) == ("length", "length")
+    assert [a.tokens, b.tokens] == run_uninterrupted(prompts, max_tokens, mixing, chunk)
+    assert [a.tokens, b.tokens] == [expected(p, max_tokens, mixing) for p in prompts]
+    assert pipe.problems == []
+
+
+def test_requests_arriving_while_broken_wait_for_the_recovery(make_engine):
+    pipe = RecoverablePipeline(n_slots=2, hold=True)
+    engine = make_engine(pipe)
+    a = engine.submit(req([1], max_tokens=3))
+    (step,) = pipe.wait_pending(1)
+    pipe.break_()
+    late = engine.submit(req([20], max_tokens=2))
+    wait_until(lambda: engine.slots()["waiting"] == 1, what="the late request to wait")
+    time.sleep(0.05)
+    assert len(pipe.steps) == 1  # nothing is sent to a broken pipeline with a step in flight
+    pipe.answer(step, error=PipelineError("gone"))
+    wait_until(lambda: len(pipe.recoveries) == 1, what="recover()")
+    pipe.drive([a, late])
+    assert a.tokens == [2, 3, 4] and late.tokens == [21, 22]
+
+
+def test_a_due_rebalance_waits_for_steps_in_flight_then_replays(make_engine):
+    pipe = RecoverablePipeline(n_slots=1, hold=True)
+    engine = make_engine(pipe)
+    handle = engine.submit(req([5, 6], max_tokens=4))
+    pipe.wait_pending(1)
+    pipe.answer_all()
+    (step,) = pipe.wait_pending(1)  # decode of the second token
+    pipe.rebalance_due = True
+    pipe.on_wake()
+    time.sleep(0.05)
+    assert pipe.recoveries == []
+    pipe.answer(step)  # a successful step: its token counts, then the rebalance
+    wait_until(lambda: len(pipe.recoveries) == 1, what="rebalance")
+    (replay,) = pipe.wait_pending(1)
+    assert replay.rows[0].start == 0 and replay.rows[0].tokens == [5, 6, 7, 8]
+    pipe.drive([handle])
+    assert handle.tokens == [7, 8, 9, 10] and handle.finish_reason == "length"
+
+
+def test_a_failed_recovery_ends_the_requests_with_its_error(make_engine):
+    pipe = RecoverablePipeline(n_slots=1, hold=True)
+    pipe.recover_error = RuntimeError("no worker can hold stage 2")
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1], max_tokens=3))
+    (step,) = pipe.wait_pending(1)
+    pipe.break_()
+    pipe.answer(step, error=PipelineError("gone"))
+    last = finished(handle)[-1]
+    assert last.finish_reason == "error" and last.error == "no worker can hold stage 2"
+    assert engine.running
+
+
+def test_a_sequence_that_keeps_breaking_without_progress_ends_with_error(make_engine):
+    pipe = RecoverablePipeline(n_slots=1, hold=True)
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1, 2], max_tokens=3))
+    for i in range(4):
+        (step,) = pipe.wait_pending(1)
+        pipe.break_(f"failure {i}")
+        pipe.answer(step, error=PipelineError(f"failure {i}"))
+        wait_until(lambda: len(pipe.recoveries) == i + 1, what=f"recovery {i + 1}")
+    last = finished(handle)[-1]
+    assert last.finish_reason == "error"
+    assert "interrupted 4 times without progress" in last.error and "failure 3" in last.error
+    assert len(pipe.steps) == 4  # the first prefill and three replays
+    wait_until(lambda: pipe.freed == [0], what="slot freed")
+
+
+def test_a_non_recoverable_pipeline_ignores_broken(make_engine):
+    pipe = FakePipeline(hold=True)
+    pipe.broken = "something"  # no recover(): the engine must not wait for a recovery
+    engine = make_engine(pipe)
+    handle = engine.submit(req([1], max_tokens=2))
+    (step,) = pipe.wait_pending(1)
+    pipe.answer(step, error=PipelineError("gone"))
+    assert finished(handle)[-1].finish_reason == "error"
+
+
+# -- text, stop strings and end-of-generation tokens (a tiny fake tokenizer) -----------------------
+
+class CharTokenizer:
+    """Token i is chr(i); 0 is the end-of-generation token."""
+    stop_ids = frozenset({0})
+
+    class _Decoder:
+        def feed(self, token):
+            return chr(token)
+
+        def flush(self):
+            return ""
+
+    def stream_decoder(self):
+        return self._Decoder()
+
+
+def scripted(text: str):
+    """A rule that writes `text` (then the stop token 0 forever), whatever the prompt."""
+    it = iter(text)
+
+    def rule(tokens):
+        return ord(next(it, "\0"))
+    return rule
+
+
+def test_the_eos_token_ends_with_stop_unless_ignore_eos():
+    pipe = FakePipeline(vocab_size=256, rule=scripted("hi"))
+    engine = Engine(pipe, CharTokenizer())
+    try:
+        handle = engine.submit(req([65], max_tokens=10))
+        events = finished(handle)
+        assert handle.finish_reason == "stop" and handle.tokens == [ord("h"), ord("i"), 0]
+        assert "".join(e.text for e in events) == "hi"
+        pipe.rule = scripted("ab")
+        ignoring = engine.submit(req([65], max_tokens=4, ignore_eos=True))
+        events = finished(ignoring)
+        assert ignoring.finish_reason == "length" and ignoring.tokens == [97, 98, 0, 0]
+    finally:
+        engine.close()
+
+
+def test_a_stop_string_across_tokens_is_held_back_and_cut():
+    pipe = FakePipeline(vocab_size=256, rule=scripted("abc<EN>xyz"))
+    engine = Engine(pipe, CharTokenizer())
+    try:
+        handle = engine.submit(req([65], max_tokens=20, stop=("<END>", "<EN>")))
+        events = finished(handle)
+        assert handle.finish_reason == "stop"
+        assert "".join(e.text for e in events) == "abc"
+        assert [e.text for e in events[:-1]] == ["a", "b", "c", "", "", "", ""]
+        # a held-back prefix that never completes comes out when generation ends
+        pipe.rule = scripted("ok<E")
+        other = engine.submit(req([65], max_tokens=4, stop=("<END>",)))
+        assert "".join(e.text for e in finished(other)) == "ok<E"
+        assert other.finish_reason == "length"
+    finally:
+        engine.close()
