@@ -10,6 +10,7 @@ RSS over the load (the file mapping closed, freed heap returned), peak = VmHWM o
 chunk and decode steps (reset just before). speed: one process holds both a packed and a
 dequantized bf16 copy of the model and times decode steps A/B, alternating which goes first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
     from shardwire.devices import release_memory
     from shardwire.formats import TensorReader, open_model
     from shardwire.loading import load_stage
-    from shardwire.plan import stage_cost
+    from shardwire.plan import PlanDevice, PlannedStage, stage_cost
 
     torch.set_num_threads(threads)
     torch.ones(1) @ torch.ones(1)  # load the math libraries before the baseline
@@ -53,8 +54,8 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
     first, last = start == 0, end == model.config.n_layers
     tensors = model.stage_tensors(start, end, first, last)
     gguf_bytes = sum(t.nbytes for t in tensors.values())
-    planned = stage_cost(model.config, tensors, start, end, first, last, device_type="cpu", kernels=True,
-                         dtype="bfloat16", weights=mode, n_slots=1, ctx=ctx, chunk=chunk)
+    device = PlanDevice("local", "cpu", 1 << 40, "bfloat16", kernels=True)
+    planned = stage_cost(model.config, tensors, PlannedStage(device, start, end, first, last), mode, 1, ctx, chunk)
     # warm up: a one-block stage first, so one-time costs (libraries paging in, allocator and
     # thread-pool set-up) are not counted as the stage's
     warm = load_stage(model, start, start + 1, first=False, last=False, dtype=torch.bfloat16, weights=mode)
@@ -75,7 +76,7 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
     stage.allocate_cache(1, ctx)
     cached = proc_status()
     held = sum(p.nbytes for p in stage.parameters())
-    x = (torch.randint(0, 1000, (1, chunk)) if first else torch.randn(1, chunk, model.config.dim, dtype=torch.bfloat16))
+    x = torch.randint(0, 1000, (1, chunk)) if first else torch.randn(1, chunk, model.config.dim, dtype=torch.bfloat16)
     reset_peak()
     base = proc_status()["VmRSS"]
     stage(x, [0], [0])
@@ -83,13 +84,26 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
         stage(x[:, :1], [0], [chunk + i])
     peak = proc_status()["VmHWM"]
     resident = loaded["VmRSS"] - before["VmRSS"]
-    return {"file": Path(path).name, "mode": mode, "blocks": [start, end], "first": first, "last": last,
-            "gguf_bytes": gguf_bytes, "resident": resident, "ratio": round(resident / gguf_bytes, 3),
-            "held_by_tensors": held, "planned_weights": planned.weight_bytes,
-            "kv_planned": planned.kv_bytes, "kv_resident": cached["VmRSS"] - loaded["VmRSS"],
-            "planned_total": planned.total_bytes, "measured_total": peak - before["VmRSS"],
-            "workspace_planned": planned.workspace_bytes, "workspace_peak": peak - base,
-            "formats": planned.formats, "load_s": round(load_s, 1)}
+    return {
+        "file": Path(path).name,
+        "mode": mode,
+        "blocks": [start, end],
+        "first": first,
+        "last": last,
+        "gguf_bytes": gguf_bytes,
+        "resident": resident,
+        "ratio": round(resident / gguf_bytes, 3),
+        "held_by_tensors": held,
+        "planned_weights": planned.weight_bytes,
+        "kv_planned": planned.kv_bytes,
+        "kv_resident": cached["VmRSS"] - loaded["VmRSS"],
+        "planned_total": planned.total_bytes,
+        "measured_total": peak - before["VmRSS"],
+        "workspace_planned": planned.workspace_bytes,
+        "workspace_peak": peak - base,
+        "formats": planned.formats,
+        "load_s": round(load_s, 1),
+    }
 
 
 def cmd_memory(args) -> None:
@@ -99,22 +113,41 @@ def cmd_memory(args) -> None:
         for mode in args.modes.split(","):
             for name in args.stages.split(","):
                 start, end = STAGES[name]
-                out = subprocess.run([sys.executable, __file__, "_measure", str(path), mode, str(start), str(end),
-                                      str(args.ctx), str(args.chunk), str(args.threads)],
-                                     check=True, capture_output=True, text=True).stdout
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "_measure",
+                        str(path),
+                        mode,
+                        str(start),
+                        str(end),
+                        str(args.ctx),
+                        str(args.chunk),
+                        str(args.threads),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 row = json.loads(out.strip().splitlines()[-1])
                 rows.append(row)
                 mib = lambda n: f"{n / 2**20:8.1f}"  # noqa: E731
-                print(f"{kind:7} {mode:8} {name:6} gguf {mib(row['gguf_bytes'])} MiB  resident {mib(row['resident'])} MiB "
-                      f"= {row['ratio']:.3f}x  | plan weights {mib(row['planned_weights'])}  held {mib(row['held_by_tensors'])}"
-                      f"  | plan total {mib(row['planned_total'])}  measured peak {mib(row['measured_total'])} "
-                      f"({row['measured_total'] / row['planned_total'] - 1:+.1%})  | {row['formats']}", flush=True)
+                print(
+                    f"{kind:7} {mode:8} {name:6} gguf {mib(row['gguf_bytes'])} MiB  "
+                    f"resident {mib(row['resident'])} MiB = {row['ratio']:.3f}x  "
+                    f"| plan weights {mib(row['planned_weights'])}  held {mib(row['held_by_tensors'])}"
+                    f"  | plan total {mib(row['planned_total'])}  measured peak {mib(row['measured_total'])} "
+                    f"({row['measured_total'] / row['planned_total'] - 1:+.1%})  | {row['formats']}",
+                    flush=True,
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 def decode_tps(stage, steps: int, start: int) -> float:
     import torch
+
     x = torch.tensor([[1]])
     t0 = time.perf_counter()
     for i in range(steps):
@@ -130,8 +163,11 @@ def cmd_speed(args) -> None:
     from shardwire.loading import load_stage
 
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU kernel int4 layout block "
-          f"{quant.cpu_int4_block()}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU kernel int4 layout block "
+        f"{quant.cpu_int4_block()}",
+        flush=True,
+    )
     for kind in args.types.split(","):
         model = open_model(MODELS / f"rand-1b-{kind}.gguf")
         n = model.config.n_layers
@@ -156,8 +192,10 @@ def cmd_speed(args) -> None:
             order = labels if r % 2 == 0 else labels[::-1]
             for label in order:
                 results[label].append(decode_tps(variants[label], args.steps, 40))
-        line = ", ".join(f"{k}: median {statistics.median(v):.2f} tok/s (min {min(v):.2f}, max {max(v):.2f})"
-                         for k, v in results.items())
+        line = ", ".join(
+            f"{k}: median {statistics.median(v):.2f} tok/s (min {min(v):.2f}, max {max(v):.2f})"
+            for k, v in results.items()
+        )
         base = statistics.median(results[labels[-1]])
         ratios = ", ".join(f"{k} {statistics.median(v) / base:.2f}x" for k, v in results.items())
         print(f"{kind}: {line}\n    relative to {labels[-1]}: {ratios}", flush=True)
@@ -182,8 +220,11 @@ def main() -> None:
     m.add_argument("--json", default=None)
     s = sub.add_parser("speed")
     s.add_argument("--types", default="Q4_0,Q4_K_M,Q8_0")
-    s.add_argument("--variants", default="packed,dequant",
-                   help="weights modes, the last one the baseline; mode:TYPE=FORMAT overrides a packed format")
+    s.add_argument(
+        "--variants",
+        default="packed,dequant",
+        help="weights modes, the last one the baseline; mode:TYPE=FORMAT overrides a packed format",
+    )
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument("--steps", type=int, default=16)

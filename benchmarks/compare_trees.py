@@ -9,6 +9,7 @@ core i mod cores), runs that tree's `shardwire bench` over them, and stops them;
 `--workers 0` the bench runs the model in one process. Prints tokens/s per tree and the ratio
 this / other for each model and test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,24 @@ def _env(tree: Path) -> dict:
 def _start_workers(tree: Path, n: int) -> list[tuple[subprocess.Popen, str]]:
     workers = []
     for i in range(n):
-        cmd = ["taskset", "-c", str(i % os.cpu_count()), sys.executable, "-m", "shardwire", "worker", "--port", "0",
-               "--device", "cpu", "--threads", "1"]
-        proc = subprocess.Popen(cmd, cwd=tree, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        cmd = [
+            "taskset",
+            "-c",
+            str(i % os.cpu_count()),
+            sys.executable,
+            "-m",
+            "shardwire",
+            "worker",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ]
+        proc = subprocess.Popen(
+            cmd, cwd=tree, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for line in proc.stdout:
             m = re.search(r"listening on (\S+):(\d+)", line)
             if m:
@@ -47,8 +62,23 @@ def _start_workers(tree: Path, n: int) -> list[tuple[subprocess.Popen, str]]:
 def bench(tree: Path, model: Path, args) -> dict[str, float]:
     workers = _start_workers(tree, args.workers)
     try:
-        cmd = [sys.executable, "-m", "shardwire", "bench", str(model), "-p", str(args.n_prompt), "-n",
-               str(args.n_gen), "-r", str(args.reps), "-t", "1", "-o", "json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardwire",
+            "bench",
+            str(model),
+            "-p",
+            str(args.n_prompt),
+            "-n",
+            str(args.n_gen),
+            "-r",
+            str(args.reps),
+            "-t",
+            "1",
+            "-o",
+            "json",
+        ]
         if workers:
             cmd += ["--rpc", ",".join(address for _, address in workers)]
         out = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=args.timeout)
@@ -78,16 +108,18 @@ def main() -> int:
     for model in args.models:
         runs: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
         for r in range(args.rounds):
-            for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
+            for name in ("this", "other") if r % 2 == 0 else ("other", "this"):
                 for test, tps in bench(trees[name], model, args).items():
                     runs[name].setdefault(test, []).append(tps)
         print(f"\n{model.name}")
         print(f"{'test':<8} {'this tok/s':>12} {'other tok/s':>12} {'this/other':>11}  runs")
         for test in runs["this"]:
             a, b = runs["this"][test], runs["other"][test]
-            print(f"{test:<8} {statistics.mean(a):>12.2f} {statistics.mean(b):>12.2f} "
-                  f"{statistics.mean(a) / statistics.mean(b):>10.3f}x  "
-                  f"{' '.join(f'{x:.1f}' for x in a)} | {' '.join(f'{x:.1f}' for x in b)}")
+            print(
+                f"{test:<8} {statistics.mean(a):>12.2f} {statistics.mean(b):>12.2f} "
+                f"{statistics.mean(a) / statistics.mean(b):>10.3f}x  "
+                f"{' '.join(f'{x:.1f}' for x in a)} | {' '.join(f'{x:.1f}' for x in b)}"
+            )
     return 0
 
 

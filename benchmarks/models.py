@@ -6,6 +6,7 @@
 Random weights are fine for speed: every matrix has the shape and storage type of a real
 model of that layout, and llama.cpp loads the files (the harness checks it does).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,13 @@ class Layout:
 
 LAYOUTS = {
     # A model small enough that the network, not the arithmetic, dominates decode.
-    "small": Layout("small", dict(arch="llama", n_layers=8, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536,
-                                  context_length=2048)),
+    "small": Layout(
+        "small", dict(arch="llama", n_layers=8, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, context_length=2048)
+    ),
     # TinyLlama-1.1B's layout.
-    "1b": Layout("1b", dict(arch="llama", n_layers=22, dim=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632,
-                            context_length=2048)),
+    "1b": Layout(
+        "1b", dict(arch="llama", n_layers=22, dim=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632, context_length=2048)
+    ),
 }
 
 
@@ -50,12 +53,15 @@ class Workload:
         return CACHE / "models" / f"v{LAYOUT_VERSION}" / f"{self.name}.gguf"
 
 
-WORKLOADS = {w.name: w for w in [
-    Workload("small-f16", "small", "F16"),
-    Workload("1b-q8_0", "1b", "Q8_0"),
-    Workload("1b-q4_0", "1b", "Q4_0"),
-    Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
-]}
+WORKLOADS = {
+    w.name: w
+    for w in [
+        Workload("small-f16", "small", "F16"),
+        Workload("1b-q8_0", "1b", "Q8_0"),
+        Workload("1b-q4_0", "1b", "Q4_0"),
+        Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
+    ]
+}
 
 # llama-quantize's names for the types (Q4_K means its Q4_K_M recipe, what users download).
 _QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16"}
@@ -104,16 +110,28 @@ def ensure(workload: Workload, prefix: Path | None) -> Path:
     tmp = path.with_suffix(".tmp.gguf")
     if prefix is not None:
         print(f"quantizing {path.name} with llama-quantize ...", file=sys.stderr, flush=True)
-        subprocess.run([str(prefix / "bin" / "llama-quantize"), str(f16), str(tmp), _QUANTIZE_NAME[workload.type],
-                        str(os.cpu_count() or 1)], check=True, capture_output=True, timeout=3600)
+        subprocess.run(
+            [
+                str(prefix / "bin" / "llama-quantize"),
+                str(f16),
+                str(tmp),
+                _QUANTIZE_NAME[workload.type],
+                str(os.cpu_count() or 1),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=3600,
+        )
     else:
         from shardwire_kit.synthetic import load_vocab, random_model
         from shardwire_kit.writer import write_gguf
+
         vocab = load_vocab(layout.vocab)
         print(f"writing {path.name} with shardwire's writer ...", file=sys.stderr, flush=True)
         cfg, tensors = random_model(**layout.params, vocab_size=vocab.size, seed=1234)
-        write_gguf(tmp, cfg, tensors, vocab.gguf_metadata, weight_type=workload.type,
-                   name=f"shardwire-bench-{layout.name}")
+        write_gguf(
+            tmp, cfg, tensors, vocab.gguf_metadata, weight_type=workload.type, name=f"shardwire-bench-{layout.name}"
+        )
     os.replace(tmp, path)
     return path
 
@@ -121,14 +139,25 @@ def ensure(workload: Workload, prefix: Path | None) -> Path:
 def describe(path: Path) -> dict:
     """Size and the storage types of a GGUF file's tensors (bytes per type)."""
     from shardwire.formats import open_model
+
     model = open_model(path)
     types: dict[str, int] = {}
     for info in model.tensors.values():
         types[info.dtype] = types.get(info.dtype, 0) + info.nbytes
     cfg = model.config
-    return {"file": str(path), "bytes": path.stat().st_size, "tensor_types": types,
-            "layout": {"n_layers": cfg.n_layers, "dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "n_heads": cfg.n_heads,
-                       "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}}
+    return {
+        "file": str(path),
+        "bytes": path.stat().st_size,
+        "tensor_types": types,
+        "layout": {
+            "n_layers": cfg.n_layers,
+            "dim": cfg.dim,
+            "ffn_dim": cfg.ffn_dim,
+            "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.n_kv_heads,
+            "vocab_size": cfg.vocab_size,
+        },
+    }
 
 
 def main() -> int:

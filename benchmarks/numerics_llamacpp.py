@@ -12,6 +12,7 @@ llama.cpp quantizes activations to 8 bits for its quantized dot products, so equ
 expected; where logits are nearly flat (random weights) free-running sequences part at the first
 near-tie.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,21 @@ def llama_cpp():
     if str(PREFIX / "python") not in sys.path:
         sys.path.insert(0, str(PREFIX / "python"))
     import llama_cpp as module
+
     return module
 
 
 class LlamaCpp:
     def __init__(self, path: Path, n_ctx: int, threads: int):
-        self.llm = llama_cpp().Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, n_threads=threads,
-                                     n_threads_batch=threads, n_gpu_layers=0, verbose=False)
+        self.llm = llama_cpp().Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            logits_all=True,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_gpu_layers=0,
+            verbose=False,
+        )
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
         self.llm.reset()
@@ -57,7 +66,7 @@ class LlamaCpp:
         self.llm.eval(seq[:n_prompt])
         for t in seq[n_prompt:-1]:
             self.llm.eval([t])
-        return np.array(self.llm.scores[n_prompt - 1:len(seq) - 1])
+        return np.array(self.llm.scores[n_prompt - 1 : len(seq) - 1])
 
 
 class Shardwire:
@@ -67,6 +76,7 @@ class Shardwire:
         from shardwire.devices import parse_dtype
         from shardwire.formats import open_model
         from shardwire.loading import load_stage
+
         model = open_model(path)
         self.stage = load_stage(model, 0, model.config.n_layers, weights=weights, dtype=parse_dtype(dtype))
         self.n_ctx, self.torch = n_ctx, torch
@@ -98,10 +108,14 @@ def agreement(a: list[int], b: list[int]) -> tuple[int, int | None]:
 def compare(path: Path, prompt: list[int], steps: int = 64, threads: int = 2) -> dict:
     """Figures for one file: per engine pair, logit differences and top-1 / greedy agreement."""
     import torch
+
     torch.set_num_threads(threads)
     n_ctx = len(prompt) + steps + 8
-    engines = {"llama.cpp": LlamaCpp(path, n_ctx, threads), "packed": Shardwire(path, n_ctx, "packed"),
-               "dequant": Shardwire(path, n_ctx, "dequant")}
+    engines = {
+        "llama.cpp": LlamaCpp(path, n_ctx, threads),
+        "packed": Shardwire(path, n_ctx, "packed"),
+        "dequant": Shardwire(path, n_ctx, "dequant"),
+    }
     greedy = {k: e.greedy(prompt, steps) for k, e in engines.items()}
     seq = prompt + greedy["llama.cpp"]
     logits = {k: e.logits(seq, len(prompt)) for k, e in engines.items()}
@@ -110,9 +124,12 @@ def compare(path: Path, prompt: list[int], steps: int = 64, threads: int = 2) ->
         diff = np.abs(logits[a] - logits[b])
         same, first = agreement(greedy[a], greedy[b])
         out[f"{a} vs {b}"] = {
-            "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+            "max_abs": float(diff.max()),
+            "mean_abs": float(diff.mean()),
             "top1_teacher_forced": int((logits[a].argmax(-1) == logits[b].argmax(-1)).sum()),
-            "greedy_same": same, "greedy_first_diff": first}
+            "greedy_same": same,
+            "greedy_first_diff": first,
+        }
     ref = logits["llama.cpp"]
     top2 = np.sort(ref, -1)[:, -2:]
     out["margins"] = (top2[:, 1] - top2[:, 0]).tolist()  # llama.cpp's top-2 gap at each step
@@ -132,6 +149,7 @@ GLASSLLM_PROMPTS = [
 def prompts_for(name: str) -> list[list[int]]:
     if name.startswith("glassllm"):
         from shardwire_kit import glassllm
+
         _, tok = glassllm.load("en")
         return [tok.encode(text) for text in GLASSLLM_PROMPTS]
     return [RANDOM_PROMPT]
@@ -139,8 +157,9 @@ def prompts_for(name: str) -> list[list[int]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--files", default="glassllm-Q4_0,glassllm-Q8_0,glassllm-Q4_K_M,rand-1b-Q4_0,rand-1b-Q8_0,"
-                                      "rand-1b-Q4_K_M")
+    p.add_argument(
+        "--files", default="glassllm-Q4_0,glassllm-Q8_0,glassllm-Q4_K_M,rand-1b-Q4_0,rand-1b-Q8_0,rand-1b-Q4_K_M"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=64)
     args = p.parse_args()
@@ -152,15 +171,21 @@ def main() -> None:
 
 
 def report(r: dict, label: str = "") -> None:
-    print(f"{r['file']} {label}: logit spread {r['logit_spread']:.1f}, smallest top-2 margin "
-          f"{r['smallest_top2_margin']:.4f}")
+    print(
+        f"{r['file']} {label}: logit spread {r['logit_spread']:.1f}, smallest top-2 margin "
+        f"{r['smallest_top2_margin']:.4f}"
+    )
     for pair, v in r.items():
         if isinstance(v, dict):
             first = v["greedy_first_diff"]
             where = "" if first is None else f", llama.cpp's top-2 margin there {r['margins'][first]:.4f}"
-            print(f"  {pair:22} max |d| {v['max_abs']:.4f}  mean |d| {v['mean_abs']:.5f}  top-1 (teacher-forced) "
-                  f"{v['top1_teacher_forced']}/{r['steps']}  greedy {v['greedy_same']}/{r['steps']} "
-                  f"(first difference at {first}{where})", flush=True)
+            print(
+                f"  {pair:22} max |d| {v['max_abs']:.4f}  mean |d| {v['mean_abs']:.5f}  top-1 (teacher-forced) "
+                f"{v['top1_teacher_forced']}/{r['steps']}  greedy {v['greedy_same']}/{r['steps']} "
+                f"(first difference at {first}{where})",
+                flush=True,
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ the trained glassllm model the same way.
 
 Needs llama.cpp built by benchmarks/build_llama_cpp.sh (for llama-quantize); prints the paths.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,13 @@ def quantize(src: Path, dst: Path, kind: str) -> Path:
     if not dst.exists():
         tool = LLAMA_CPP / "bin" / "llama-quantize"
         env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_CPP / "lib"))
-        subprocess.run([str(tool), str(src), str(dst), kind], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [str(tool), str(src), str(dst), kind],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     return dst
 
 

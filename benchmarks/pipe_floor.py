@@ -20,6 +20,7 @@ round; the bare pipe's halves also report their own compute time per step, so a 
 the stage code itself (not of the links) shows. Whatever efficiency the bare pipe reaches is
 the most any system reaches here with that placement.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ def _load(path: str, part: str):
 
     from shardwire.formats import open_model
     from shardwire.loading import load_stage
+
     torch.set_num_threads(1)
     model = open_model(path)
     n = model.config.n_layers
@@ -113,8 +115,13 @@ def child(args) -> None:
 
 def _spawn(cmd_args: list[str], core: str, fds: tuple[int, ...] = ()) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.Popen(["taskset", "-c", core, sys.executable, __file__, *cmd_args], env=env,
-                            pass_fds=fds, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ["taskset", "-c", core, sys.executable, __file__, *cmd_args],
+        env=env,
+        pass_fds=fds,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def one_process(model: Path, core: str, steps: int) -> float:
@@ -130,8 +137,11 @@ def bare_pipe(model: Path, coord_core: str, cores: tuple[str, str], steps: int) 
     b_to_c_r, b_to_c_w = os.pipe()
     ready_r, ready_w = os.pipe()
     common = ["--model", str(model), "--steps", str(steps)]
-    a = _spawn(["--child", "first", *common, "--fds", str(to_a_r), str(a_to_b_w), "--ready-fd", str(ready_w)],
-               cores[0], (to_a_r, a_to_b_w, ready_w))
+    a = _spawn(
+        ["--child", "first", *common, "--fds", str(to_a_r), str(a_to_b_w), "--ready-fd", str(ready_w)],
+        cores[0],
+        (to_a_r, a_to_b_w, ready_w),
+    )
     b = _spawn(["--child", "second", *common, "--fds", str(a_to_b_r), str(b_to_c_w)], cores[1], (a_to_b_r, b_to_c_w))
     for fd in (to_a_r, a_to_b_w, a_to_b_r, b_to_c_w, ready_w):
         os.close(fd)
@@ -186,8 +196,11 @@ def main() -> int:
     prefix = None if args.shardwire_only else models.llama_cpp_prefix()
     model = models.ensure(models.WORKLOADS[args.workload], prefix)
     coord_core, (core_a, core_b) = run.cores_for(2, 1)
-    print(f"{args.workload}: {args.steps} decode steps per figure, {args.rounds} rounds; coordinator on core "
-          f"{coord_core}, halves on cores {core_a} and {core_b} (one-core pipe: both on {core_a})", flush=True)
+    print(
+        f"{args.workload}: {args.steps} decode steps per figure, {args.rounds} rounds; coordinator on core "
+        f"{coord_core}, halves on cores {core_a} and {core_b} (one-core pipe: both on {core_a})",
+        flush=True,
+    )
     options = argparse.Namespace(threads=1, dtype=None, rpc_cache=True)
     logs = Path(tempfile.mkdtemp(prefix="pipe-floor-"))
     shardwire = run.Shardwire(options, logs)
@@ -201,12 +214,18 @@ def main() -> int:
             pipe = bare_pipe(model, coord_core, (core_a, core_b), args.steps)
             pipe_one = bare_pipe(model, coord_core, (core_a, core_a), args.steps)
             sw = decode_ms(shardwire, model, coord_core, rpc, args.steps)
-            figures = {"one process": single, "bare pipe": pipe["ms_per_token"],
-                       "bare pipe, one core": pipe_one["ms_per_token"], "shardwire 2 workers": sw}
-            line = (f"round {r + 1}: one process {single:.2f} ms/token; bare pipe {pipe['ms_per_token']:.2f} "
-                    f"(eff {single / pipe['ms_per_token']:.2f}; halves computing {pipe['first_compute_ms']:.2f} + "
-                    f"{pipe['second_compute_ms']:.2f} ms); one core {pipe_one['ms_per_token']:.2f} "
-                    f"(eff {single / pipe_one['ms_per_token']:.2f}); shardwire {sw:.2f} (eff {single / sw:.2f})")
+            figures = {
+                "one process": single,
+                "bare pipe": pipe["ms_per_token"],
+                "bare pipe, one core": pipe_one["ms_per_token"],
+                "shardwire 2 workers": sw,
+            }
+            line = (
+                f"round {r + 1}: one process {single:.2f} ms/token; bare pipe {pipe['ms_per_token']:.2f} "
+                f"(eff {single / pipe['ms_per_token']:.2f}; halves computing {pipe['first_compute_ms']:.2f} + "
+                f"{pipe['second_compute_ms']:.2f} ms); one core {pipe_one['ms_per_token']:.2f} "
+                f"(eff {single / pipe_one['ms_per_token']:.2f}); shardwire {sw:.2f} (eff {single / sw:.2f})"
+            )
             if llama_cpp is not None:
                 lc_one = decode_ms(llama_cpp, model, core_a, [], args.steps)
                 lc_rpc = decode_ms(llama_cpp, model, coord_core, llama_rpc, args.steps)

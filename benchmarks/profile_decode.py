@@ -13,6 +13,7 @@ and a compute-only timing of the same stages in one process.
    thread's samples x the measured ms/token = its ms per token.
 Writes benchmarks/results/profile-<time>/ (raw py-spy stacks, profile.md) and prints the table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -105,14 +106,18 @@ def compute_only(model_path: Path, n_workers: int, threads: int, steps: int) -> 
         return (time.perf_counter() - t0) / (steps - 5) * 1000
 
     out = {"stages": [], "narrow": []}
-    small_cfg, small_tensors = random_model("llama", n_layers=cfg.n_layers, dim=64, n_heads=4, n_kv_heads=2,
-                                            ffn_dim=128, vocab_size=256)
+    small_cfg, small_tensors = random_model(
+        "llama", n_layers=cfg.n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256
+    )
     for a, b in bounds:
         stage = load_stage(model, a, b)
         out["stages"].append({"blocks": [a, b], "ms": time_stage(stage, a == 0)})
         del stage
-        weights = {k: torch.from_numpy(v) for k, v in small_tensors.items()
-                   if not k.startswith("blk.") or a <= int(k.split(".")[1]) < b}
+        weights = {
+            k: torch.from_numpy(v)
+            for k, v in small_tensors.items()
+            if not k.startswith("blk.") or a <= int(k.split(".")[1]) < b
+        }
         narrow = Stage(small_cfg, a, b, weights, a == 0, b == cfg.n_layers)
         out["narrow"].append({"blocks": [a, b], "ms": time_stage(narrow, a == 0)})
     return out
@@ -141,16 +146,55 @@ def main() -> int:
     servers, addresses = [], []
     log = out / "workers.log"
     for i in range(args.workers):
-        s = Server(f"worker{i}", [sys.executable, "-m", "shardwire", "worker", "--port", "0", "--device", "cpu",
-                                  "--threads", str(args.threads), "--model-dir", str(model.parent)],
-                   worker_cores[i], env, log)
+        s = Server(
+            f"worker{i}",
+            [
+                sys.executable,
+                "-m",
+                "shardwire",
+                "worker",
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+                "--threads",
+                str(args.threads),
+                "--model-dir",
+                str(model.parent),
+            ],
+            worker_cores[i],
+            env,
+            log,
+        )
         servers.append(s)
         addresses.append(f"127.0.0.1:{s.wait_for(LISTENING, 120)[2]}")
     spies = []
     try:
-        cmd = ["taskset", "-c", coord_core, sys.executable, "-m", "shardwire", "bench", str(model), "--rpc",
-               ",".join(addresses), "-ts", ",".join(["1"] * args.workers), "-p", "0", "-n", str(args.steps),
-               "-r", "1", "-t", str(args.threads), "-o", "json", "--progress"]
+        cmd = [
+            "taskset",
+            "-c",
+            coord_core,
+            sys.executable,
+            "-m",
+            "shardwire",
+            "bench",
+            str(model),
+            "--rpc",
+            ",".join(addresses),
+            "-ts",
+            ",".join(["1"] * args.workers),
+            "-p",
+            "0",
+            "-n",
+            str(args.steps),
+            "-r",
+            "1",
+            "-t",
+            str(args.threads),
+            "-o",
+            "json",
+            "--progress",
+        ]
         coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         started = threading.Event()
 
@@ -167,10 +211,34 @@ def main() -> int:
         duration = 4
         targets = [("coordinator", coord.pid)] + [(f"worker{i}", s.proc.pid) for i, s in enumerate(servers)]
         for name, pid in targets:
-            spies.append((name, out / f"{name}.txt", subprocess.Popen(
-                [str(PY_SPY), "record", "--pid", str(pid), "--rate", str(args.rate), "--duration", str(duration),
-                 "--format", "raw", "--output", str(out / f"{name}.txt"), "--idle", "--threads", "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+            spies.append(
+                (
+                    name,
+                    out / f"{name}.txt",
+                    subprocess.Popen(
+                        [
+                            str(PY_SPY),
+                            "record",
+                            "--pid",
+                            str(pid),
+                            "--rate",
+                            str(args.rate),
+                            "--duration",
+                            str(duration),
+                            "--format",
+                            "raw",
+                            "--output",
+                            str(out / f"{name}.txt"),
+                            "--idle",
+                            "--threads",
+                            "--nonblocking",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    ),
+                )
+            )
         for _, _, spy in spies:
             spy.wait(60)
         result, _ = coord.communicate(timeout=600)
@@ -178,28 +246,39 @@ def main() -> int:
         for s in servers:
             s.stop()
     import json
+
     report = json.loads(result)
     tg = next(t for t in report["tests"] if t["n_gen"])
     ms_per_token = 1000 / tg["avg_ts"]
-    lines = [f"# Where shardwire's decode time goes ({args.workload}, {args.workers} workers on loopback, "
-             f"{args.threads} thread per process)", "",
-             f"Measured end to end: {tg['avg_ts']:.1f} tokens/s = **{ms_per_token:.2f} ms per token** "
-             f"(tg{args.steps}, `shardwire bench --rpc`, processes pinned as in benchmarks/run.py).", "",
-             "Compute only (each stage alone in one process, T=1, same dtype and threads): " +
-             ", ".join(f"blocks {s['blocks'][0]}-{s['blocks'][1] - 1}: {s['ms']:.2f} ms" for s in compute["stages"]) +
-             f"; sum **{sum(s['ms'] for s in compute['stages']):.2f} ms**. The same stages at width 64 "
-             f"(dispatch overhead, no arithmetic to speak of): " +
-             ", ".join(f"{s['ms']:.2f} ms" for s in compute["narrow"]) +
-             f"; sum {sum(s['ms'] for s in compute['narrow']):.2f} ms.", "",
-             "{busy}", ""]
+    lines = [
+        f"# Where shardwire's decode time goes ({args.workload}, {args.workers} workers on loopback, "
+        f"{args.threads} thread per process)",
+        "",
+        f"Measured end to end: {tg['avg_ts']:.1f} tokens/s = **{ms_per_token:.2f} ms per token** "
+        f"(tg{args.steps}, `shardwire bench --rpc`, processes pinned as in benchmarks/run.py).",
+        "",
+        "Compute only (each stage alone in one process, T=1, same dtype and threads): "
+        + ", ".join(f"blocks {s['blocks'][0]}-{s['blocks'][1] - 1}: {s['ms']:.2f} ms" for s in compute["stages"])
+        + f"; sum **{sum(s['ms'] for s in compute['stages']):.2f} ms**. The same stages at width 64 "
+        f"(dispatch overhead, no arithmetic to speak of): "
+        + ", ".join(f"{s['ms']:.2f} ms" for s in compute["narrow"])
+        + f"; sum {sum(s['ms'] for s in compute['narrow']):.2f} ms.",
+        "",
+        "{busy}",
+        "",
+    ]
     busy_ms = []
     for name, path, spy in spies:
         if not path.exists():
             lines.append(f"{name}: py-spy wrote nothing ({spy.stderr.read()[-300:]})")
             continue
         threads = parse_raw(path)
-        lines += [f"## {name}", "", "| thread | ms per token | top places (ms per token; waiting shows as recv/wait) |",
-                  "| --- | ---: | --- |"]
+        lines += [
+            f"## {name}",
+            "",
+            "| thread | ms per token | top places (ms per token; waiting shows as recv/wait) |",
+            "| --- | ---: | --- |",
+        ]
         for thread, stacks in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
             total = sum(stacks.values())
             if thread.startswith("stage"):  # busy = everything but waiting for the next step
@@ -211,14 +290,16 @@ def main() -> int:
             top = "<br>".join(f"{v / total * ms_per_token:.2f} {k}" for k, v in places.most_common(6))
             lines.append(f"| {thread} | {ms_per_token:.2f} | {top} |")
         lines.append("")
-    compute_sum = sum(x['ms'] for x in compute['stages'])
+    compute_sum = sum(x["ms"] for x in compute["stages"])
     busy_sum = sum(b for _, b in busy_ms)
     lines[lines.index("{busy}")] = (
-        "Stage threads busy per token in the real run (py-spy, all but waiting on their queue): " +
-        ", ".join(f"{n} {b:.2f} ms" for n, b in busy_ms) + f"; sum **{busy_sum:.2f} ms** against {compute_sum:.2f} ms "
+        "Stage threads busy per token in the real run (py-spy, all but waiting on their queue): "
+        + ", ".join(f"{n} {b:.2f} ms" for n, b in busy_ms)
+        + f"; sum **{busy_sum:.2f} ms** against {compute_sum:.2f} ms "
         f"compute-only. Of the {ms_per_token:.2f} ms per token, {ms_per_token - busy_sum:.2f} ms is outside the "
         f"stage threads (wire, hand-offs between threads and processes, the coordinator), and "
-        f"{busy_sum - compute_sum:.2f} ms is the same stage compute running slower inside the pipeline than alone.")
+        f"{busy_sum - compute_sum:.2f} ms is the same stage compute running slower inside the pipeline than alone."
+    )
     text = "\n".join(lines)
     (out / "profile.md").write_text(text)
     (out / "compute.json").write_text(json.dumps({"compute": compute, "bench": report}, indent=1))

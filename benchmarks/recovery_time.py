@@ -8,6 +8,7 @@ blocks, every sequence replays its tokens, and decoding continues.
 
     python benchmarks/recovery_time.py [--kills 2] [--tokens 96]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,21 @@ def one_b_model(folder: Path) -> Path:
         vocab = tiny_vocab_metadata()
         tokens = vocab["tokenizer.ggml.tokens"]
         # a 32000-token vocabulary: the tiny BPE padded with unused tokens
-        vocab = {**vocab, "tokenizer.ggml.tokens": tokens + [f"<unused{i}>" for i in range(32000 - len(tokens))],
-                 "tokenizer.ggml.token_type": vocab["tokenizer.ggml.token_type"] + [5] * (32000 - len(tokens))}
-        cfg, tensors = random_model("llama", n_layers=22, dim=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632,
-                                    vocab_size=32000, context_length=2048)
+        vocab = {
+            **vocab,
+            "tokenizer.ggml.tokens": tokens + [f"<unused{i}>" for i in range(32000 - len(tokens))],
+            "tokenizer.ggml.token_type": vocab["tokenizer.ggml.token_type"] + [5] * (32000 - len(tokens)),
+        }
+        cfg, tensors = random_model(
+            "llama",
+            n_layers=22,
+            dim=2048,
+            n_heads=32,
+            n_kv_heads=4,
+            ffn_dim=5632,
+            vocab_size=32000,
+            context_length=2048,
+        )
         write_gguf(path, cfg, tensors, vocab, weight_type="Q8_0")
     return path
 
@@ -50,6 +62,7 @@ def main() -> None:
     ap.add_argument("--models", default=str(Path.home() / ".cache" / "shardwire" / "bench-models"))
     args = ap.parse_args()
     import torch
+
     torch.set_num_threads(1)
     models = Path(args.models)
     models.mkdir(parents=True, exist_ok=True)
@@ -63,13 +76,16 @@ def main() -> None:
         cluster.connect(open_model(path))
         t = time.monotonic()
         pipeline = cluster.load(cluster.make_plan(ctx=512, n_slots=2))
-        print(f"model {path.name}: first load {time.monotonic() - t:.1f} s "
-              f"({', '.join(f'{k} {v / 2**20:.0f} MiB' for k, v in cluster.load_stats.items())})")
+        print(
+            f"model {path.name}: first load {time.monotonic() - t:.1f} s "
+            f"({', '.join(f'{k} {v / 2**20:.0f} MiB' for k, v in cluster.load_stats.items())})"
+        )
         engine = Engine(pipeline, prefill_chunk=128)
         for kill in range(args.kills):
             victim = kill % 3
-            handle = engine.submit(Request(list(range(1, 65)), SamplingParams(temperature=0.0),
-                                           max_tokens=args.tokens, ignore_eos=True))
+            handle = engine.submit(
+                Request(list(range(1, 65)), SamplingParams(temperature=0.0), max_tokens=args.tokens, ignore_eos=True)
+            )
             stamps: list[float] = []
             done = threading.Event()
 
@@ -78,6 +94,7 @@ def main() -> None:
                     if event.token is not None:
                         stamps.append(time.monotonic())
                 done.set()
+
             threading.Thread(target=watch, daemon=True).start()
             while len(stamps) < 16:
                 time.sleep(0.005)
@@ -88,17 +105,22 @@ def main() -> None:
             after = next(s for s in stamps[before:] if s > killed_at)
             gaps = [b - a for a, b in zip(stamps, stamps[1:before])]
             event = cluster.events[-1]
-            print(f"kill {kill + 1}: worker {victim} killed after {before} tokens; next token "
-                  f"{after - killed_at:.2f} s later (re-plan + load {event['seconds']:.2f} s, replayed "
-                  f"{event['replayed_tokens']} tokens; a normal token takes {1000 * sorted(gaps)[len(gaps) // 2]:.0f} ms); "
-                  f"error: {handle.error}; plan now {event['plan']}")
+            print(
+                f"kill {kill + 1}: worker {victim} killed after {before} tokens; next token "
+                f"{after - killed_at:.2f} s later (re-plan + load {event['seconds']:.2f} s, replayed "
+                f"{event['replayed_tokens']} tokens; "
+                f"a normal token takes {1000 * sorted(gaps)[len(gaps) // 2]:.0f} ms); "
+                f"error: {handle.error}; plan now {event['plan']}"
+            )
             workers[victim] = WorkerProcess(workers[victim].cache_dir, port=workers[victim].port, extra=extra).start()
             deadline = time.monotonic() + 120
             while len(cluster.plan.stages) < 3 and time.monotonic() < deadline:
                 engine.submit(Request([1, 2, 3], SamplingParams(temperature=0.0), max_tokens=1)).result()
                 time.sleep(0.5)
-            print(f"  worker {victim} restarted and re-admitted: plan back to {len(cluster.plan.stages)} stages "
-                  f"(rebalance {cluster.events[-1]['seconds']:.2f} s)")
+            print(
+                f"  worker {victim} restarted and re-admitted: plan back to {len(cluster.plan.stages)} stages "
+                f"(rebalance {cluster.events[-1]['seconds']:.2f} s)"
+            )
         engine.close()
     finally:
         cluster.close()

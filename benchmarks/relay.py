@@ -16,6 +16,7 @@ slow link pushes back on its sender as TCP would. Only loopback addresses are ac
 With `nice`, the relay's threads run at that priority (the emulated network should not wait
 for a CPU behind the processes it links; Linux, root).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -164,8 +165,15 @@ class _Direction:
 class Relay:
     """Listens on 127.0.0.1:port and relays every connection to target through the link."""
 
-    def __init__(self, target: tuple[str, int], *, listen: tuple[str, int] = ("127.0.0.1", 0),
-                 shaping: Shaping | None = None, max_connections: int = 64, nice: int | None = None):
+    def __init__(
+        self,
+        target: tuple[str, int],
+        *,
+        listen: tuple[str, int] = ("127.0.0.1", 0),
+        shaping: Shaping | None = None,
+        max_connections: int = 64,
+        nice: int | None = None,
+    ):
         _check_loopback(target[0])
         _check_loopback(listen[0])
         self.target, self.nice = target, nice
@@ -256,8 +264,11 @@ def main() -> int:
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay in milliseconds")
     p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap in Mbit/s (0: none)")
     args = p.parse_args()
-    relay = Relay(_address(args.target), listen=_address(args.listen),
-                  shaping=Shaping(args.delay_ms / 1000, args.rate_mbit * 1e6 / 8 if args.rate_mbit else None))
+    relay = Relay(
+        _address(args.target),
+        listen=_address(args.listen),
+        shaping=Shaping(args.delay_ms / 1000, args.rate_mbit * 1e6 / 8 if args.rate_mbit else None),
+    )
     print(f"relay listening on {relay.address} -> {args.target}", flush=True)
     try:
         while True:

@@ -27,6 +27,7 @@ ru_maxrss from wait4, each worker's VmHWM), ratios shardwire / llama.cpp, and ea
 distributed efficiency. Results go to benchmarks/results/<name>/ as results.json, results.md
 and results.png (benchmarks/report.py renders the last two from the first).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,8 +100,12 @@ def plan_cells(args) -> list[list[Cell]]:
         groups.append([Cell(w, 0, "local", p, n)])
         for k in sorted(workers, key=lambda k: (k != 2, k)):
             links = ["direct"] + (args.links + (["sweep"] if args.sweep else []) if k in delays_for else [])
-            groups.append([Cell(w, k, link, 0 if link == "sweep" else p, n, streams if k == 2 and link == "direct" else 0)
-                           for link in links])
+            groups.append(
+                [
+                    Cell(w, k, link, 0 if link == "sweep" else p, n, streams if k == 2 and link == "direct" else 0)
+                    for link in links
+                ]
+            )
     return groups
 
 
@@ -130,8 +135,14 @@ class Server:
 
     def __init__(self, name: str, cmd: list[str], core: str, env: dict, log: Path):
         self.name, self.log_path = name, log
-        self.proc = subprocess.Popen(["taskset", "-c", core, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=env, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", core, *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self._line_event = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True)
@@ -190,6 +201,7 @@ class Server:
 @dataclass
 class Run:
     """One coordinator invocation."""
+
     system: str
     cell: str
     rep: int
@@ -210,8 +222,18 @@ class Run:
     sweep_delays: list = field(default_factory=list)  # one-way delay (ms) of each generation run, in order
 
 
-def run_coordinator(system: str, cmd: list[str], core: str, env: dict, timeout: float, relays: dict[str, Relay],
-                    shaping: Shaping, log: Path, run: Run, sweep: list[float] | None = None) -> dict | list | None:
+def run_coordinator(
+    system: str,
+    cmd: list[str],
+    core: str,
+    env: dict,
+    timeout: float,
+    relays: dict[str, Relay],
+    shaping: Shaping,
+    log: Path,
+    run: Run,
+    sweep: list[float] | None = None,
+) -> dict | list | None:
     """Run one coordinator to completion: snapshot the relay counters at each progress line,
     switch shaping on when the model is loaded, collect its JSON and its peak memory."""
     events: list[tuple[str, int, int, dict]] = []  # (kind, benchmark index, rep, counters)
@@ -221,8 +243,14 @@ def run_coordinator(system: str, cmd: list[str], core: str, env: dict, timeout: 
 
     t0 = time.monotonic()
     loaded_at = [None]
-    proc = subprocess.Popen(["taskset", "-c", core, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["taskset", "-c", core, *cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
     timer = threading.Timer(timeout, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
     timer.start()
     err_lines: list[str] = []
@@ -335,8 +363,15 @@ class LlamaCpp(System):
         addresses = []
         for i in range(n):
             port = free_port()
-            cmd = [str(self.prefix / "bin" / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port),
-                   "-t", str(self.args.threads)]
+            cmd = [
+                str(self.prefix / "bin" / "ggml-rpc-server"),
+                "-H",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-t",
+                str(self.args.threads),
+            ]
             if self.args.rpc_cache:
                 cmd.append("-c")
             s = Server(f"llama.cpp-rpc-{i}", cmd, cores[i], self.env(), log)
@@ -346,9 +381,24 @@ class LlamaCpp(System):
         return addresses
 
     def command(self, model: Path, cell: Cell, rpc: list[str], reps: int) -> list[str]:
-        cmd = [str(self.prefix / "bin" / "llama-bench"), "-m", str(model), "-p", str(cell.n_prompt),
-               "-n", str(cell.n_gen), "-r", str(reps), "-t", str(self.args.threads), "-ngl", "99",
-               "-o", "json", "--progress"]
+        cmd = [
+            str(self.prefix / "bin" / "llama-bench"),
+            "-m",
+            str(model),
+            "-p",
+            str(cell.n_prompt),
+            "-n",
+            str(cell.n_gen),
+            "-r",
+            str(reps),
+            "-t",
+            str(self.args.threads),
+            "-ngl",
+            "99",
+            "-o",
+            "json",
+            "--progress",
+        ]
         if rpc:
             cmd += ["--rpc", ",".join(rpc), "-ts", "/".join(["1"] * len(rpc))]
         return cmd
@@ -372,9 +422,26 @@ class Shardwire(System):
     def start_workers(self, n: int, cores: list[str], log: Path, model: Path) -> list[str]:
         addresses = []
         for i in range(n):
-            cmd = [sys.executable, "-m", "shardwire", "--log-level", "warning", "worker", "--host", "127.0.0.1",
-                   "--port", "0", "--device", "cpu", "--threads", str(self.args.threads),
-                   "--cache-dir", str(self.cache_dir), "--model-dir", str(model.parent)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "shardwire",
+                "--log-level",
+                "warning",
+                "worker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+                "--threads",
+                str(self.args.threads),
+                "--cache-dir",
+                str(self.cache_dir),
+                "--model-dir",
+                str(model.parent),
+            ]
             s = Server(f"shardwire-worker-{i}", cmd, cores[i], self.env(), log)
             self.servers.append(s)
             m = s.wait_for(LISTENING, 120)
@@ -382,9 +449,26 @@ class Shardwire(System):
         return addresses
 
     def command(self, model: Path, cell: Cell, rpc: list[str], reps: int) -> list[str]:
-        cmd = [sys.executable, "-m", "shardwire", "bench", str(model), "-p", str(cell.n_prompt),
-               "-n", str(cell.n_gen), "-r", str(reps), "-t", str(self.args.threads), "-o", "json", "--progress",
-               "--cache-dir", str(self.cache_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardwire",
+            "bench",
+            str(model),
+            "-p",
+            str(cell.n_prompt),
+            "-n",
+            str(cell.n_gen),
+            "-r",
+            str(reps),
+            "-t",
+            str(self.args.threads),
+            "-o",
+            "json",
+            "--progress",
+            "--cache-dir",
+            str(self.cache_dir),
+        ]
         if self.args.dtype:
             cmd += ["--dtype", self.args.dtype]
         if rpc:
@@ -444,8 +528,9 @@ def run_cell(cells: list[Cell], systems: list[System], model: Path, args, out: P
                 if relayed:
                     for i, a in enumerate(direct[system.name]):
                         host, port = a.rsplit(":", 1)
-                        relays[system.name][f"worker{i}"] = Relay((host, int(port)), shaping=shaping,
-                                                                  nice=args.relay_nice)
+                        relays[system.name][f"worker{i}"] = Relay(
+                            (host, int(port)), shaping=shaping, nice=args.relay_nice
+                        )
         for alt in range(args.alternations):
             for cell in cells:
                 order = systems if alt % 2 == 0 else list(reversed(systems))  # A B, then B A
@@ -456,8 +541,14 @@ def run_cell(cells: list[Cell], systems: list[System], model: Path, args, out: P
                     jobs = [(system, base) for system in order for base in (True, False)]
                 for system, baseline in jobs:
                     key = cell.key + ("-baseline" if baseline else "")
-                    run = Run(system.name, key, alt, n_prompt=cell.n_prompt, n_gen=cell.n_gen,
-                              streams=cell.streams if isinstance(system, Shardwire) and not baseline else 0)
+                    run = Run(
+                        system.name,
+                        key,
+                        alt,
+                        n_prompt=cell.n_prompt,
+                        n_gen=cell.n_gen,
+                        streams=cell.streams if isinstance(system, Shardwire) and not baseline else 0,
+                    )
                     runs.append(run)
                     remaining = deadline - time.monotonic()
                     if remaining < 10:
@@ -471,10 +562,21 @@ def run_cell(cells: list[Cell], systems: list[System], model: Path, args, out: P
                     shaping.rate = args.rate_gbit * GBIT if args.rate_gbit else None
                     sweep = args.sweep if cell.link == "sweep" else None
                     run_cell_ = Cell(cell.workload, 0, "local", cell.n_prompt, cell.n_gen) if baseline else cell
-                    cmd = system.command(model, run_cell_, addresses,
-                                         len(sweep) * args.sweep_rounds if sweep else args.reps)
-                    data = run_coordinator(system.name, cmd, coord_core, system.env(), min(args.run_timeout, remaining),
-                                           through, shaping, log, run, sweep)
+                    cmd = system.command(
+                        model, run_cell_, addresses, len(sweep) * args.sweep_rounds if sweep else args.reps
+                    )
+                    data = run_coordinator(
+                        system.name,
+                        cmd,
+                        coord_core,
+                        system.env(),
+                        min(args.run_timeout, remaining),
+                        through,
+                        shaping,
+                        log,
+                        run,
+                        sweep,
+                    )
                     if data is not None:
                         system.parse(data, run)
                         if isinstance(system, Shardwire):
@@ -485,8 +587,10 @@ def run_cell(cells: list[Cell], systems: list[System], model: Path, args, out: P
                     pp = f"pp {cell.n_prompt / statistics.median(run.pp_ns) * 1e9:7.1f} t/s" if run.pp_ns else ""
                     st = f"x{cell.streams} {statistics.median(run.streams_ts):6.1f} t/s" if run.streams_ts else ""
                     wire = f"{run.tg_bytes_per_token:8.0f} B/token" if run.tg_bytes_per_token else ""
-                    print(f"  {key:24s} {system.name:9s} #{alt} {pp} {tg} {st} {wire} ({run.wall_s:.0f} s) "
-                          f"{status}", flush=True)
+                    print(
+                        f"  {key:24s} {system.name:9s} #{alt} {pp} {tg} {st} {wire} ({run.wall_s:.0f} s) {status}",
+                        flush=True,
+                    )
     except Exception as e:  # a group that cannot start is reported, the next one still runs
         for cell in cells:
             runs.append(Run("harness", cell.key, 0, error=f"{type(e).__name__}: {e}"))
@@ -505,9 +609,14 @@ def run_cell(cells: list[Cell], systems: list[System], model: Path, args, out: P
 
 def machine_info() -> dict:
     import psutil
-    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
-            "load_avg_start": os.getloadavg()}
+
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "load_avg_start": os.getloadavg(),
+    }
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -518,14 +627,20 @@ def machine_info() -> dict:
         pass
     try:
         import torch
+
         info["torch"] = torch.__version__
     except ImportError:
         pass
     try:
-        info["commit"] = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
-                                        capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "shardwire"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        info["commit"] = subprocess.run(
+            ["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "shardwire"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         info["shardwire_tree_dirty"] = bool(dirty)
     except (OSError, subprocess.TimeoutExpired):
         pass
@@ -542,8 +657,11 @@ def parse_args(argv=None):
     p.add_argument("--workers-big", default="1,2,3", help="worker counts on direct loopback, 1B models")
     p.add_argument("--delay-workers", default="2", help="worker counts run at each delay, small model")
     p.add_argument("--delay-workers-big", default="2", help="worker counts run at each delay, 1B models")
-    p.add_argument("--sweep", default="0,1", help="one-way delays (ms) the sweep cell alternates between "
-                   "decode runs, '' for none (default: %(default)s)")
+    p.add_argument(
+        "--sweep",
+        default="0,1",
+        help="one-way delays (ms) the sweep cell alternates between decode runs, '' for none (default: %(default)s)",
+    )
     p.add_argument("--sweep-rounds", type=int, default=3, help="rounds through --sweep per invocation")
     p.add_argument("--rate-gbit", type=float, default=1.0, help="bandwidth cap of relayed links (default: %(default)s)")
     p.add_argument("-p", "--n-prompt", type=int, default=512)
@@ -555,22 +673,46 @@ def parse_args(argv=None):
     p.add_argument("-r", "--reps", type=int, default=2, help="runs of each test inside one invocation")
     p.add_argument("--alternations", type=int, default=2, help="invocations per system per cell, A B B A ...")
     p.add_argument("-t", "--threads", type=int, default=1, help="threads per process (default: %(default)s)")
-    p.add_argument("--dtype", default=None, help="shardwire's compute dtype (default: each worker's own choice, bf16 on CPUs with native bf16)")
-    p.add_argument("--no-rpc-cache", dest="rpc_cache", action="store_false",
-                   help="run ggml-rpc-server without -c (its local weight cache)")
-    p.add_argument("--no-paired-baseline", dest="paired_baseline", action="store_false",
-                   help="do not rerun the single process beside each loopback cell (efficiency then compares "
-                        "cells run minutes apart)")
-    p.add_argument("--relay-nice", type=int, default=-10,
-                   help="nice value of the relay threads: the emulated network should not wait for a CPU "
-                        "behind the processes it links (default: %(default)s; needs root, else ignored)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="shardwire's compute dtype (default: each worker's own choice, bf16 on CPUs with native bf16)",
+    )
+    p.add_argument(
+        "--no-rpc-cache",
+        dest="rpc_cache",
+        action="store_false",
+        help="run ggml-rpc-server without -c (its local weight cache)",
+    )
+    p.add_argument(
+        "--no-paired-baseline",
+        dest="paired_baseline",
+        action="store_false",
+        help="do not rerun the single process beside each loopback cell (efficiency then compares "
+        "cells run minutes apart)",
+    )
+    p.add_argument(
+        "--relay-nice",
+        type=int,
+        default=-10,
+        help="nice value of the relay threads: the emulated network should not wait for a CPU "
+        "behind the processes it links (default: %(default)s; needs root, else ignored)",
+    )
     p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole run")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds for one invocation")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/<mode>-<time>)")
     pre, _ = p.parse_known_args(argv)
     if pre.quick:  # the small model in full, the 1B layout at 2 workers with short tests
-        p.set_defaults(workloads="small-f16,1b-q4_0", links="0", n_prompt_big=128, n_gen_big=16,
-                       workers_big="2", delay_workers_big="", time_limit=1200, run_timeout=240)
+        p.set_defaults(
+            workloads="small-f16,1b-q4_0",
+            links="0",
+            n_prompt_big=128,
+            n_gen_big=16,
+            workers_big="2",
+            delay_workers_big="",
+            time_limit=1200,
+            run_timeout=240,
+        )
     else:
         p.set_defaults(workloads="small-f16,1b-q8_0,1b-q4_0,1b-q4_k", time_limit=3 * 3600, sweep="0,0.2,1")
     args = p.parse_args(argv)
@@ -608,14 +750,28 @@ def main(argv=None) -> int:
         files[w] = models.ensure(models.WORKLOADS[w], prefix)
     groups = plan_cells(args)
     cells = [c for g in groups for c in g]
-    print(f"{len(cells)} cells in {len(groups)} groups, {len(systems)} systems, up to {args.time_limit / 60:.0f} min "
-          f"-> {out}", flush=True)
-    results = {"meta": {"mode": mode, "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                        "machine": machine_info(), "systems": [s.name for s in systems],
-                        "llama_cpp": str(prefix) if prefix else None, "threads": args.threads,
-                        "rate_gbit": args.rate_gbit, "reps": args.reps, "alternations": args.alternations,
-                        "models": {w: models.describe(f) for w, f in files.items()}},
-               "cells": [asdict(c) | {"key": c.key} for c in cells], "runs": []}
+    print(
+        f"{len(cells)} cells in {len(groups)} groups, {len(systems)} systems, up to {args.time_limit / 60:.0f} min "
+        f"-> {out}",
+        flush=True,
+    )
+    results = {
+        "meta": {
+            "mode": mode,
+            "argv": sys.argv,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": machine_info(),
+            "systems": [s.name for s in systems],
+            "llama_cpp": str(prefix) if prefix else None,
+            "threads": args.threads,
+            "rate_gbit": args.rate_gbit,
+            "reps": args.reps,
+            "alternations": args.alternations,
+            "models": {w: models.describe(f) for w, f in files.items()},
+        },
+        "cells": [asdict(c) | {"key": c.key} for c in cells],
+        "runs": [],
+    }
     for group in groups:
         if time.monotonic() > deadline - 10:
             print(f"  {group[0].workload}/w{group[0].workers}: skipped (time limit)", flush=True)

@@ -4,6 +4,7 @@ uninterrupted single-process run gives; memory must not creep.
 
     python benchmarks/soak.py [--minutes 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,7 @@ STREAMS = 4
 
 def reference_tokens(path: Path, prompts, n: int, sampling) -> list[list[int]]:
     model = open_model(path)
-    engine = Engine(LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=1, ctx=512),
-                    prefill_chunk=32)
+    engine = Engine(LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=1, ctx=512), prefill_chunk=32)
     out = []
     for p in prompts:
         h = engine.submit(Request(p, sampling, max_tokens=n, ignore_eos=True))
@@ -60,22 +60,29 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     import torch
+
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="shardwire-soak-"))
     path = tmp / "soak.gguf"
-    write_random_llama(path, weight_type="F16", n_layers=6, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                       context_length=512, seed=11)
+    write_random_llama(
+        path, weight_type="F16", n_layers=6, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768, context_length=512, seed=11
+    )
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(8, 120))] for _ in range(16)]
     samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)]
-    expected = {(i, j): toks for j, s in enumerate(samplings)
-                for i, toks in enumerate(reference_tokens(path, prompts, args.tokens, s))}
+    expected = {
+        (i, j): toks
+        for j, s in enumerate(samplings)
+        for i, toks in enumerate(reference_tokens(path, prompts, args.tokens, s))
+    }
 
     workers = [WorkerProcess(tmp / f"w{i}").start() for i in range(3)]
     cluster = Cluster([w.address for w in workers], cache_dir=tmp / "coord", show_progress=False)
     cluster.heartbeat.dead_after = 2.0
     cluster.connect(open_model(path))
-    engine = Engine(cluster.load(cluster.make_plan(ctx=512, n_slots=STREAMS, prefill_chunk=32, dtype="float32")), prefill_chunk=32)
+    engine = Engine(
+        cluster.load(cluster.make_plan(ctx=512, n_slots=STREAMS, prefill_chunk=32, dtype="float32")), prefill_chunk=32
+    )
     stop = time.monotonic() + args.minutes * 60
     results = {"completed": 0, "wrong": 0, "failed": 0}
     lock = threading.Lock()
@@ -112,9 +119,11 @@ def main() -> None:
         time.sleep(10)
         workers[victim] = WorkerProcess(workers[victim].cache_dir, port=workers[victim].port).start()
         memory.append(rss([psutil.Process().pid]))
-        print(f"{time.monotonic() - started:6.0f} s: killed and restarted worker {victim}; {results}; "
-              f"RSS coordinator {memory[-1]:.0f} MiB, workers {rss([w.proc.pid for w in workers]):.0f} MiB",
-              flush=True)
+        print(
+            f"{time.monotonic() - started:6.0f} s: killed and restarted worker {victim}; {results}; "
+            f"RSS coordinator {memory[-1]:.0f} MiB, workers {rss([w.proc.pid for w in workers]):.0f} MiB",
+            flush=True,
+        )
     for t in threads:
         t.join(300)
     engine.close()
@@ -122,9 +131,11 @@ def main() -> None:
     for w in workers:
         w.stop()
     recoveries = [e for e in cluster.events if e["recovered"]]
-    print(f"\nsoak: {args.minutes:.0f} min, {STREAMS} streams, {kills} kills -> {results}; "
-          f"{len(recoveries)} recoveries/rebalances, slowest {max((e['seconds'] for e in recoveries), default=0):.2f} s; "
-          f"coordinator RSS samples (MiB): {', '.join(f'{m:.0f}' for m in memory)}")
+    print(
+        f"\nsoak: {args.minutes:.0f} min, {STREAMS} streams, {kills} kills -> {results}; "
+        f"{len(recoveries)} recoveries/rebalances, slowest {max((e['seconds'] for e in recoveries), default=0):.2f} s; "
+        f"coordinator RSS samples (MiB): {', '.join(f'{m:.0f}' for m in memory)}"
+    )
 
 
 if __name__ == "__main__":

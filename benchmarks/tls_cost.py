@@ -6,6 +6,7 @@ on a shared machine hits both alike.
 
     python benchmarks/tls_cost.py [--rounds 4] [--tokens 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ TOKEN = "benchmark-token"
 def decode_seconds_per_token(pipeline, n: int) -> float:
     engine = Engine(pipeline)
     try:
-        handle = engine.submit(Request(list(range(1, 9)), SamplingParams(temperature=0.0), max_tokens=n,
-                                       ignore_eos=True))
+        handle = engine.submit(
+            Request(list(range(1, 9)), SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True)
+        )
         handle.result()
         return 1.0 / handle.stats.decode_tps
     finally:
@@ -48,6 +50,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="shardwire-tls-bench-"))
     path = tmp / "model.gguf"
@@ -56,12 +59,19 @@ def main() -> None:
     certs = [generate_certificate(tmp, ["127.0.0.1"], name=f"w{i}") for i in range(2)]
 
     plain = [WorkerProcess(tmp / f"plain{i}").start() for i in range(2)]
-    secure = [WorkerProcess(tmp / f"tls{i}", token=TOKEN,
-                            extra=("--tls-cert", str(c[0]), "--tls-key", str(c[1]))).start() for i, c in enumerate(certs)]
+    secure = [
+        WorkerProcess(tmp / f"tls{i}", token=TOKEN, extra=("--tls-cert", str(c[0]), "--tls-key", str(c[1]))).start()
+        for i, c in enumerate(certs)
+    ]
     clusters = {
         "plain TCP": Cluster([w.address for w in plain], cache_dir=tmp / "c1", show_progress=False),
-        "TLS + token": Cluster([w.address for w in secure], token=TOKEN, cache_dir=tmp / "c2",
-                               tls=ClientTLS(pins={c[2] for c in certs}), show_progress=False),
+        "TLS + token": Cluster(
+            [w.address for w in secure],
+            token=TOKEN,
+            cache_dir=tmp / "c2",
+            tls=ClientTLS(pins={c[2] for c in certs}),
+            show_progress=False,
+        ),
     }
     try:
         pipelines = {}
@@ -74,8 +84,10 @@ def main() -> None:
             for name, pipeline in order if r % 2 == 0 else order[::-1]:  # A B B A ...
                 times[name].append(decode_seconds_per_token(pipeline, args.tokens))
         base = statistics.median(times["plain TCP"])
-        print(f"model: {args.layers} blocks, width {args.dim}, F16; 2 workers on loopback; "
-              f"{args.rounds} interleaved rounds of {args.tokens} tokens")
+        print(
+            f"model: {args.layers} blocks, width {args.dim}, F16; 2 workers on loopback; "
+            f"{args.rounds} interleaved rounds of {args.tokens} tokens"
+        )
         print(f"{'setup':<14} {'ms/token':>9} {'tokens/s':>9} {'ratio':>6}")
         for name, ts in times.items():
             t = statistics.median(ts)

@@ -12,6 +12,7 @@ RESULT carries sampled token ids only: no logits, no weights. The computed figur
 the very frames the code sends (shardwire.wire.frames / messages); --measure runs real
 workers behind counting relays (benchmarks/relay.py) and reports what crossed each link.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,19 +61,25 @@ def show_computed(args) -> None:
     from shardwire.devices import default_dtype
 
     import models
+
     if args.dtype is None:
         args.dtype = default_dtype("cpu")
 
-    layouts = [(name, l.params["dim"]) for name, l in models.LAYOUTS.items()] if args.dim is None else [
-        (f"width {args.dim}", args.dim)]
+    layouts = (
+        [(name, l.params["dim"]) for name, l in models.LAYOUTS.items()]
+        if args.dim is None
+        else [(f"width {args.dim}", args.dim)]
+    )
     for name, dim in layouts:
         sizes = frame_sizes(dim, args.dtype, args.rows)
         print(f"{name}: hidden width {dim}, {args.dtype} activations, {args.rows} row(s) per step")
         for frame, s in sizes.items():
             print(f"  {frame:42s} {s['total']:8d} B  (payload {s['payload']}, headers {s['header']})")
         for n in (1, 2, 3):
-            print(f"  per decode step with {n} worker{'s' if n > 1 else ' '}: {per_step(sizes, n):8d} B "
-                  f"over {n + 1} crossings")
+            print(
+                f"  per decode step with {n} worker{'s' if n > 1 else ' '}: {per_step(sizes, n):8d} B "
+                f"over {n + 1} crossings"
+            )
         print()
 
 
@@ -93,10 +100,26 @@ def measure(args) -> None:
     procs, relays = [], []
     try:
         for i in range(args.workers):
-            p = subprocess.Popen([sys.executable, "-m", "shardwire", "worker", "--port", "0", "--device", "cpu",
-                                  "--threads", "1", "--model-dir", str(Path(args.measure).resolve().parent)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+            p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "shardwire",
+                    "worker",
+                    "--port",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--threads",
+                    "1",
+                    "--model-dir",
+                    str(Path(args.measure).resolve().parent),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
             procs.append(p)
             for line in p.stdout:
                 m = re.search(r"listening on (\S+):(\d+)", line)
@@ -121,8 +144,10 @@ def measure(args) -> None:
         engine.close()
         pipeline.close()
         steps = args.steps
-        print(f"{args.measure}: {args.workers} workers, {steps} decode steps in {elapsed:.2f} s "
-              f"(heartbeats included, about 1 per second per worker)")
+        print(
+            f"{args.measure}: {args.workers} workers, {steps} decode steps in {elapsed:.2f} s "
+            f"(heartbeats included, about 1 per second per worker)"
+        )
         total = 0
         for i, (b, a) in enumerate(zip(before, after)):
             up, down = (a[0] - b[0]) / steps, (a[1] - b[1]) / steps
@@ -145,8 +170,12 @@ def measure(args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=None, help="hidden width (default: the benchmark's layouts)")
-    p.add_argument("--dtype", default=None, choices=sorted(ELEMENT), help="activation dtype on the wire "
-                   "(default: the stage's compute dtype on this machine's CPU)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(ELEMENT),
+        help="activation dtype on the wire (default: the stage's compute dtype on this machine's CPU)",
+    )
     p.add_argument("--rows", type=int, default=1, help="sequences in one step (default: %(default)s)")
     p.add_argument("--measure", default=None, metavar="MODEL", help="count bytes on real sockets for this model")
     p.add_argument("--workers", type=int, default=2)

@@ -6,6 +6,7 @@
 For each model (llama, llama3.1, mistral, qwen2, qwen3): NAME-TYPE.gguf per type and the Hugging
 Face folder NAME-hf with the same weights, each with the vocabulary its real models use.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ def csv(choices):
         if bad:
             raise argparse.ArgumentTypeError(f"unknown: {', '.join(bad)} (choose from {', '.join(choices)})")
         return items
+
     return parse
 
 
@@ -42,12 +44,24 @@ def describe(path: Path) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--arch", type=csv(list(TEST_MODELS)), default=list(TEST_MODELS),
-                        help=f"models to write (default: all of {','.join(TEST_MODELS)})")
-    parser.add_argument("--types", type=csv(WEIGHT_TYPES), default=["F32", "F16", "Q8_0", "Q4_0", "Q4_K"],
-                        help="GGUF weight types (default: F32,F16,Q8_0,Q4_0,Q4_K)")
-    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
-                        help="also write the Hugging Face folder (default: yes)")
+    parser.add_argument(
+        "--arch",
+        type=csv(list(TEST_MODELS)),
+        default=list(TEST_MODELS),
+        help=f"models to write (default: all of {','.join(TEST_MODELS)})",
+    )
+    parser.add_argument(
+        "--types",
+        type=csv(WEIGHT_TYPES),
+        default=["F32", "F16", "Q8_0", "Q4_0", "Q4_K"],
+        help="GGUF weight types (default: F32,F16,Q8_0,Q4_0,Q4_K)",
+    )
+    parser.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also write the Hugging Face folder (default: yes)",
+    )
     parser.add_argument("--glassllm", action="store_true", help="also convert glassllm's trained model")
     args = parser.parse_args(argv)
 
@@ -61,8 +75,10 @@ def main(argv=None) -> int:
     if args.glassllm:
         from shardwire_kit.glassllm import convert_glassllm
 
-        for path in (convert_glassllm(args.out_dir / "glassllm-en-F16.gguf", "gguf"),
-                     convert_glassllm(args.out_dir / "glassllm-en-hf", "hf")):
+        for path in (
+            convert_glassllm(args.out_dir / "glassllm-en-F16.gguf", "gguf"),
+            convert_glassllm(args.out_dir / "glassllm-en-hf", "hf"),
+        ):
             print(f"{path}  {describe(path)}")
     return 0
 

@@ -14,6 +14,7 @@ Sampling is greedy on the last stage; the random prompts are the same for every 
 same --seed. Progress lines on stderr ("... prompt run 1/3") have llama-bench's wording, so a
 harness can follow either tool the same way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,16 @@ import time
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark (llama-bench's flags)")
-    g.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens; 0 skips the test (default: %(default)s)")
-    g.add_argument("-n", "--n-gen", type=int, default=128, help="decoded tokens; 0 skips the test (default: %(default)s)")
+    g.add_argument(
+        "-p", "--n-prompt", type=int, default=512, help="prompt tokens; 0 skips the test (default: %(default)s)"
+    )
+    g.add_argument(
+        "-n", "--n-gen", type=int, default=128, help="decoded tokens; 0 skips the test (default: %(default)s)"
+    )
     g.add_argument("-r", "--repetitions", type=int, default=3, help="runs of each test (default: %(default)s)")
-    g.add_argument("--streams", type=int, default=0,
-                   help="also decode -n tokens in this many concurrent sequences (default: off)")
+    g.add_argument(
+        "--streams", type=int, default=0, help="also decode -n tokens in this many concurrent sequences (default: off)"
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up run of each test")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default: %(default)s)")
     g.add_argument("-o", "--output", choices=["md", "json"], default="md", help="(default: %(default)s)")
@@ -46,6 +52,7 @@ def peak_rss() -> int:
     except OSError:
         pass
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -134,8 +141,15 @@ def run_bench(args: argparse.Namespace) -> int:
         engine.close()
         pipeline.close()
     say("done")
-    report = {"system": "shardwire", "model": str(args.model), "workers": workers, "threads": args.threads,
-              "load_s": load_s, "peak_rss": peak_rss(), "tests": results}
+    report = {
+        "system": "shardwire",
+        "model": str(args.model),
+        "workers": workers,
+        "threads": args.threads,
+        "load_s": load_s,
+        "peak_rss": peak_rss(),
+        "tests": results,
+    }
     if args.output == "json":
         print(json.dumps(report, indent=1))
     else:
@@ -144,13 +158,20 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"model: {report['model']}  workers: {len(report['workers']) or 'none (single process)'}  "
-             f"load: {report['load_s']:.1f} s  coordinator peak RSS: {report['peak_rss'] / 2**20:.0f} MiB", "",
-             "| test | tokens/s | ms/token | time to first token | coordinator bytes/token |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"model: {report['model']}  workers: {len(report['workers']) or 'none (single process)'}  "
+        f"load: {report['load_s']:.1f} s  coordinator peak RSS: {report['peak_rss'] / 2**20:.0f} MiB",
+        "",
+        "| test | tokens/s | ms/token | time to first token | coordinator bytes/token |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for t in report["tests"]:
         per = t["avg_ns"] / 1e6 / max(1, t["n_prompt"] or t["n_gen"])
         ttft = f"{t['avg_ns'] / 1e6:.1f} ms" if t["n_prompt"] else ""
-        wire = f"{t['coordinator_bytes_per_token']:.0f}" if "coordinator_bytes_per_token" in t and report["workers"] else ""
+        wire = (
+            f"{t['coordinator_bytes_per_token']:.0f}"
+            if "coordinator_bytes_per_token" in t and report["workers"]
+            else ""
+        )
         lines.append(f"| {t['test']} | {t['avg_ts']:.2f} ± {t['stddev_ts']:.2f} | {per:.2f} | {ttft} | {wire} |")
     return "\n".join(lines)

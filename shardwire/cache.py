@@ -4,6 +4,7 @@ A tensor is known by the sha256 of its stored bytes. Hashing a model once is una
 hashing it at every start is not, so hashes of byte ranges are remembered per file identity
 (path, size, mtime, inode): a file that changes in any way is hashed again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -125,8 +126,10 @@ class WeightCache:
         """Remove least recently used files until the cache is under its limit; returns bytes freed."""
         if self.max_bytes is None or not self.directory.is_dir():
             return 0
-        files = sorted((p for p in self.directory.glob("*/*") if p.is_file() and ".part" not in p.name),
-                       key=lambda p: p.stat().st_atime)
+        files = sorted(
+            (p for p in self.directory.glob("*/*") if p.is_file() and ".part" not in p.name),
+            key=lambda p: p.stat().st_atime,
+        )
         total = sum(p.stat().st_size for p in files)
         freed = 0
         for p in files:

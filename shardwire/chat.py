@@ -1,4 +1,5 @@
 """Chat templates: a model's Jinja template rendered the way transformers' apply_chat_template does."""
+
 from __future__ import annotations
 
 import json
@@ -35,16 +36,30 @@ CHATML_TEMPLATE = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def render_chat(template: str | None, messages: list[dict], *, add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "", tools: list[dict] | None = None,
-                documents: list[dict] | None = None, **extra) -> str:
+def render_chat(
+    template: str | None,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    **extra,
+) -> str:
     """The prompt text for `messages` (dicts with "role" and "content"). `template` None means the
     ChatML fallback. Extra keywords reach the template as variables (e.g. enable_thinking=False)."""
     compiled = _compile(template if template is not None else CHATML_TEMPLATE)
     try:
-        return compiled.render(messages=_normalize(messages), tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-                               eos_token=eos_token, **extra)
+        return compiled.render(
+            messages=_normalize(messages),
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **extra,
+        )
     except Exception as e:  # anything a template does wrong is the template's error to the caller
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
@@ -92,8 +107,7 @@ def _strftime_now(fmt):
 
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

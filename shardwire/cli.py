@@ -1,4 +1,5 @@
 """The `shardwire` command: worker, generate, serve, plan, bench, demo."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,27 +27,45 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf file (first part of a split model) or a Hugging Face folder")
-    p.add_argument("-d", "--device", default=None,
-                   help="device for local stages: cpu, cuda:N or mps (default: the first accelerator, else cpu)")
-    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
-                   help="compute dtype (default: each device's own: bfloat16 on cuda and on CPUs with native "
-                        "bf16, float16 on mps, else float32; a worker's devices as that worker reports them)")
-    p.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
-                   help="quantized GGUF weights on the devices: dequant (to the compute dtype), packed (int4/int8 "
-                        "kernels), compact (packed only where that costs no more than ~1.1x the file; the rest "
-                        "dequantized just before use), fast (packed where its kernel beats the dense product on "
-                        "the device, else dequantized: Q8_0 on a bf16 CPU); auto = the first of fast, packed, "
-                        "compact that fits (default: %(default)s)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096,
-                   help="context size per sequence, capped at the model's (default: %(default)s)")
+    p.add_argument(
+        "-d",
+        "--device",
+        default=None,
+        help="device for local stages: cpu, cuda:N or mps (default: the first accelerator, else cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=COMPUTE_DTYPES,
+        help="compute dtype (default: each device's own: bfloat16 on cuda and on CPUs with native "
+        "bf16, float16 on mps, else float32; a worker's devices as that worker reports them)",
+    )
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=WEIGHT_MODES,
+        help="quantized GGUF weights on the devices: dequant (to the compute dtype), packed (int4/int8 "
+        "kernels), compact (packed only where that costs no more than ~1.1x the file; the rest "
+        "dequantized just before use), fast (packed where its kernel beats the dense product on "
+        "the device, else dequantized: Q8_0 on a bf16 CPU); auto = the first of fast, packed, "
+        "compact that fits (default: %(default)s)",
+    )
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=4096,
+        help="context size per sequence, capped at the model's (default: %(default)s)",
+    )
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwire", description=__doc__)
     parser.add_argument("--version", action="version", version=f"shardwire {__version__}")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                        help="(default: %(default)s)")
+    parser.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", help="continue a prompt, printing tokens as they come")
@@ -63,15 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="serve stages of a model to a coordinator")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=50052, help="(default: %(default)s)")
-    p.add_argument("-d", "--device", default=None,
-                   help="devices to serve, comma-separated: cuda:N, mps, cpu (CPU devices may be named "
-                        "cpu:0,cpu:1) (default: every accelerator, else cpu)")
+    p.add_argument(
+        "-d",
+        "--device",
+        default=None,
+        help="devices to serve, comma-separated: cuda:N, mps, cpu (CPU devices may be named "
+        "cpu:0,cpu:1) (default: every accelerator, else cpu)",
+    )
     p.add_argument("--mem", default=None, help="memory budget per device, e.g. 20G or 512M (default: free memory)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
     p.add_argument("--cache-dir", default=None, help="weight cache folder (default: ~/.cache/shardwire)")
     p.add_argument("--cache-size", default=None, help="evict least recently used weights beyond this, e.g. 100G")
-    p.add_argument("--model-dir", action="append", default=[],
-                   help="folder holding this machine's own copies of model files (repeatable)")
+    p.add_argument(
+        "--model-dir", action="append", default=[], help="folder of this machine's own model files (repeatable)"
+    )
     p.add_argument("--max-connections", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--max-frame", default="256M", help="largest frame accepted (default: %(default)s)")
     add_worker_tls_args(p)
@@ -80,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("certs", help="make a self-signed TLS certificate and print its fingerprint")
     p.add_argument("--out", default=".", help="folder for NAME.crt and NAME.key (default: %(default)s)")
     p.add_argument("--name", default="shardwire", help="(default: %(default)s)")
-    p.add_argument("--host", action="append", default=[],
-                   help="host name or IP address the certificate is for (repeatable; default: localhost, 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="host name or IP address the certificate is for (repeatable; default: localhost, 127.0.0.1)",
+    )
     p.add_argument("--days", type=int, default=3650, help="(default: %(default)s)")
     p.set_defaults(func=cmd_certs)
 
@@ -95,19 +123,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="0 = any free port (default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("SHARDWIRE_API_KEY"),
-                   help="clients must send Authorization: Bearer KEY (env SHARDWIRE_API_KEY; default: none)")
-    p.add_argument("-np", "--parallel", type=int, default=4,
-                   help="sequences decoded together, each with its own KV cache of --ctx-size (default: %(default)s)")
+    api_key_help = "clients must send Authorization: Bearer KEY (env SHARDWIRE_API_KEY; default: none)"
+    p.add_argument("--api-key", default=os.environ.get("SHARDWIRE_API_KEY"), help=api_key_help)
+    p.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=4,
+        help="sequences decoded together, each with its own KV cache of --ctx-size (default: %(default)s)",
+    )
     p.add_argument("-a", "--alias", default=None, help="model name in the API (default: the file name)")
     add_cluster_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="split a small trained model across two local workers and generate")
-    p.add_argument("-p", "--prompt", default="Alice was beginning to get very tired",
-                   help="text to continue (default: %(default)s)")
-    p.add_argument("-n", "--n-predict", type=int, default=96,
-                   help="tokens to generate; the model's context is 128 (default: %(default)s)")
+    p.add_argument(
+        "-p",
+        "--prompt",
+        default="Alice was beginning to get very tired",
+        help="text to continue (default: %(default)s)",
+    )
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=96,
+        help="tokens to generate; the model's context is 128 (default: %(default)s)",
+    )
     p.add_argument("--workers", type=int, default=2, help="local worker processes (default: %(default)s)")
     p.add_argument("-d", "--device", default="cpu", help="device each worker serves (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=1, help="CPU threads per worker (default: %(default)s)")
@@ -115,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     from .bench import add_bench_args
-    p = sub.add_parser("bench", help="prompt and decode tokens/s, alone or across --rpc workers (llama-bench's counterpart)")
+
+    p = sub.add_parser(
+        "bench", help="prompt and decode tokens/s, alone or across --rpc workers (llama-bench's counterpart)"
+    )
     _add_model_args(p)
     add_bench_args(p)
     add_cluster_args(p)
@@ -153,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generate import run_generate
+
     return run_generate(args)
 
 
@@ -161,17 +207,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from .wire.frames import Limits
     from .worker import Worker
+
     tls = server_tls(args)
-    worker = Worker(host=args.host, port=args.port, devices=args.device.split(",") if args.device else None,
-                    mem=parse_size(args.mem), cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-                    cache_max_bytes=parse_size(args.cache_size), model_dirs=[Path(d) for d in args.model_dir],
-                    token=resolve_token(args), threads=args.threads, tls=tls, insecure=args.insecure,
-                    max_connections=args.max_connections, limits=Limits(max_payload=parse_size(args.max_frame)))
+    worker = Worker(
+        host=args.host,
+        port=args.port,
+        devices=args.device.split(",") if args.device else None,
+        mem=parse_size(args.mem),
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        cache_max_bytes=parse_size(args.cache_size),
+        model_dirs=[Path(d) for d in args.model_dir],
+        token=resolve_token(args),
+        threads=args.threads,
+        tls=tls,
+        insecure=args.insecure,
+        max_connections=args.max_connections,
+        limits=Limits(max_payload=parse_size(args.max_frame)),
+    )
     port = worker.bind()
     desc = worker.describe()
-    print(f"shardwire worker {desc.worker_id} listening on {args.host}:{port}"
-          f" ({'TLS ' + tls.fingerprint() if tls else 'plain TCP'}, "
-          f"{'token required' if worker.token else 'no token'})", flush=True)
+    print(
+        f"shardwire worker {desc.worker_id} listening on {args.host}:{port}"
+        f" ({'TLS ' + tls.fingerprint() if tls else 'plain TCP'}, "
+        f"{'token required' if worker.token else 'no token'})",
+        flush=True,
+    )
     for d in desc.devices:
         print(f"  {d.name}: {d.free / 2**30:.1f} GiB available", flush=True)
     try:
@@ -185,6 +245,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .wire.tls import generate_certificate
+
     cert, key, fingerprint = generate_certificate(Path(args.out), args.host, args.days, args.name)
     print(f"certificate: {cert}\nprivate key: {key}\nfingerprint: {fingerprint}")
     print(f"start a worker with --tls-cert {cert} --tls-key {key}; give coordinators --tls-pin {fingerprint}")
@@ -192,22 +253,26 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import run_serve
+    from .serve import run_serve
+
     return run_serve(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+
     return run_demo(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
+
     return run_bench(args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .coordinator.launch import plan_only
     from .formats import open_model
+
     print(plan_only(open_model(args.model), args))
     return 0

@@ -1,4 +1,5 @@
 """ModelConfig: the shape of a Llama-family model, read from GGUF metadata or an HF config.json."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -28,22 +29,24 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None)
 
     def __post_init__(self):
-        for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
-                     "context_length"):
+        for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "context_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
         if self.arch not in SUPPORTED_ARCHS:
-            raise ConfigError(f"model config: unsupported architecture '{self.arch}' "
-                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+            raise ConfigError(
+                f"model config: unsupported architecture '{self.arch}' (supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"model config: {self.n_heads} attention heads are not a multiple of "
-                              f"{self.n_kv_heads} key/value heads")
+            raise ConfigError(
+                f"model config: {self.n_heads} attention heads are not a multiple of {self.n_kv_heads} key/value heads"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"model config: head_dim {self.head_dim} must be even for RoPE")
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ("linear", "llama3"):
-            raise ConfigError(f"model config: unsupported rope scaling {self.rope_scaling!r} "
-                              "(supported: linear, llama3)")
+            raise ConfigError(
+                f"model config: unsupported rope scaling {self.rope_scaling!r} (supported: linear, llama3)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,8 +72,7 @@ def _require(source: dict, key: str, where: str):
 def _architecture(source: dict, key: str, where: str) -> str:
     arch = _require(source, key, where)
     if arch not in SUPPORTED_ARCHS:
-        raise ConfigError(f"{where}: unsupported architecture '{arch}' "
-                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ConfigError(f"{where}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHS)})")
     return arch
 
 
@@ -88,22 +90,26 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
     n_kv = key("attention.head_count_kv", n_heads)
     head_dim = int(key("attention.key_length", dim // n_heads))
     if int(key("rope.dimension_count", head_dim)) != head_dim:
-        raise ConfigError(f"{where}: partial rotary embeddings ('{arch}.rope.dimension_count' "
-                          f"{key('rope.dimension_count')} < head size {head_dim}) are not supported")
+        raise ConfigError(
+            f"{where}: partial rotary embeddings ('{arch}.rope.dimension_count' "
+            f"{key('rope.dimension_count')} < head size {head_dim}) are not supported"
+        )
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
         if tokens is None:
-            raise ConfigError(f"{where}: missing required key '{arch}.vocab_size' "
-                              "(and no 'tokenizer.ggml.tokens' to count)")
+            raise ConfigError(
+                f"{where}: missing required key '{arch}.vocab_size' (and no 'tokenizer.ggml.tokens' to count)"
+            )
         vocab = len(tokens)
     scaling = None
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "linear":
         scaling = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
     elif scaling_type not in ("none", ""):
-        raise ConfigError(f"{where}: unsupported rope scaling '{scaling_type}' (supported: linear, "
-                          "llama3 through rope_freqs.weight)")
+        raise ConfigError(
+            f"{where}: unsupported rope scaling '{scaling_type}' (supported: linear, llama3 through rope_freqs.weight)"
+        )
     # Llama 3.1-style scaling arrives as per-frequency factors in the tensor rope_freqs.weight.
     return ModelConfig(
         arch=arch,
@@ -139,8 +145,7 @@ def _hf_rope(cfg: dict, where: str) -> tuple[float, dict | None]:
             "factor": float(_require(scaling, "factor", where)),
             "low_freq_factor": float(_require(scaling, "low_freq_factor", where)),
             "high_freq_factor": float(_require(scaling, "high_freq_factor", where)),
-            "original_max_position_embeddings": int(
-                _require(scaling, "original_max_position_embeddings", where)),
+            "original_max_position_embeddings": int(_require(scaling, "original_max_position_embeddings", where)),
         }
     raise ConfigError(f"{where}: unsupported rope scaling '{kind}' (supported: linear, llama3)")
 

@@ -4,6 +4,7 @@ Starts `shardwire worker` processes on free loopback ports, splits glassllm (a 4
 trained on Alice in Wonderland, converted to GGUF on first use) across them, streams a
 continuation, prints the speed, and stops the workers again, on Ctrl-C and errors too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import time
 from .coordinator import Cluster
 from .engine import Engine, Request
 from .formats import open_model
-from .generate import sampling_from_args
+from .generate import sampling_from_args, speeds, stream
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("shardwire.demo")
@@ -50,18 +51,42 @@ class LocalWorkers:
 
     def _start(self, timeout: float = 120.0) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads), SHARDWIRE_TOKEN=self.token)
-        cmd = [sys.executable, "-m", "shardwire", "--log-level", self.log_level, "worker", "--host", "127.0.0.1",
-               "--port", "0", "--device", self.device, "--threads", str(self.threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardwire",
+            "--log-level",
+            self.log_level,
+            "worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device",
+            self.device,
+            "--threads",
+            str(self.threads),
+        ]
         # Every process starts before any reader thread exists: forking beside Python threads is unsafe
         # with a preexec_fn. Own sessions keep a terminal's Ctrl-C for the demo, which stops them in order.
         for _ in range(self.count):
-            self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, env=env, text=True,
-                                               start_new_session=True, preexec_fn=_die_with_parent))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    text=True,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            )
         ports: queue.Queue = queue.Queue()
         for i, proc in enumerate(self.procs):
-            threading.Thread(target=self._read, args=(i, proc, ports), daemon=True,
-                             name=f"worker{i + 1}-output").start()
+            threading.Thread(
+                target=self._read, args=(i, proc, ports), daemon=True, name=f"worker{i + 1}-output"
+            ).start()
         found: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         while len(found) < self.count:
@@ -105,6 +130,7 @@ def _die_with_parent() -> None:
     """Linux: a worker gets SIGTERM if the demo itself is killed outright (kill -9), so none is orphaned."""
     if sys.platform.startswith("linux"):
         import ctypes
+
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -119,8 +145,11 @@ def _size(n: int) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up as Ctrl-C does
     started = time.perf_counter()
-    print("shardwire demo: glassllm, a 4-block Llama trained on Alice in Wonderland, split across "
-          f"{args.workers} worker processes on this machine", flush=True)
+    print(
+        "shardwire demo: glassllm, a 4-block Llama trained on Alice in Wonderland, split across "
+        f"{args.workers} worker processes on this machine",
+        flush=True,
+    )
     try:
         import glassllm  # noqa: F401
 
@@ -141,8 +170,11 @@ def run_demo(args: argparse.Namespace) -> int:
     level = logging.getLevelName(log.getEffectiveLevel()).lower()
     with LocalWorkers(args.workers, args.device, args.threads, token, level) as workers:
         for i, (proc, address) in enumerate(zip(workers.procs, workers.addresses)):
-            print(f"worker {i + 1}: pid {proc.pid}, listening on {address} ({args.device}, "
-                  f"{args.threads} thread{'s' if args.threads != 1 else ''})", flush=True)
+            print(
+                f"worker {i + 1}: pid {proc.pid}, listening on {address} ({args.device}, "
+                f"{args.threads} thread{'s' if args.threads != 1 else ''})",
+                flush=True,
+            )
         cluster = Cluster(workers.addresses, token=token, show_progress=True)
         try:
             cluster.connect(model)
@@ -150,16 +182,15 @@ def run_demo(args: argparse.Namespace) -> int:
             print(plan.table(), flush=True)
             pipeline = cluster.load(plan)
             loaded = cluster.load_stats
-            print(f"weights: {_size(loaded.get('streamed', 0))} sent over TCP, {_size(loaded.get('cache', 0))} from "
-                  f"the workers' caches (a second run sends nothing)\n", flush=True)
+            print(
+                f"weights: {_size(loaded.get('streamed', 0))} sent over TCP, {_size(loaded.get('cache', 0))} from "
+                f"the workers' caches (a second run sends nothing)\n",
+                flush=True,
+            )
             engine = Engine(pipeline, tokenizer)
             try:
                 handle = engine.submit(Request(prompt, sampling_from_args(args), max_tokens=args.n_predict))
-                sys.stdout.write(args.prompt)
-                for event in handle:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-                print()
+                stream(handle, args.prompt)
             finally:
                 engine.close()
         finally:
@@ -167,8 +198,6 @@ def run_demo(args: argparse.Namespace) -> int:
     if handle.error:
         print(f"shardwire: error: {handle.error}", file=sys.stderr)
         return 1
-    s = handle.stats
-    print(f"\nprompt: {s.prompt_tokens} tokens at {s.prompt_tps:.0f} tokens/s | generation: {s.completion_tokens} "
-          f"tokens at {s.decode_tps:.1f} tokens/s | {time.perf_counter() - started:.1f} s in all; workers stopped",
-          flush=True)
+    elapsed = time.perf_counter() - started
+    print(f"\n{speeds(handle)} | {elapsed:.1f} s in all; workers stopped", flush=True)
     return 0

@@ -1,4 +1,5 @@
 """The compute devices of this machine, their dtypes, free memory and the CPU allocator."""
+
 from __future__ import annotations
 
 import ctypes
@@ -10,8 +11,7 @@ import torch
 
 from .enums import COMPUTE_DTYPES
 
-TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
-                "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_dtype(name: str) -> torch.dtype:

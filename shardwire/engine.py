@@ -9,6 +9,7 @@ Once every step in flight has come back, the pipeline is rebuilt on the capacity
 (or that returns) and each sequence replays its tokens as one prefill; sampling depends only
 on (seed, position), so the next token is the one an uninterrupted run would have drawn.
 """
+
 from __future__ import annotations
 
 import logging
@@ -251,7 +252,7 @@ class Engine:
         groups = min(len(ready), free)
         size = -(-len(ready) // groups)
         for i in range(0, len(ready), size):
-            group = ready[i:i + size]
+            group = ready[i : i + size]
             step = Step([self._decode_row(s) for s in group])
             self._decoding.add(step.id)
             self._send(step, group)
@@ -271,23 +272,26 @@ class Engine:
             seq.interrupted = False
             seq.fruitless_replays += 1
             if seq.fruitless_replays > MAX_FRUITLESS_REPLAYS:  # the failure follows this sequence
-                self._finish(seq, "error", f"interrupted {seq.fruitless_replays} times without progress; "
-                                           f"last failure: {event.get('reason')}")
+                self._finish(
+                    seq,
+                    "error",
+                    f"interrupted {seq.fruitless_replays} times without progress; last failure: {event.get('reason')}",
+                )
                 continue
             self._prefill(seq)
             replayed += len(seq.tokens)
         event["replayed_tokens"] = replayed
-        log.warning("replayed %d token(s) of %d sequence(s)", replayed,
-                    sum(not s.finished for s in self._running.values()))
+        log.warning(
+            "replayed %d token(s) of %d sequence(s)", replayed, sum(not s.finished for s in self._running.values())
+        )
         return True
 
     def _prefill(self, seq: _Sequence) -> None:
         tokens = seq.tokens
         for start in range(0, len(tokens), self.prefill_chunk):
-            chunk = tokens[start:start + self.prefill_chunk]
+            chunk = tokens[start : start + self.prefill_chunk]
             last = start + len(chunk) == len(tokens)
-            row = Row(seq.slot, start, chunk, seq.request.sampling if last else None,
-                      self._recent(seq) if last else [])
+            row = Row(seq.slot, start, chunk, seq.request.sampling if last else None, self._recent(seq) if last else [])
             self._send(Step([row]), [seq])
 
     def _decode_row(self, seq: _Sequence) -> Row:
@@ -296,7 +300,7 @@ class Engine:
     @staticmethod
     def _recent(seq: _Sequence) -> list[int]:
         params = seq.request.sampling
-        return seq.tokens[-params.repeat_last_n:] if params.penalized and params.repeat_last_n else []
+        return seq.tokens[-params.repeat_last_n :] if params.penalized and params.repeat_last_n else []
 
     def _send(self, step: Step, seqs: list[_Sequence]) -> None:
         self._steps[step.id] = seqs
@@ -339,15 +343,15 @@ class Engine:
         hits = [pending.find(s) for s in stops if s and s in pending]
         if hits:
             seq.pending_text = ""
-            return pending[:min(hits)], True
+            return pending[: min(hits)], True
         hold = 0
         for s in stops:
             for n in range(min(len(s) - 1, len(pending)), 0, -1):
                 if pending.endswith(s[:n]):
                     hold = max(hold, n)
                     break
-        seq.pending_text = pending[len(pending) - hold:] if hold else ""
-        return pending[:len(pending) - hold], False
+        seq.pending_text = pending[len(pending) - hold :] if hold else ""
+        return pending[: len(pending) - hold], False
 
     def _emit(self, seq: _Sequence, text: str, sampled: Sampled) -> None:
         seq.handle.events.put(Event(text, sampled.token, sampled.logprob, sampled.top))

@@ -1,5 +1,6 @@
 """The names the command line, the plan, both sides of the wire and the loaders agree on,
 declared once."""
+
 from __future__ import annotations
 
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")

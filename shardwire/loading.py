@@ -1,5 +1,6 @@
 """Build a Stage from stored tensors: read only its layers, decode or pack them, undo llama.cpp's
 Q/K order."""
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -39,16 +40,25 @@ def decode_tensor(cfg: ModelConfig, info: TensorInfo, raw: np.ndarray, qk_interl
     return model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape), qk_interleaved)
 
 
-def build_stage(cfg: ModelConfig, start: int, end: int, first: bool, last: bool,
-                tensors: Mapping[str, TensorInfo], read: Callable[[TensorInfo], np.ndarray],
-                qk_interleaved: bool, device: str | torch.device, dtype: torch.dtype,
-                progress: Callable[[int], None] | None = None, weights: str = "dequant") -> Stage:
+def build_stage(
+    cfg: ModelConfig,
+    start: int,
+    end: int,
+    first: bool,
+    last: bool,
+    tensors: Mapping[str, TensorInfo],
+    read: Callable[[TensorInfo], np.ndarray],
+    qk_interleaved: bool,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[int], None] | None = None,
+    weights: str = "dequant",
+) -> Stage:
     """`weights`: the stage's mode (quant/policy.py: fast | dequant | packed | compact), as the
     plan resolved it."""
     device = torch.device(device)
     large_allocations_unmapped()
-    formats = weight_formats(tensors, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device),
-                             dtype)
+    formats = weight_formats(tensors, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device), dtype)
     built, embedding = {}, None
     for name, info in tensors.items():
         raw = read(info)
@@ -73,14 +83,35 @@ def build_stage(cfg: ModelConfig, start: int, end: int, first: bool, last: bool,
     return Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
 
 
-def load_stage(model: ModelFile, start: int, end: int, *, first: bool | None = None,
-               last: bool | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, reader: TensorReader | None = None,
-               progress: Callable[[int], None] | None = None, weights: str = "dequant") -> Stage:
+def load_stage(
+    model: ModelFile,
+    start: int,
+    end: int,
+    *,
+    first: bool | None = None,
+    last: bool | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    reader: TensorReader | None = None,
+    progress: Callable[[int], None] | None = None,
+    weights: str = "dequant",
+) -> Stage:
     """Blocks [start, end) of `model`, reading only the tensors that stage needs."""
     first = start == 0 if first is None else first
     last = end == model.config.n_layers if last is None else last
     reader = reader or TensorReader()
     tensors = model.stage_tensors(start, end, first, last)
-    return build_stage(model.config, start, end, first, last, tensors, reader.read,
-                       model.qk_interleaved, device, dtype, progress, weights)
+    return build_stage(
+        model.config,
+        start,
+        end,
+        first,
+        last,
+        tensors,
+        reader.read,
+        model.qk_interleaved,
+        device,
+        dtype,
+        progress,
+        weights,
+    )

@@ -3,6 +3,7 @@
 One forward pass runs B sequences with T new tokens each; every sequence owns a KV cache slot
 and brings its own start position, so a batch mixes sequences at different lengths.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,12 @@ def fused(weights: list[Weight], biases: list[torch.Tensor | None]) -> nn.Module
         return None
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-                          for w, b in zip(weights, biases)])
+        bias = torch.cat(
+            [
+                b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                for w, b in zip(weights, biases)
+            ]
+        )
     return Linear(torch.cat(weights), bias)
 
 
@@ -114,6 +119,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 @dataclass
 class StepContext:
     """What every block of a forward pass shares: where the new tokens go and what they see."""
+
     rows: slice | torch.Tensor
     positions: torch.Tensor  # [B, T]
     start: int | None  # the first position, when the batch is one sequence
@@ -143,12 +149,12 @@ class Attention(nn.Module):
         else:
             qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1).view(B, T, H + 2 * KV, D)
         if self.q_norm is None:
-            qk = apply_rope(qkv[:, :, :H + KV], ctx.cos, ctx.sin)  # queries and keys in one go
+            qk = apply_rope(qkv[:, :, : H + KV], ctx.cos, ctx.sin)  # queries and keys in one go
         else:
-            qk = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV])), dim=2)
+            qk = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + KV])), dim=2)
             qk = apply_rope(qk, ctx.cos, ctx.sin)
         q = qk[:, :, :H].transpose(1, 2)
-        k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV:].transpose(1, 2)
+        k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
         keys, values = cache.update(layer, ctx.rows, ctx.positions, k, v, ctx.n_keys, ctx.start)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=H != KV)
         return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
@@ -189,23 +195,38 @@ class Stage(nn.Module):
     Weights are dense tensors or packed modules (quant/packed.py); `embedding` is the token table when
     it is held apart from the head (a packed head of a tied model may serve as both)."""
 
-    def __init__(self, cfg: ModelConfig, start: int, end: int, weights: Mapping[str, Weight],
-                 first: bool, last: bool, embedding: Weight | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        start: int,
+        end: int,
+        weights: Mapping[str, Weight],
+        first: bool,
+        last: bool,
+        embedding: Weight | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         if not 0 <= start <= end <= cfg.n_layers or (start == end and not (first or last)):
             raise ValueError(f"stage blocks [{start}, {end}) are not a valid range of {cfg.n_layers}")
         self.cfg, self.start, self.end, self.first, self.last = cfg, start, end, first, last
         self.blocks = nn.ModuleList(
             Block(cfg, {k.split(".", 2)[2]: t for k, t in weights.items() if k.startswith(f"blk.{i}.")})
-            for i in range(start, end))
+            for i in range(start, end)
+        )
         if last:
             self.norm = RMSNorm(weights["output_norm.weight"], cfg.norm_eps)
             self.head = linear(weights["token_embd.weight" if cfg.tied_embeddings else "output.weight"])
         tied = last and cfg.tied_embeddings and embedding is None
-        self.embed = (Embedding(self.head if tied else embedding if embedding is not None
-                                else weights["token_embd.weight"]) if first else None)
+        self.embed = (
+            Embedding(self.head if tied else embedding if embedding is not None else weights["token_embd.weight"])
+            if first
+            else None
+        )
         if dtype is None:
-            dtype = next(t.dtype for n, t in weights.items() if isinstance(t, torch.Tensor) and n != "rope_freqs.weight")
+            dtype = next(
+                t.dtype for n, t in weights.items() if isinstance(t, torch.Tensor) and n != "rope_freqs.weight"
+            )
         self.register_buffer("inv_freq", rope_inv_freq(cfg, weights.get("rope_freqs.weight")), persistent=False)
         self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
         self.cache: KVCache | None = None
@@ -222,8 +243,7 @@ class Stage(nn.Module):
     def allocate_cache(self, n_slots: int, ctx: int) -> None:
         cfg = self.cfg
         self.cache = None
-        self.cache = KVCache(self.end - self.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim,
-                             self.dtype, self.device)
+        self.cache = KVCache(self.end - self.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, self.dtype, self.device)
 
     def _context(self, slots: list[int], starts: list[int], T: int) -> StepContext:
         device = self.device
@@ -239,14 +259,18 @@ class Stage(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         dtype = self.dtype
-        return StepContext(KVCache.rows_for(slots, device), positions, starts[0] if len(slots) == 1 else None,
-                           n_keys, mask,
-                           torch.cat((cos, cos), dim=-1)[:, :, None].to(dtype),
-                           torch.cat((-sin, sin), dim=-1)[:, :, None].to(dtype))
+        return StepContext(
+            KVCache.rows_for(slots, device),
+            positions,
+            starts[0] if len(slots) == 1 else None,
+            n_keys,
+            mask,
+            torch.cat((cos, cos), dim=-1)[:, :, None].to(dtype),
+            torch.cat((-sin, sin), dim=-1)[:, :, None].to(dtype),
+        )
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, slots: list[int], starts: list[int],
-                all_logits: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slots: list[int], starts: list[int], all_logits: bool = False) -> torch.Tensor:
         """x: token ids [B, T] on the first stage, else hidden states [B, T, dim].
         Returns hidden states, or float32 logits on the last stage (last position only unless
         all_logits)."""

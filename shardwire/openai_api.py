@@ -3,6 +3,7 @@ JSON answers (whole or as stream chunks) from what the engine produced.
 
 Pure functions over dicts; the HTTP side lives in server.py.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,14 @@ MAX_STOPS = 4
 class APIError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -38,6 +45,7 @@ def unavailable(message: str, code: str = "unavailable") -> APIError:
 
 
 # -- reading fields ----------------------------------------------------------------------------
+
 
 def _number(body: dict, name: str, default, lo=None, hi=None, integer: bool = False):
     value = body.get(name)
@@ -67,7 +75,7 @@ def _reject_unsupported(body: dict) -> None:
             raise bad_request(f"'{name}' is not supported by this server", name)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+        raise bad_request('only response_format {"type": "text"} is supported', "response_format")
 
 
 def _sampling(body: dict, logprobs: int | None) -> SamplingParams:
@@ -80,14 +88,17 @@ def _sampling(body: dict, logprobs: int | None) -> SamplingParams:
         temperature, top_p = 0.0, 1.0
     seed = _number(body, "seed", None, integer=True)
     return SamplingParams(
-        temperature=float(temperature), top_p=float(top_p),
-        top_k=_number(body, "top_k", 0, 0, integer=True), min_p=float(_number(body, "min_p", 0.0, 0, 1)),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=_number(body, "top_k", 0, 0, integer=True),
+        min_p=float(_number(body, "min_p", 0.0, 0, 1)),
         repeat_penalty=float(_number(body, "repeat_penalty", 1.0, 0.01, 10)),
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
         repeat_last_n=_number(body, "repeat_last_n", 64, 0, integer=True),  # llama-server's penalty window
         seed=None if seed is None else seed % (1 << 63),  # any integer; the wire carries 63 bits
-        logprobs=logprobs)
+        logprobs=logprobs,
+    )
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -103,9 +114,11 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 # -- requests ----------------------------------------------------------------------------------
 
+
 @dataclass
 class Job:
     """One API request: every prompt times n choices, each an engine Request."""
+
     kind: str  # "chat" or "text"
     prompts: list[list[int]]
     n: int
@@ -133,21 +146,32 @@ class Job:
         out = []
         for prompt in self.prompts:
             if len(prompt) >= ctx:
-                raise bad_request(f"This model's maximum context length is {ctx} tokens. However, your "
-                                  f"{'messages' if self.kind == 'chat' else 'prompt'} resulted in {len(prompt)} "
-                                  f"tokens.", "messages" if self.kind == "chat" else "prompt",
-                                  "context_length_exceeded")
+                raise bad_request(
+                    f"This model's maximum context length is {ctx} tokens. However, your "
+                    f"{'messages' if self.kind == 'chat' else 'prompt'} resulted in {len(prompt)} "
+                    f"tokens.",
+                    "messages" if self.kind == "chat" else "prompt",
+                    "context_length_exceeded",
+                )
             for j in range(self.n):
                 seed = self.sampling.seed
                 sampling = self.sampling if seed is None else replace(self.sampling, seed=(seed + j) % (1 << 63))
                 # Without max_tokens the engine stops at the end of the context, as llama-server does.
-                out.append(Request(prompt, sampling, max_tokens=self.max_tokens if self.max_tokens is not None
-                                   else ctx, stop=self.stop, ignore_eos=self.ignore_eos))
+                out.append(
+                    Request(
+                        prompt,
+                        sampling,
+                        max_tokens=self.max_tokens if self.max_tokens is not None else ctx,
+                        stop=self.stop,
+                        ignore_eos=self.ignore_eos,
+                    )
+                )
         return out
 
 
-def _common(body: dict, kind: str, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None,
-            echo: list[str] = ()) -> Job:
+def _common(
+    body: dict, kind: str, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None, echo: list[str] = ()
+) -> Job:
     _reject_unsupported(body)
     n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
     if n * len(prompts) > MAX_CHOICES:
@@ -157,8 +181,18 @@ def _common(body: dict, kind: str, prompts: list[list[int]], logprobs: int | Non
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = stream and _bool(options or {}, "include_usage")
-    return Job(kind, prompts, n, _sampling(body, logprobs), max_tokens, _stop(body), stream, include_usage,
-               _bool(body, "ignore_eos"), list(echo))
+    return Job(
+        kind,
+        prompts,
+        n,
+        _sampling(body, logprobs),
+        max_tokens,
+        _stop(body),
+        stream,
+        include_usage,
+        _bool(body, "ignore_eos"),
+        list(echo),
+    )
 
 
 def parse_completion(body: dict, tokenizer) -> Job:
@@ -237,6 +271,7 @@ def parse_chat(body: dict, tokenizer) -> Job:
 
 # -- responses ---------------------------------------------------------------------------------
 
+
 class Choice:
     """What one choice has produced so far."""
 
@@ -265,8 +300,11 @@ class Choice:
         def item(token, logprob):
             piece = self._piece(token)
             return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
-        return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
-                "refusal": None}
+
+        return {
+            "content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
+            "refusal": None,
+        }
 
     def text_logprobs(self, entries, offset: int) -> dict:
         tokens = [self._piece(t) for t, _, _ in entries]
@@ -274,14 +312,20 @@ class Choice:
         for piece in tokens:
             offsets.append(offset)
             offset += len(piece)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self._piece(a): b for a, b in top} for _, _, top in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{self._piece(a): b for a, b in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def response(job: Job, model: str, choices: list[Choice], use: dict) -> dict:
@@ -289,32 +333,70 @@ def response(job: Job, model: str, choices: list[Choice], use: dict) -> dict:
     out = []
     for c in choices:
         if job.kind == "chat":
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                        "logprobs": c.chat_logprobs(c.logprobs) if job.logprobs is not None else None,
-                        "finish_reason": c.finish_reason})
+            out.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": c.chat_logprobs(c.logprobs) if job.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
         else:
             echo = job.echo[c.index // job.n] if job.echo else ""
-            out.append({"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
-                        "logprobs": c.text_logprobs(c.logprobs, len(echo)) if job.logprobs is not None else None})
-    return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": job.created, "model": model, "choices": out, "usage": use}
+            out.append(
+                {
+                    "index": c.index,
+                    "text": echo + c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": c.text_logprobs(c.logprobs, len(echo)) if job.logprobs is not None else None,
+                }
+            )
+    return {
+        "id": job.id,
+        "object": "chat.completion" if job.kind == "chat" else "text_completion",
+        "created": job.created,
+        "model": model,
+        "choices": out,
+        "usage": use,
+    }
 
 
 def chunk(job: Job, model: str, choices: list[dict], use: dict | None = None) -> dict:
     """One server-sent event's data. With include_usage every chunk carries "usage": null and a
     last one with no choices carries the counts, as OpenAI streams them."""
-    out = {"id": job.id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-           "created": job.created, "model": model, "choices": choices}
+    out = {
+        "id": job.id,
+        "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+        "created": job.created,
+        "model": model,
+        "choices": choices,
+    }
     if job.include_usage:
         out["usage"] = use
     return out
 
 
-def chunk_choice(job: Job, choice: Choice, *, text: str = "", entries=(), offset: int = 0, role: bool = False,
-                 finish_reason: str | None = None) -> dict:
+def chunk_choice(
+    job: Job,
+    choice: Choice,
+    *,
+    text: str = "",
+    entries=(),
+    offset: int = 0,
+    role: bool = False,
+    finish_reason: str | None = None,
+) -> dict:
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text or entries else {})
-        return {"index": choice.index, "delta": delta, "finish_reason": finish_reason,
-                "logprobs": choice.chat_logprobs(entries) if entries else None}
-    return {"index": choice.index, "text": text, "finish_reason": finish_reason,
-            "logprobs": choice.text_logprobs(entries, offset) if entries else None}
+        return {
+            "index": choice.index,
+            "delta": delta,
+            "finish_reason": finish_reason,
+            "logprobs": choice.chat_logprobs(entries) if entries else None,
+        }
+    return {
+        "index": choice.index,
+        "text": text,
+        "finish_reason": finish_reason,
+        "logprobs": choice.text_logprobs(entries, offset) if entries else None,
+    }

@@ -5,6 +5,7 @@ of one sequence (its KV cache slot, the position of its first new token). Rows t
 sampling parameters come back with a sampled token; the others (all but the last chunk of a
 long prompt) only fill the cache.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -56,6 +57,7 @@ class PipelineError(RuntimeError):
 class Pipeline(Protocol):
     """What the engine drives: stages in this process (LocalPipeline) or on workers
     (coordinator.remote.RemotePipeline). Results arrive through on_result, from any thread."""
+
     n_slots: int
     ctx: int
     vocab_size: int
@@ -75,6 +77,7 @@ class Pipeline(Protocol):
 @runtime_checkable
 class Recoverable(Pipeline, Protocol):
     """A pipeline that can be rebuilt on the capacity that is left after a failure."""
+
     broken: str | None  # why it broke; None while it works
     rebalance_due: bool  # a lost worker answers again
 
@@ -83,8 +86,13 @@ class Recoverable(Pipeline, Protocol):
 
 def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Sampled | None]:
     """Sample each row that asks for it from last-position logits [B, 1, vocab]."""
-    if all(r.sampling is not None and r.sampling.greedy and r.sampling.logprobs is None
-           and not (r.sampling.penalized and r.recent) for r in rows):
+    if all(
+        r.sampling is not None
+        and r.sampling.greedy
+        and r.sampling.logprobs is None
+        and not (r.sampling.penalized and r.recent)
+        for r in rows
+    ):
         last = logits[:, -1]
         best = last.float().numpy().argmax(axis=-1) if last.device.type == "cpu" else last.argmax(dim=-1).cpu()
         return [Sampled(int(t)) for t in best]  # one argmax for the batch
@@ -132,17 +140,37 @@ class LocalPipeline:
 
     def status(self) -> dict:
         """The shape of Cluster.status(), for stages that all run in this process."""
+
         def total(d: str) -> int:
             return torch.cuda.mem_get_info(d)[1] if d.startswith("cuda") else psutil.virtual_memory().total
 
         devices = sorted({str(s.device) for s in self.stages})
-        stages = [{"index": i, "device": str(s.device), "blocks": [s.start, s.end],
-                   "weight_bytes": sum(p.nbytes for p in s.parameters()),
-                   "kv_bytes": s.cache.nbytes if s.cache is not None else 0} for i, s in enumerate(self.stages)]
-        return {"plan": "local", "ready": bool(self.stages), "broken": None, "load": {},
-                "workers": [{"name": "local", "worker_id": "local", "alive": True, "latency_ms": None,
-                             "devices": [{"name": d, "free": free_memory(d), "total": total(d)} for d in devices],
-                             "stages": stages}]}
+        stages = [
+            {
+                "index": i,
+                "device": str(s.device),
+                "blocks": [s.start, s.end],
+                "weight_bytes": sum(p.nbytes for p in s.parameters()),
+                "kv_bytes": s.cache.nbytes if s.cache is not None else 0,
+            }
+            for i, s in enumerate(self.stages)
+        ]
+        return {
+            "plan": "local",
+            "ready": bool(self.stages),
+            "broken": None,
+            "load": {},
+            "workers": [
+                {
+                    "name": "local",
+                    "worker_id": "local",
+                    "alive": True,
+                    "latency_ms": None,
+                    "devices": [{"name": d, "free": free_memory(d), "total": total(d)} for d in devices],
+                    "stages": stages,
+                }
+            ],
+        }
 
     def close(self) -> None:
         self.stages = []

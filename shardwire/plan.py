@@ -5,6 +5,7 @@ coordinator's CPU; the rest are divided over the devices in plan order (the --rp
 devices, then the coordinator's own) in proportion to --tensor-split exactly as llama.cpp
 divides them, or to each device's free memory when no split is given.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -74,9 +75,12 @@ class Plan:
     def check_fits(self) -> None:
         short = self.shortfalls()
         if short:
-            lines = [f"{s.device.label} needs {gib(s.total_bytes)} (weights {gib(s.weight_bytes)}, "
-                     f"KV cache {gib(s.kv_bytes)}, workspace {gib(s.workspace_bytes)}) but has "
-                     f"{gib(s.device.free)} free: short by {gib(by)}" for s, by in short]
+            lines = [
+                f"{s.device.label} needs {gib(s.total_bytes)} (weights {gib(s.weight_bytes)}, "
+                f"KV cache {gib(s.kv_bytes)}, workspace {gib(s.workspace_bytes)}) but has "
+                f"{gib(s.device.free)} free: short by {gib(by)}"
+                for s, by in short
+            ]
             raise PlanError("the model does not fit: " + "; ".join(lines))
 
     def table(self) -> str:
@@ -86,14 +90,26 @@ class Plan:
             blocks = f"{s.start}-{s.end - 1}" if s.end > s.start else "-"
             extra = ("+embd" if s.first else "") + ("+head" if s.last else "")
             formats = " ".join(f"{t}:{f}" for t, f in sorted(s.formats.items()))
-            rows.append((str(i), s.device.label, blocks + extra, gib(s.weight_bytes), gib(s.kv_bytes),
-                         gib(s.workspace_bytes), gib(s.device.free), "no" if id(s) in short else "yes",
-                         f"{s.weights} ({formats})"))
+            rows.append(
+                (
+                    str(i),
+                    s.device.label,
+                    blocks + extra,
+                    gib(s.weight_bytes),
+                    gib(s.kv_bytes),
+                    gib(s.workspace_bytes),
+                    gib(s.device.free),
+                    "no" if id(s) in short else "yes",
+                    f"{s.weights} ({formats})",
+                )
+            )
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
         total = sum(s.weight_bytes for s in self.stages)
-        lines.append(f"{len(self.stages)} stage(s), {self.n_slots} sequence slot(s) x {self.ctx} tokens, "
-                     f"weights {gib(total)} in all")
+        lines.append(
+            f"{len(self.stages)} stage(s), {self.n_slots} sequence slot(s) x {self.ctx} tokens, "
+            f"weights {gib(total)} in all"
+        )
         return "\n".join(lines + self.notes)
 
 
@@ -153,6 +169,7 @@ def workspace_bytes(cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype
 @dataclass
 class StageCost:
     """What a stage needs on its device."""
+
     weight_bytes: int
     kv_bytes: int
     workspace_bytes: int
@@ -163,14 +180,16 @@ class StageCost:
         return self.weight_bytes + self.kv_bytes + self.workspace_bytes
 
 
-def stage_cost(cfg: ModelConfig, tensors: dict, start: int, end: int, first: bool, last: bool, *,
-               device_type: str, kernels: bool, dtype: str, weights: str, n_slots: int, ctx: int,
-               chunk: int) -> StageCost:
-    """What blocks [start, end) need on a device with their `tensors` (anything with .dtype and
-    .shape, by name) held as `weights` says (fast | dequant | packed | compact). The planner and
-    a worker checking an ASSIGN against its memory both count with this."""
-    torch_dtype = parse_dtype(dtype)
-    formats = weight_formats(tensors, first, last, cfg.tied_embeddings, weights, device_type, kernels, torch_dtype)
+def stage_cost(
+    cfg: ModelConfig, tensors: dict, stage: PlannedStage, weights: str, n_slots: int, ctx: int, chunk: int
+) -> StageCost:
+    """What `stage` needs on its device with its `tensors` (anything with .dtype and .shape, by
+    name) held as `weights` says (fast | dequant | packed | compact). The planner and a worker
+    checking an ASSIGN against its memory both count with this."""
+    device, dtype = stage.device, parse_dtype(stage.device.dtype)
+    formats = weight_formats(
+        tensors, stage.first, stage.last, cfg.tied_embeddings, weights, device.type, device.kernels, dtype
+    )
     by_type: dict[str, str] = {}
     for name, fmt in formats.items():
         info = tensors["token_embd.weight" if name == EMBEDDING else name]
@@ -178,25 +197,26 @@ def stage_cost(cfg: ModelConfig, tensors: dict, start: int, end: int, first: boo
             kind = by_type.setdefault(info.dtype, fmt)
             if fmt not in kind.split("+"):
                 by_type[info.dtype] = kind + "+" + fmt
+    packed = any(f != "dense" for f in formats.values())
     return StageCost(
-        weight_nbytes(tensors, formats, torch_dtype),
-        KVCache.nbytes_for(end - start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, torch_dtype),
-        workspace_bytes(cfg, chunk, last, torch_dtype, packed=any(f != "dense" for f in formats.values())),
-        by_type)
+        weight_nbytes(tensors, formats, dtype),
+        KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype),
+        workspace_bytes(cfg, chunk, stage.last, dtype, packed=packed),
+        by_type,
+    )
 
 
 def cost_stage(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int, weights: str) -> None:
     """Fill in what a planned stage needs with its weights held as `weights` says."""
-    d = stage.device
-    cost = stage_cost(model.config, model.stage_tensors(stage.start, stage.end, stage.first, stage.last),
-                      stage.start, stage.end, stage.first, stage.last, device_type=d.type, kernels=d.kernels,
-                      dtype=d.dtype, weights=weights, n_slots=n_slots, ctx=ctx, chunk=chunk)
+    tensors = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
+    cost = stage_cost(model.config, tensors, stage, weights, n_slots, ctx, chunk)
     stage.weights, stage.formats = weights, cost.formats
     stage.weight_bytes, stage.kv_bytes, stage.workspace_bytes = cost.weight_bytes, cost.kv_bytes, cost.workspace_bytes
 
 
-def _choose_weights(model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, ctx: int,
-                    chunk: int) -> None:
+def _choose_weights(
+    model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, ctx: int, chunk: int
+) -> None:
     """Cost every stage; with auto, each device gets the fastest mode that fits it."""
     by_device: dict[PlanDevice, list[PlannedStage]] = {}
     for stage in stages:
@@ -213,9 +233,18 @@ def _choose_weights(model: ModelFile, stages: list[PlannedStage], weights: str, 
                 break
 
 
-def make_plan(model: ModelFile, devices: list[PlanDevice], *, cpu: PlanDevice | None = None,
-              tensor_split: list[float] | None = None, n_gpu_layers: int | None = None,
-              n_slots: int = 1, ctx: int = 4096, prefill_chunk: int = 512, weights: str = "dequant") -> Plan:
+def make_plan(
+    model: ModelFile,
+    devices: list[PlanDevice],
+    *,
+    cpu: PlanDevice | None = None,
+    tensor_split: list[float] | None = None,
+    n_gpu_layers: int | None = None,
+    n_slots: int = 1,
+    ctx: int = 4096,
+    prefill_chunk: int = 512,
+    weights: str = "dequant",
+) -> Plan:
     """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
     blocks that are not offloaded. `weights` (auto | fast | dequant | packed | compact) says how
     quantized weights live on the devices; auto picks, per device, the fastest that fits."""
@@ -225,8 +254,10 @@ def make_plan(model: ModelFile, devices: list[PlanDevice], *, cpu: PlanDevice | 
     if offloaded and not devices:
         raise PlanError("no devices to place blocks on: give workers with --rpc or local devices with --device")
     if offloaded < n and cpu is None:
-        raise PlanError(f"--n-gpu-layers {offloaded} keeps {n - offloaded} block(s) on the coordinator's "
-                        "CPU, which this plan does not have")
+        raise PlanError(
+            f"--n-gpu-layers {offloaded} keeps {n - offloaded} block(s) on the coordinator's "
+            "CPU, which this plan does not have"
+        )
     counts: list[int] = []
     if tensor_split is not None:
         if len(tensor_split) > len(devices):

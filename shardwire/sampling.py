@@ -3,6 +3,7 @@
 Randomness is a pure function of (seed, position): a sequence replayed after a failure, or
 sampled on a different machine, draws exactly the same tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -80,7 +81,7 @@ def uniform(seed: int, position: int) -> float:
 
 
 def _penalize(logits: torch.Tensor, params: SamplingParams, recent: list[int]) -> torch.Tensor:
-    counts = Counter(recent[-params.repeat_last_n:] if params.repeat_last_n else [])
+    counts = Counter(recent[-params.repeat_last_n :] if params.repeat_last_n else [])
     if not counts:
         return logits
     logits = logits.clone()
@@ -94,6 +95,7 @@ def _penalize(logits: torch.Tensor, params: SamplingParams, recent: list[int]) -
 
 # PyTorch's CPU argmax and top-k are ~20x slower than numpy's on one vector, and numpy's exp is
 # ~10x slower than PyTorch's: selection runs on numpy views, arithmetic on tensors.
+
 
 def _largest(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Ids of the k largest logits, largest first."""
@@ -135,8 +137,7 @@ def _candidates(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | 
     return ids
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int,
-           recent: list[int] | None = None) -> Sampled:
+def sample(logits: torch.Tensor, params: SamplingParams, position: int, recent: list[int] | None = None) -> Sampled:
     """Pick the token at `position` from the logits [vocab] of one sequence.
 
     Order as llama.cpp's default chain: penalties, top-k, top-p, min-p, temperature, draw.

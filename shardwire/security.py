@@ -1,4 +1,5 @@
 """Command-line options for tokens and TLS, shared by the worker and the coordinator commands."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,28 +16,38 @@ TOKEN_ENV = "SHARDWIRE_TOKEN"
 
 def add_token_args(g) -> None:
     g.add_argument("--token-file", default=None, help=f"file holding the shared token (or set env {TOKEN_ENV})")
-    g.add_argument("--token", default=None, help="the shared token itself; visible to other users in the "
-                                                 f"process list, prefer --token-file or env {TOKEN_ENV}")
+    g.add_argument(
+        "--token",
+        default=None,
+        help="the shared token itself; visible to other users in the "
+        f"process list, prefer --token-file or env {TOKEN_ENV}",
+    )
 
 
 def add_worker_tls_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security")
     add_token_args(g)
-    g.add_argument("--insecure", action="store_true",
-                   help="allow listening beyond loopback without a token (not recommended)")
+    g.add_argument(
+        "--insecure", action="store_true", help="allow listening beyond loopback without a token (not recommended)"
+    )
     g.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM); see `shardwire certs`")
     g.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
-    g.add_argument("--tls-ca", default=None,
-                   help="require clients to present a certificate from this CA (mutual TLS); also used to "
-                        "verify the next worker")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        help="require clients to present a certificate from this CA (mutual TLS); also used to verify the next worker",
+    )
 
 
 def add_client_tls_args(g) -> None:
     add_token_args(g)
     g.add_argument("--tls-ca", default=None, help="connect with TLS, trusting workers whose certificate this CA signed")
-    g.add_argument("--tls-pin", default=None,
-                   help="connect with TLS, trusting exactly these worker certificate fingerprints "
-                        "(comma-separated sha256:..., as `shardwire certs` prints them)")
+    g.add_argument(
+        "--tls-pin",
+        default=None,
+        help="connect with TLS, trusting exactly these worker certificate fingerprints "
+        "(comma-separated sha256:..., as `shardwire certs` prints them)",
+    )
     g.add_argument("--tls-cert", default=None, help="this side's certificate, for workers that require mutual TLS")
     g.add_argument("--tls-key", default=None, help="private key of --tls-cert")
 
@@ -51,8 +62,10 @@ def resolve_token(args: argparse.Namespace) -> str | None:
     if os.environ.get(TOKEN_ENV):
         return os.environ[TOKEN_ENV]
     if getattr(args, "token", None):
-        log.warning("--token on the command line is visible to other users of this machine; prefer "
-                    "--token-file or env %s", TOKEN_ENV)
+        log.warning(
+            "--token on the command line is visible to other users of this machine; prefer --token-file or env %s",
+            TOKEN_ENV,
+        )
         return args.token
     return None
 

@@ -1,36 +1,29 @@
-"""`shardwire serve`: an OpenAI-compatible HTTP API over one engine, the counterpart of llama-server.
+"""The OpenAI-compatible HTTP API over one engine, the counterpart of llama-server's.
 
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models, GET /health, GET /v1/cluster     (workers, devices, blocks, memory, latency, slots,
                                                        recoveries)
     POST /v1/cluster/workers {"address": "host:port"}  (admit a new worker; stages move onto it)
 
-The server listens at once and loads the model behind it (/health answers 503 until every stage is
-ready). Every request becomes engine Requests; the engine's thread batches all running sequences
+The app answers from the start; serve.py loads the model behind it (/health answers 503 until
+every stage is ready). Every request becomes engine Requests; the engine's thread batches all running sequences
 into each decode step and hands their events to the event loop with call_soon_threadsafe, so no
 handler blocks it. A client that goes away cancels its sequences, which frees their KV cache slots
 on every worker.
 """
+
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
 import logging
-import signal
-import sys
-import threading
-from pathlib import Path
 
 from aiohttp import web
 
 from .coordinator import Cluster
-from .coordinator.launch import build_pipeline
 from .coordinator.links import parse_address
-from .devices import set_threads
 from .engine import Engine, Event
-from .formats import open_model
 from .openai_api import (
     APIError,
     Choice,
@@ -45,7 +38,6 @@ from .openai_api import (
     usage,
 )
 from .pipeline import Pipeline
-from .tokenizer import load_tokenizer
 
 log = logging.getLogger("shardwire.server")
 
@@ -109,6 +101,7 @@ class Backend:
 
 # -- from engine thread to event loop ----------------------------------------------------------
 
+
 class _Sink:
     """Where one choice's engine events go: put() runs on the engine thread and only schedules."""
 
@@ -158,6 +151,7 @@ def _failure(event: Event) -> APIError:
 
 # -- handlers ----------------------------------------------------------------------------------
 
+
 def _error(e: APIError) -> web.Response:
     return web.json_response(e.body(), status=e.status)
 
@@ -181,8 +175,12 @@ def _check_model(backend: Backend, body: dict) -> None:
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     if model not in backend.names:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{backend.model_id}`.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{backend.model_id}`.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 async def _generate(request: web.Request, parse) -> web.StreamResponse:
@@ -228,8 +226,9 @@ async def _stream(request: web.Request, backend: Backend, run: _Run) -> web.Stre
     if pending[0][1].finish_reason in ("error", "cancelled"):
         run.outcome = "failed"
         raise _failure(pending[0][1])
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
     await resp.prepare(request)
 
     async def send(data: dict) -> None:
@@ -277,8 +276,13 @@ def _skip_ids(backend: Backend, job: Job) -> frozenset[int]:
 def _log_done(job: Job, run: _Run, use: dict) -> None:
     if log.isEnabledFor(logging.INFO):
         speeds = [h.stats.decode_tps for h in run.handles]
-        log.info("%s: %d prompt + %d completion tokens, %.1f tokens/s per sequence", job.id,
-                 use["prompt_tokens"], use["completion_tokens"], sum(speeds) / len(speeds))
+        log.info(
+            "%s: %d prompt + %d completion tokens, %.1f tokens/s per sequence",
+            job.id,
+            use["prompt_tokens"],
+            use["completion_tokens"],
+            sum(speeds) / len(speeds),
+        )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -290,8 +294,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(backend: Backend) -> dict:
-    return {"id": backend.model_id, "object": "model", "created": 0, "owned_by": "shardwire",
-            "meta": {**backend.info, "ctx": backend.ctx or None}}
+    return {
+        "id": backend.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "shardwire",
+        "meta": {**backend.info, "ctx": backend.ctx or None},
+    }
 
 
 async def models(request: web.Request) -> web.Response:
@@ -314,11 +323,17 @@ async def health(request: web.Request) -> web.Response:
 async def cluster(request: web.Request) -> web.Response:
     backend: Backend = request.app[BACKEND]
     problem = backend.problem()
-    return web.json_response({
-        "model": backend.model_id, "ready": problem is None, "problem": problem, "ctx": backend.ctx or None,
-        "slots": backend.engine.slots() if backend.engine is not None else None,
-        "requests": backend.requests,
-        "cluster": backend.pipeline_status()})
+    return web.json_response(
+        {
+            "model": backend.model_id,
+            "ready": problem is None,
+            "problem": problem,
+            "ctx": backend.ctx or None,
+            "slots": backend.engine.slots() if backend.engine is not None else None,
+            "requests": backend.requests,
+            "cluster": backend.pipeline_status(),
+        }
+    )
 
 
 async def add_worker(request: web.Request) -> web.Response:
@@ -340,6 +355,7 @@ async def add_worker(request: web.Request) -> web.Response:
 
 
 # -- the app -----------------------------------------------------------------------------------
+
 
 @web.middleware
 async def _openai_errors(request: web.Request, handler):
@@ -367,8 +383,9 @@ async def _api_key(request: web.Request, handler):
         given = request.headers.get("Authorization", "")
         given = given[7:] if given.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(given.encode(), key.encode()):
-            return _error(APIError(401, "Incorrect or missing API key (send Authorization: Bearer KEY)",
-                                   code="invalid_api_key"))
+            return _error(
+                APIError(401, "Incorrect or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+            )
     return await handler(request)
 
 
@@ -385,83 +402,3 @@ def create_app(backend: Backend, api_key: str | None = None) -> web.Application:
     app.router.add_get("/v1/cluster", cluster)
     app.router.add_post("/v1/cluster/workers", add_worker)
     return app
-
-
-# -- `shardwire serve` -------------------------------------------------------------------------
-
-def run_serve(args: argparse.Namespace) -> int:
-    set_threads(args.threads)
-    model = open_model(args.model)
-    tokenizer = load_tokenizer(model)
-    name = args.alias or Path(args.model).name
-    cfg = model.config
-    backend = Backend(name, tokenizer, {Path(args.model).name, Path(args.model).stem, str(args.model)},
-                      {"arch": cfg.arch, "n_layers": cfg.n_layers, "vocab_size": cfg.vocab_size,
-                       "context_length": cfg.context_length})
-    return asyncio.run(_serve(args, model, backend))
-
-
-async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C raises KeyboardInterrupt instead
-            pass
-    runner = web.AppRunner(create_app(backend, args.api_key), handler_cancellation=True, shutdown_timeout=3)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, args.host, args.port).start()
-        host, port = runner.addresses[0][:2]
-        print(f"shardwire serve: listening on http://{host}:{port} (loading {backend.model_id})", flush=True)
-        loaded = _load_in_background(model, args, backend.tokenizer)
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
-        if not loaded.done():
-            print("\ninterrupted while loading", file=sys.stderr)
-            return 130
-        backend.attach(*loaded.result())
-        print(f"shardwire serve: ready: {backend.model_id}, context {backend.ctx} tokens, {args.parallel} "
-              f"parallel sequences; OpenAI API at http://{host}:{port}/v1", flush=True)
-        await stopping
-        print("\nshutting down", file=sys.stderr)
-        return 0
-    finally:
-        backend.closing = True
-        await loop.run_in_executor(None, backend.close)
-        await runner.cleanup()
-
-
-def _load_in_background(model, args: argparse.Namespace, tokenizer) -> asyncio.Future:
-    """Plan, assign and load on a daemon thread (a Ctrl-C while loading must not wait for it)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(setter, value, cleanup=None):
-        def apply():
-            if not future.done():
-                setter(value)
-            elif cleanup is not None:
-                cleanup()
-        try:
-            loop.call_soon_threadsafe(apply)
-        except RuntimeError:  # the server already stopped
-            if cleanup is not None:
-                cleanup()
-
-    def load():
-        try:
-            pipeline, cluster = build_pipeline(model, args, n_slots=args.parallel)
-            engine = Engine(pipeline, tokenizer)
-        except Exception as e:  # noqa: BLE001 -- handed to the event loop, which re-raises it
-            settle(future.set_exception, e)
-            return
-
-        def release():
-            engine.close()
-            pipeline.close()
-        settle(future.set_result, (pipeline, cluster, engine), release)
-
-    threading.Thread(target=load, name="shardwire-load", daemon=True).start()
-    return future

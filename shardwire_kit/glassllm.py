@@ -7,6 +7,7 @@ for RoPE; Hugging Face Llama uses (out, in) weights and rotate-half pairs (x[i],
 Q/K rows are regrouped the way transformers' convert_llama_weights_to_hf.py does for Meta's
 checkpoints. Its tokenizer is character BPE over NFC text with spaces as U+2581.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,20 @@ def load(lang: str = "en"):
 
 def model_config(model) -> ModelConfig:
     gcfg = model.cfg
-    return ModelConfig(arch="llama", n_layers=gcfg.n_layers, dim=gcfg.d_model, n_heads=gcfg.n_heads,
-                       n_kv_heads=gcfg.n_kv_heads, head_dim=gcfg.d_model // gcfg.n_heads,
-                       ffn_dim=model.blocks[0].ffn.W1.data.shape[1],
-                       vocab_size=gcfg.vocab_size, norm_eps=float(gcfg.eps), rope_theta=float(gcfg.rope_base),
-                       context_length=gcfg.max_len, tied_embeddings=True)
+    return ModelConfig(
+        arch="llama",
+        n_layers=gcfg.n_layers,
+        dim=gcfg.d_model,
+        n_heads=gcfg.n_heads,
+        n_kv_heads=gcfg.n_kv_heads,
+        head_dim=gcfg.d_model // gcfg.n_heads,
+        ffn_dim=model.blocks[0].ffn.W1.data.shape[1],
+        vocab_size=gcfg.vocab_size,
+        norm_eps=float(gcfg.eps),
+        rope_theta=float(gcfg.rope_base),
+        context_length=gcfg.max_len,
+        tied_embeddings=True,
+    )
 
 
 def model_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -68,29 +78,54 @@ def tokenizer_json(tok) -> str:
     unknown), so they are plain vocabulary entries here, not added tokens; the decoder drops
     them and shows <unk> as glassllm does.
     """
-    specials = [{"type": "Replace", "pattern": {"String": t}, "content": UNK_TEXT if t == "<unk>" else ""}
-                for t in ("<pad>", "<unk>", "<bos>", "<eos>")]
+    specials = [
+        {"type": "Replace", "pattern": {"String": t}, "content": UNK_TEXT if t == "<unk>" else ""}
+        for t in ("<pad>", "<unk>", "<bos>", "<eos>")
+    ]
     spec = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": {"type": "Sequence", "normalizers": [
-            {"type": "NFC"}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]},
-        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": CHUNK_REGEX}, "behavior": "Isolated",
-                          "invert": False},
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": [{"type": "NFC"}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}],
+        },
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": CHUNK_REGEX}, "behavior": "Isolated", "invert": False},
         "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": [
-            *specials, {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": dict(tok.token_to_id), "merges": [list(pair) for pair in tok.merges]},
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [*specials, {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}],
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": "<unk>",
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": dict(tok.token_to_id),
+            "merges": [list(pair) for pair in tok.merges],
+        },
     }
     return json.dumps(spec, ensure_ascii=False)
 
 
 def tokenizer_config() -> dict:
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-            "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": False, "add_eos_token": False,
-            "clean_up_tokenization_spaces": False, "model_max_length": 128,
-            "split_special_tokens": True}  # like glassllm: "<bos>" in text is text
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 128,
+        "split_special_tokens": True,
+    }  # like glassllm: "<bos>" in text is text
 
 
 def gguf_tokenizer_metadata(tok, hf_json: str) -> dict:
@@ -127,13 +162,20 @@ def convert_glassllm(out: str | Path, fmt: str, lang: str = "en", weight_type: s
     hf_json = tokenizer_json(tok)
     out = Path(out)
     if fmt == "gguf":
-        return write_gguf(out, cfg, tensors, gguf_tokenizer_metadata(tok, hf_json), weight_type=weight_type,
-                          name=f"glassllm-{lang}")[0]
+        return write_gguf(
+            out, cfg, tensors, gguf_tokenizer_metadata(tok, hf_json), weight_type=weight_type, name=f"glassllm-{lang}"
+        )[0]
     if fmt == "hf":
         if weight_type not in _HF_DTYPES:
             raise ValueError(f"a Hugging Face folder stores F32, F16 or BF16, not {weight_type}")
-        return write_hf(out, cfg, tensors, tokenizer_json=hf_json, tokenizer_config=tokenizer_config(),
-                        dtype=_HF_DTYPES[weight_type])
+        return write_hf(
+            out,
+            cfg,
+            tensors,
+            tokenizer_json=hf_json,
+            tokenizer_config=tokenizer_config(),
+            dtype=_HF_DTYPES[weight_type],
+        )
     raise ValueError(f"unknown format {fmt!r} (gguf or hf)")
 
 

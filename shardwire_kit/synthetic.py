@@ -3,7 +3,11 @@
 Vocabularies come from llama.cpp's vocab-only GGUFs in ../shared/vocab (tokenizer metadata copied
 as-is, plus a Hugging Face tokenizer.json rebuilt from it), or, where that folder is absent, from
 a small byte-level BPE trained here on a built-in paragraph.
+
+Past 400 lines because the model table and the vocabulary loaders are one recipe: each test model
+names its vocabulary, and the two are read together.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,9 +49,11 @@ def add(a, b):
     return a + b  # 1 + 2 = 3, 10 * 10 = 100
 """
 _TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-           "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-           "{% endif %}")
+_CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
 
 
 def tiny_vocab_metadata(size: int = 512) -> dict:
@@ -57,8 +63,9 @@ def tiny_vocab_metadata(size: int = 512) -> dict:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator([_CORPUS], trainer)
     model = json.loads(tok.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get) + list(_TINY_SPECIALS)
@@ -77,10 +84,14 @@ def tiny_vocab_metadata(size: int = 512) -> dict:
 
 
 # Pre-tokenizer regexes of the Hugging Face tokenizers llama.cpp's `tokenizer.ggml.pre` names.
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_REGEX = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}
 _CONTROL, _USER_DEFINED, _UNKNOWN, _BYTE = 3, 4, 2, 6
 
@@ -105,62 +116,124 @@ def hf_tokenizer(meta: dict) -> tuple[str, dict]:
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     special = {_CONTROL, _UNKNOWN}
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": types[i] in special}
-             for i, t in enumerate(tokens) if types[i] in special | {_USER_DEFINED}]
+    added = [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": types[i] in special,
+        }
+        for i, t in enumerate(tokens)
+        if types[i] in special | {_USER_DEFINED}
+    ]
     token_of = lambda key: tokens[meta[key]] if key in meta else None  # noqa: E731
     bos = token_of("tokenizer.ggml.bos_token_id")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if kind == "gpt2":
         add_bos = meta.get("tokenizer.ggml.add_bos_token", pre in ("llama-bpe", "llama3"))
         regex = _PRE_REGEX.get(pre)
-        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                      "use_regex": regex is None}
-        pre_tokenizer = byte_level if regex is None else {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
-            byte_level]}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": regex is None}
+        pre_tokenizer = (
+            byte_level
+            if regex is None
+            else {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+                    byte_level,
+                ],
+            }
+        )
         merges = [m.split(" ", 1) for m in meta["tokenizer.ggml.merges"]]
-        model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                 "ignore_merges": pre in ("llama-bpe", "llama3"), "vocab": {t: i for i, t in enumerate(tokens)},
-                 "merges": merges}
+        model = {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": pre in ("llama-bpe", "llama3"),
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": merges,
+        }
         decoder = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
     elif kind == "llama":
         add_bos = meta.get("tokenizer.ggml.add_bos_token", True)
         # The normalizer of Llama 2's own tokenizer.json; it reproduces llama.cpp's SPM tokenizer
         # on every test line, where Metaspace (transformers' GGUF conversion) misses 15 of 47.
         prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-        normalizer = {"type": "Sequence", "normalizers": [
-            *([{"type": "Prepend", "prepend": "\u2581"}] if prefix else []),
-            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+        normalizer = {
+            "type": "Sequence",
+            "normalizers": [
+                *([{"type": "Prepend", "prepend": "\u2581"}] if prefix else []),
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+            ],
+        }
         pre_tokenizer = None
         merges = _spm_merges(tokens, meta["tokenizer.ggml.scores"], types)
-        model = {"type": "BPE", "dropout": None, "unk_token": token_of("tokenizer.ggml.unknown_token_id"),
-                 "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-                 "byte_fallback": _BYTE in types, "ignore_merges": False,
-                 "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges}
-        decoder = {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-            {"type": "ByteFallback"}, {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1 if prefix else 0, "stop": 0}]}
+        model = {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": token_of("tokenizer.ggml.unknown_token_id"),
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": _BYTE in types,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": merges,
+        }
+        decoder = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1 if prefix else 0, "stop": 0},
+            ],
+        }
     else:
         raise ValueError(f"no Hugging Face equivalent for tokenizer model '{kind}'")
     post = None
     if add_bos and bos is not None:
         bos_id = meta["tokenizer.ggml.bos_token_id"]
-        post = {"type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
-    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
-            "pre_tokenizer": pre_tokenizer, "post_processor": post, "decoder": decoder, "model": model}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
-              "eos_token": token_of("tokenizer.ggml.eos_token_id"),
-              "unk_token": token_of("tokenizer.ggml.unknown_token_id"),
-              "pad_token": token_of("tokenizer.ggml.padding_token_id"),
-              "add_bos_token": bool(add_bos), "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-              "clean_up_tokenization_spaces": False, "model_max_length": 1 << 20}
+        post = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": bos, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+        }
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": post,
+        "decoder": decoder,
+        "model": model,
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": token_of("tokenizer.ggml.eos_token_id"),
+        "unk_token": token_of("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token_of("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(add_bos),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+    }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return json.dumps(spec, ensure_ascii=False), {k: v for k, v in config.items() if v is not None}
@@ -188,11 +261,23 @@ _DEFAULT_THETA = {"llama": 10000.0, "mistral": 1e6, "qwen2": 1e6, "qwen3": 1e6}
 _DEFAULT_EPS = {"llama": 1e-5, "mistral": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6}
 
 
-def random_model(arch: str, *, n_layers: int = 2, dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2,
-                 head_dim: int | None = None, ffn_dim: int | None = None, vocab_size: int,
-                 context_length: int = 512, tied: bool = False, rope_scaling: dict | None = None,
-                 rope_theta: float | None = None, norm_eps: float | None = None,
-                 seed: int = 0) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def random_model(
+    arch: str,
+    *,
+    n_layers: int = 2,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int | None = None,
+    ffn_dim: int | None = None,
+    vocab_size: int,
+    context_length: int = 512,
+    tied: bool = False,
+    rope_scaling: dict | None = None,
+    rope_theta: float | None = None,
+    norm_eps: float | None = None,
+    seed: int = 0,
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """A config and float32 tensors (canonical names, Hugging Face order) with random weights.
 
     Scales keep activations of order one: attention scores and FFN pre-activations near unit
@@ -202,11 +287,21 @@ def random_model(arch: str, *, n_layers: int = 2, dim: int = 64, n_heads: int = 
     head_dim = head_dim or dim // n_heads
     if rope_theta is None:
         rope_theta = 500000.0 if rope_scaling and rope_scaling.get("type") == "llama3" else _DEFAULT_THETA[arch]
-    cfg = ModelConfig(arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                      head_dim=head_dim, ffn_dim=ffn_dim or 2 * dim, vocab_size=vocab_size,
-                      norm_eps=_DEFAULT_EPS[arch] if norm_eps is None else norm_eps, rope_theta=rope_theta,
-                      context_length=context_length, tied_embeddings=tied,
-                      rope_scaling=dict(rope_scaling) if rope_scaling else None)
+    cfg = ModelConfig(
+        arch=arch,
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=ffn_dim or 2 * dim,
+        vocab_size=vocab_size,
+        norm_eps=_DEFAULT_EPS[arch] if norm_eps is None else norm_eps,
+        rope_theta=rope_theta,
+        context_length=context_length,
+        tied_embeddings=tied,
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,
+    )
     rng = np.random.default_rng(seed)
 
     def normal(shape, std):
@@ -246,8 +341,13 @@ def random_model(arch: str, *, n_layers: int = 2, dim: int = 64, n_heads: int = 
 # ---------------------------------------------------------------------------------------------
 # The test-model set: one per supported family, each with the vocabulary its real models use.
 
-LLAMA3_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
+LLAMA3_SCALING = {
+    "type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass(frozen=True)
@@ -260,15 +360,22 @@ class ModelSpec:
 # Widths stay small because the embedding has a row per token (151936 for Qwen); Llama 2 uses a
 # 32000-token vocabulary, so it is the one wide enough (256) for its matrices to hold K-quant
 # blocks. Qwen3 keeps its real head_dim of 128, which differs from dim / heads.
-TEST_MODELS = {m.name: m for m in [
-    ModelSpec("llama", "llama-spm", dict(arch="llama", n_layers=4, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512)),
-    ModelSpec("llama3.1", "llama-bpe", dict(arch="llama", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, tied=True,
-                                           rope_scaling=LLAMA3_SCALING)),
-    ModelSpec("mistral", "llama-spm", dict(arch="mistral", n_layers=4, dim=64, n_heads=4, n_kv_heads=2)),
-    ModelSpec("qwen2", "qwen2", dict(arch="qwen2", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, tied=True)),
-    ModelSpec("qwen3", "qwen2", dict(arch="qwen3", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, head_dim=128,
-                                     tied=True)),
-]}
+TEST_MODELS = {
+    m.name: m
+    for m in [
+        ModelSpec("llama", "llama-spm", dict(arch="llama", n_layers=4, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512)),
+        ModelSpec(
+            "llama3.1",
+            "llama-bpe",
+            dict(arch="llama", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, tied=True, rope_scaling=LLAMA3_SCALING),
+        ),
+        ModelSpec("mistral", "llama-spm", dict(arch="mistral", n_layers=4, dim=64, n_heads=4, n_kv_heads=2)),
+        ModelSpec("qwen2", "qwen2", dict(arch="qwen2", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, tied=True)),
+        ModelSpec(
+            "qwen3", "qwen2", dict(arch="qwen3", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, head_dim=128, tied=True)
+        ),
+    ]
+}
 
 
 def write_random_llama(path: str | Path, *, weight_type: str = "F32", **layout) -> Path:
@@ -289,8 +396,9 @@ def build_test_model(name: str, *, vocab: str | None = None, seed: int = 0):
     return cfg, tensors, v
 
 
-def write_test_model(out_dir: str | Path, name: str, types=("F32",), *, hf: bool = True,
-                     vocab: str | None = None) -> dict[str, Path]:
+def write_test_model(
+    out_dir: str | Path, name: str, types=("F32",), *, hf: bool = True, vocab: str | None = None
+) -> dict[str, Path]:
     """Write `name-TYPE.gguf` for each type and, with hf, the folder `name-hf`. Returns paths by type
     ('hf' for the folder)."""
     from .writer import write_gguf, write_hf
@@ -299,9 +407,11 @@ def write_test_model(out_dir: str | Path, name: str, types=("F32",), *, hf: bool
     cfg, tensors, v = build_test_model(name, vocab=vocab)
     paths = {}
     for t in types:
-        paths[t] = write_gguf(out_dir / f"{name}-{t}.gguf", cfg, tensors, v.gguf_metadata, weight_type=t,
-                              name=f"shardwire-test-{name}")[0]
+        paths[t] = write_gguf(
+            out_dir / f"{name}-{t}.gguf", cfg, tensors, v.gguf_metadata, weight_type=t, name=f"shardwire-test-{name}"
+        )[0]
     if hf:
-        paths["hf"] = write_hf(out_dir / f"{name}-hf", cfg, tensors, tokenizer_json=v.tokenizer_json,
-                               tokenizer_config=v.tokenizer_config)
+        paths["hf"] = write_hf(
+            out_dir / f"{name}-hf", cfg, tensors, tokenizer_json=v.tokenizer_json, tokenizer_config=v.tokenizer_config
+        )
     return paths

@@ -4,7 +4,11 @@ Hugging Face folders as transformers saves them.
 Tensors come in under canonical (GGUF) names, float32, in PyTorch (out, in) order with Hugging Face's
 rotate-half Q/K rows. K-quants (Q2_K..Q6_K) are encoded here because the gguf package only decodes
 them; the formats are ggml's, the scale search is a simpler cousin of ggml-quants.c's.
+
+One file for both formats and the K-quant encoders because they share the tensor naming and
+ordering rules; it is test tooling outside the runtime package, read when a format changes.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,11 +41,19 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
 PERMUTED_ARCHS = ("llama", "mistral")
 
 _FILE_TYPES = {
-    "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16, "BF16": LlamaFileType.MOSTLY_BF16,
-    "Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1,
-    "Q5_0": LlamaFileType.MOSTLY_Q5_0, "Q5_1": LlamaFileType.MOSTLY_Q5_1, "Q2_K": LlamaFileType.MOSTLY_Q2_K,
-    "Q3_K": LlamaFileType.MOSTLY_Q3_K_S, "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
-    "Q5_K": LlamaFileType.MOSTLY_Q5_K_S, "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+    "F32": LlamaFileType.ALL_F32,
+    "F16": LlamaFileType.MOSTLY_F16,
+    "BF16": LlamaFileType.MOSTLY_BF16,
+    "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+    "Q4_1": LlamaFileType.MOSTLY_Q4_1,
+    "Q5_0": LlamaFileType.MOSTLY_Q5_0,
+    "Q5_1": LlamaFileType.MOSTLY_Q5_1,
+    "Q2_K": LlamaFileType.MOSTLY_Q2_K,
+    "Q3_K": LlamaFileType.MOSTLY_Q3_K_S,
+    "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
+    "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K,
 }
 WEIGHT_TYPES = tuple(_FILE_TYPES)
 
@@ -88,8 +100,15 @@ def gguf_config(cfg: ModelConfig) -> ModelConfig:
     scaling = None
     if cfg.rope_scaling and cfg.rope_scaling.get("type") == "linear":
         scaling = {"type": "linear", "factor": f32(cfg.rope_scaling["factor"])}
-    return ModelConfig.from_dict({**cfg.to_dict(), "arch": GGUF_ARCH[cfg.arch], "rope_scaling": scaling,
-                                  "norm_eps": f32(cfg.norm_eps), "rope_theta": f32(cfg.rope_theta)})
+    return ModelConfig.from_dict(
+        {
+            **cfg.to_dict(),
+            "arch": GGUF_ARCH[cfg.arch],
+            "rope_scaling": scaling,
+            "norm_eps": f32(cfg.norm_eps),
+            "rope_theta": f32(cfg.rope_theta),
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +140,11 @@ def _affine_fit(x, w, nmax: int, steps=np.arange(-0.5, 1.01, 0.25, dtype=np.floa
     sx = (w * x).sum(-1, keepdims=True)
     for step in steps:
         q = np.clip(np.rint(_divide(nmax + step, span) * (x - lo)), 0, nmax)
-        sq, sqq, sqx = (w * q).sum(-1, keepdims=True), (w * q * q).sum(-1, keepdims=True), \
-            (w * q * x).sum(-1, keepdims=True)
+        sq, sqq, sqx = (
+            (w * q).sum(-1, keepdims=True),
+            (w * q * q).sum(-1, keepdims=True),
+            (w * q * x).sum(-1, keepdims=True),
+        )
         det = sw * sqq - sq * sq
         scale, off = _divide(sw * sqx - sq * sx, det), _divide(sqq * sx - sq * sqx, det)
         # ggml stores the offset as -dmin * m with m >= 0, so a positive offset becomes 0; so does
@@ -181,8 +203,7 @@ def _or_bits(values: np.ndarray, shifts, axis: int) -> np.ndarray:
     """Pack small fields along `axis` into one byte: sum of values[i] << shifts[i] (no overlaps)."""
     shape = [1] * values.ndim
     shape[axis] = len(shifts)
-    return (values.astype(np.uint8) << np.array(shifts, dtype=np.uint8).reshape(shape)).sum(
-        axis=axis, dtype=np.uint8)
+    return (values.astype(np.uint8) << np.array(shifts, dtype=np.uint8).reshape(shape)).sum(axis=axis, dtype=np.uint8)
 
 
 def _nibbles_q4k(q: np.ndarray) -> np.ndarray:
@@ -219,8 +240,10 @@ def quantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     v = (q + 4).astype(np.uint8)
     hmask = _or_bits((v >> 2).reshape(len(v), 8, 32), range(8), axis=1)
     s6 = (sc.astype(np.int16) + 32).astype(np.uint8)
-    scales = np.concatenate([(s6[:, :8] & 0xF) | ((s6[:, 8:] & 0xF) << 4),
-                             _or_bits((s6 >> 4).reshape(len(v), 4, 4), [0, 2, 4, 6], axis=1)], axis=1)
+    scales = np.concatenate(
+        [(s6[:, :8] & 0xF) | ((s6[:, 8:] & 0xF) << 4), _or_bits((s6 >> 4).reshape(len(v), 4, 4), [0, 2, 4, 6], axis=1)],
+        axis=1,
+    )
     return np.concatenate([hmask, _crumbs(v), scales, _f16_bytes(d)], axis=1)
 
 
@@ -244,8 +267,10 @@ def quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 
 _K_QUANTIZERS = {
-    GGMLQuantizationType.Q2_K: quantize_q2_k, GGMLQuantizationType.Q3_K: quantize_q3_k,
-    GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q5_K: quantize_q5_k,
+    GGMLQuantizationType.Q2_K: quantize_q2_k,
+    GGMLQuantizationType.Q3_K: quantize_q3_k,
+    GGMLQuantizationType.Q4_K: quantize_q4_k,
+    GGMLQuantizationType.Q5_K: quantize_q5_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,
 }
 
@@ -264,7 +289,7 @@ def quantize(data: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantiza
     if qtype in _K_QUANTIZERS:
         blocks = data.reshape(-1, QK_K)
         # A few thousand blocks at a time keeps the search's temporaries small.
-        encoded = np.concatenate([_K_QUANTIZERS[qtype](blocks[i:i + 4096]) for i in range(0, len(blocks), 4096)])
+        encoded = np.concatenate([_K_QUANTIZERS[qtype](blocks[i : i + 4096]) for i in range(0, len(blocks), 4096)])
         return encoded.reshape(*data.shape[:-1], data.shape[-1] // block * type_size), qtype
     return gguf_quants.quantize(data, qtype), qtype
 
@@ -275,6 +300,7 @@ def quantize(data: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantiza
 
 def _stored_names(cfg: ModelConfig, tensors: dict) -> list[str]:
     """Embedding, blocks in order, final norm and head; no output.weight when it is tied."""
+
     def order(name: str):
         parts = name.split(".")
         if parts[0] == "blk":
@@ -366,9 +392,17 @@ def _check_type(name: str) -> str:
     return name
 
 
-def write_gguf(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], tokenizer_metadata: dict,
-               *, weight_type: str = "F32", type_for: Callable[[str, tuple], str] | None = None,
-               name: str = "shardwire-test", split_max_tensors: int | None = None) -> list[Path]:
+def write_gguf(
+    path: str | Path,
+    cfg: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    tokenizer_metadata: dict,
+    *,
+    weight_type: str = "F32",
+    type_for: Callable[[str, tuple], str] | None = None,
+    name: str = "shardwire-test",
+    split_max_tensors: int | None = None,
+) -> list[Path]:
     """Write a GGUF model (or the parts `stem-0000i-of-0000N.gguf` of a split one).
 
     Matrices get `weight_type`, or `type_for(name, shape)` when given; 1-D tensors stay F32.
@@ -408,8 +442,12 @@ def write_gguf(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray
 # ---------------------------------------------------------------------------------------------
 # Hugging Face folders
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def _token_ids(tokenizer_json: str | None, *tokens) -> list[int | None]:
@@ -423,8 +461,14 @@ def _token_ids(tokenizer_json: str | None, *tokens) -> list[int | None]:
     return [ids.get(t.get("content") if isinstance(t, dict) else t) for t in tokens]
 
 
-def hf_config(cfg: ModelConfig, tensors: dict | None = None, *, dtype: str = "float32",
-              bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
+def hf_config(
+    cfg: ModelConfig,
+    tensors: dict | None = None,
+    *,
+    dtype: str = "float32",
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> dict:
     """config.json as transformers saves it for this architecture (rope_theta / rope_scaling as in
     the Hub's Llama 3.1, Mistral and Qwen configs; transformers 5 reads both these and rope_parameters)."""
     if cfg.arch == "qwen2" and cfg.head_dim * cfg.n_heads != cfg.dim:
@@ -474,9 +518,16 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_hf(folder: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], *,
-             tokenizer_json: str | None = None, tokenizer_config: dict | None = None,
-             dtype: str = "float32", shard_max_tensors: int | None = None) -> Path:
+def write_hf(
+    folder: str | Path,
+    cfg: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    *,
+    tokenizer_json: str | None = None,
+    tokenizer_config: dict | None = None,
+    dtype: str = "float32",
+    shard_max_tensors: int | None = None,
+) -> Path:
     """Write config.json, model.safetensors (or shards plus model.safetensors.index.json) and, when
     given, tokenizer.json and tokenizer_config.json."""
     import torch
@@ -485,13 +536,15 @@ def write_hf(folder: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    hf = {hf_name(n): torch.from_numpy(np.asarray(tensors[n], dtype=np.float32)).to(torch_dtype).contiguous()
-          for n in _stored_names(cfg, tensors)}
+    hf = {
+        hf_name(n): torch.from_numpy(np.asarray(tensors[n], dtype=np.float32)).to(torch_dtype).contiguous()
+        for n in _stored_names(cfg, tensors)
+    }
 
     groups = [list(hf)]
     if shard_max_tensors:
         keys = list(hf)
-        groups = [keys[i:i + shard_max_tensors] for i in range(0, len(keys), shard_max_tensors)]
+        groups = [keys[i : i + shard_max_tensors] for i in range(0, len(keys), shard_max_tensors)]
     if len(groups) == 1:
         files = ["model.safetensors"]
     else:
@@ -501,8 +554,10 @@ def write_hf(folder: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray
         save_file({k: hf[k] for k in group}, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, folder / file)
     if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf.values())},
-                 "weight_map": {k: file for file, group in zip(files, groups) for k in group}}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf.values())},
+            "weight_map": {k: file for file, group in zip(files, groups) for k in group},
+        }
         _atomic_write_text(folder / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
 
     tokenizer_config = dict(tokenizer_config or {})

@@ -19,4 +19,5 @@ def shared_path(*parts: str) -> Path:
 def one_torch_thread():
     """Tests run beside worker processes on few cores; spinning OpenMP threads would starve them."""
     import torch
+
     torch.set_num_threads(1)

@@ -1,5 +1,6 @@
 """A loopback TCP relay that can stop carrying data without closing anything: a link that
 silently dies, as a sleeping laptop's Wi-Fi does."""
+
 from __future__ import annotations
 
 import socket

@@ -11,6 +11,7 @@ vocabulary its real models use, from ../shared/vocab (a small built-in BPE where
 Files go to a temporary folder removed at exit, or to $SHARDWIRE_TEST_MODELS when set, where
 they are kept and reused across sessions (in a subfolder named after the generating code).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -26,6 +27,8 @@ from shardwire_kit import synthetic, writer
 from shardwire_kit.synthetic import TEST_MODELS, build_test_model
 
 NAMES = tuple(TEST_MODELS)
+# Token ids valid in every test vocabulary (each has at least 512 tokens).
+PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]
 _lock = threading.RLock()
 
 
@@ -53,8 +56,9 @@ def model_path(name: str, weight_type: str = "F32") -> Path:
     with _lock:
         if not path.exists():
             cfg, tensors, vocab = model_source(name)
-            writer.write_gguf(path, cfg, tensors, vocab.gguf_metadata, weight_type=weight_type,
-                              name=f"shardwire-test-{name}")
+            writer.write_gguf(
+                path, cfg, tensors, vocab.gguf_metadata, weight_type=weight_type, name=f"shardwire-test-{name}"
+            )
     return path
 
 
@@ -63,6 +67,7 @@ def hf_path(name: str) -> Path:
     with _lock:
         if not (folder / "config.json").exists():
             cfg, tensors, vocab = model_source(name)
-            writer.write_hf(folder, cfg, tensors, tokenizer_json=vocab.tokenizer_json,
-                            tokenizer_config=vocab.tokenizer_config)
+            writer.write_hf(
+                folder, cfg, tensors, tokenizer_json=vocab.tokenizer_json, tokenizer_config=vocab.tokenizer_config
+            )
     return folder

@@ -1,4 +1,5 @@
 """`shardwire bench` and the benchmark's link relay (benchmarks/relay.py)."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ def _echo_server():
                 while data := c.recv(1 << 16):
                     c.sendall(data)
                 c.close()
+
             threading.Thread(target=run, daemon=True).start()
+
     threading.Thread(target=serve, daemon=True).start()
     return srv
 
@@ -73,6 +76,7 @@ def test_relay_refuses_other_addresses():
 
 def test_bench_single_process(capsys):
     from shardwire.cli import main
+
     path = model_path("llama", "F32")
     assert main(["bench", str(path), "-p", "16", "-n", "4", "-r", "2", "-t", "1", "--streams", "2", "-o", "json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -1,5 +1,6 @@
 """The content-addressed weight cache and the index of remembered tensor hashes (shardwire/cache.py),
 on small byte files written here."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,7 @@ def store(cache: WeightCache, data: bytes, chunk: int = 7) -> Path:
     writer = cache.writer(digest, len(data))
     for offset in range(0, len(data), chunk):
         assert not writer.done
-        writer.write(offset, data[offset:offset + chunk])
+        writer.write(offset, data[offset : offset + chunk])
     assert writer.done
     return writer.finish()
 
@@ -47,6 +48,7 @@ def files_under(folder: Path) -> list[Path]:
 
 class CountingReader(TensorReader):
     """A TensorReader that counts the tensors it reads, across every instance."""
+
     reads: list[str] = []
 
     def read(self, info):
@@ -62,6 +64,7 @@ def counting(monkeypatch):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
 
 def test_sha256_of_bytes_and_of_arrays():
     data = blob(1000, 1)
@@ -82,6 +85,7 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 
 
 # -- writing into the cache ----------------------------------------------------------------------
+
 
 def test_writer_stores_verified_bytes_under_their_hash(tmp_path):
     cache = WeightCache(tmp_path)
@@ -167,6 +171,7 @@ def test_writers_of_the_same_tensor_on_two_threads_use_separate_part_files(tmp_p
 
 # -- looking up ------------------------------------------------------------------------------
 
+
 def test_lookup_of_a_missing_or_wrong_size_entry(tmp_path):
     cache = WeightCache(tmp_path)
     data = blob(30, 8)
@@ -240,6 +245,7 @@ def test_repeated_lookups_do_not_grow_the_hash_index(tmp_path):
 
 # -- eviction --------------------------------------------------------------------------------
 
+
 def three_files(cache: WeightCache):
     """Three 100-byte entries, a oldest and c newest."""
     datas = [blob(100, 20 + i) for i in range(3)]
@@ -310,6 +316,7 @@ def test_evict_ignores_files_being_written(tmp_path):
 
 
 # -- the hash index ---------------------------------------------------------------------------
+
 
 def tensor_file(folder: Path, sizes=(16, 40, 8), name="model.bin", seed=0):
     """A file of back-to-back tensors after an 8-byte header; their TensorInfos and bytes."""

@@ -36,7 +36,7 @@ count={{ ns.count }} year={{ strftime_now('%Y') }} flag={{ custom_flag | default
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Hi \"there\" — café <b>"},
+    {"role": "user", "content": 'Hi "there" — café <b>'},
     {"role": "assistant", "content": "Hello!", "reasoning": "greet back", "tool_calls": None},
     {"role": "skip", "content": "not shown"},
     {"role": "user", "content": "  And now?  "},
@@ -58,8 +58,9 @@ def transformers_render(template, messages, add_generation_prompt, bos_token="<s
 
     hf = HFTokenizer(models.WordLevel({bos_token: 0, eos_token: 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=bos_token, eos_token=eos_token)
-    return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                   add_generation_prompt=add_generation_prompt, **kwargs)
+    return tok.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
 
 
 def gguf_template(name: str) -> str:
@@ -72,33 +73,48 @@ def gguf_template(name: str) -> str:
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("source", ["qwen2", "phi-3", "llama3", "chatml", "kitchen-sink"])
 def test_matches_transformers(source, add_generation_prompt):
-    template = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE,
-                "kitchen-sink": KITCHEN_SINK_TEMPLATE}.get(source) or gguf_template(source)
-    messages = MESSAGES if source == "kitchen-sink" else [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ü 🦙"},
-        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "  Bye\n"}]
+    template = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE, "kitchen-sink": KITCHEN_SINK_TEMPLATE}.get(
+        source
+    ) or gguf_template(source)
+    messages = (
+        MESSAGES
+        if source == "kitchen-sink"
+        else [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi ü 🦙"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "  Bye\n"},
+        ]
+    )
     if source == "qwen2":
         messages = messages[1:]  # also exercise its default system prompt
-    extra = {"tools": [{"name": "get_weather", "parameters": {"city": "string"}}], "custom_flag": "on"} \
-        if source == "kitchen-sink" else {}
-    ours = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
-                       bos_token="<s>", eos_token="</s>", **extra)
+    extra = (
+        {"tools": [{"name": "get_weather", "parameters": {"city": "string"}}], "custom_flag": "on"}
+        if source == "kitchen-sink"
+        else {}
+    )
+    ours = render_chat(
+        template, messages, add_generation_prompt=add_generation_prompt, bos_token="<s>", eos_token="</s>", **extra
+    )
     assert ours == transformers_render(template, messages, add_generation_prompt, **extra)
 
 
 def test_qwen2_vocab_template_and_tokens():
     tok = Tokenizer.from_gguf_metadata(_metadata("qwen2"))
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert prompt == ("<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
-                      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tok.encode(prompt, add_special=False, parse_special=True)
     assert ids.count(151644) == 3 and ids.count(151645) == 2 and ids[-1] != 151645
 
 
 def test_chatml_fallback():
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]
-    assert render_chat(None, messages) == ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
-                                           "<|im_start|>assistant\n")
+    assert render_chat(None, messages) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert render_chat(None, messages[:1], add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
     md = {k: v for k, v in _metadata("gpt-2").items() if k != "tokenizer.chat_template"}
     assert Tokenizer.from_gguf_metadata(md).apply_chat_template(messages[:1]) == render_chat(None, messages[:1])

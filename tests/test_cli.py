@@ -1,4 +1,5 @@
 """The `shardwire` command as a user runs it: generate, plan, and their errors."""
+
 import os
 import subprocess
 import sys
@@ -20,8 +21,13 @@ pytestmark = pytest.mark.slow  # worker processes
 
 
 def run(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "shardwire", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "shardwire", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def test_generate_prints_the_continuation_and_speeds():
@@ -36,8 +42,24 @@ def test_generate_across_workers_prints_the_same_text(tmp_path):
     path = model_path("llama", "F16")
     local = run("generate", str(path), "-p", "The river", "-n", "10", "--temp", "0", "-t", "1")
     with WorkerProcess(tmp_path / "a") as a, WorkerProcess(tmp_path / "b") as b:
-        split = run("generate", str(path), "-p", "The river", "-n", "10", "--temp", "0", "-t", "1",
-                    "--rpc", f"{a.address},{b.address}", "-ts", "3,1", "--cache-dir", str(tmp_path / "c"))
+        split = run(
+            "generate",
+            str(path),
+            "-p",
+            "The river",
+            "-n",
+            "10",
+            "--temp",
+            "0",
+            "-t",
+            "1",
+            "--rpc",
+            f"{a.address},{b.address}",
+            "-ts",
+            "3,1",
+            "--cache-dir",
+            str(tmp_path / "c"),
+        )
     assert split.returncode == 0, split.stderr
     assert split.stdout == local.stdout
     assert "blk" not in split.stdout and "0-2+embd" in split.stderr  # the plan table, on stderr
@@ -50,8 +72,9 @@ def test_plan_prints_the_split_and_refuses_an_impossible_one(tmp_path):
         ok = run("plan", str(path), "--rpc", a.address, "--cache-dir", str(tmp_path / "c"))
         assert ok.returncode == 0, ok.stderr
         assert a.address in ok.stdout and "0-3+embd+head" in ok.stdout and "yes" in ok.stdout
-        bad = run("plan", str(path), "--rpc", f"{a.address},{b.address}", "-ts", "1,3",
-                  "--cache-dir", str(tmp_path / "c"))
+        bad = run(
+            "plan", str(path), "--rpc", f"{a.address},{b.address}", "-ts", "1,3", "--cache-dir", str(tmp_path / "c")
+        )
     assert bad.returncode == 1
     assert "does not fit" in bad.stderr and b.address in bad.stderr and "short by" in bad.stderr
 
@@ -80,9 +103,9 @@ def test_stop_strings_and_end_of_sequence():
         free = engine.submit(Request(prompt, GREEDY, max_tokens=24, ignore_eos=True))
         text = free.result()
         assert free.finish_reason == "length" and len(free.tokens) == 24
-        stop = text[len(text) // 3: len(text) // 3 + 3]
+        stop = text[len(text) // 3 : len(text) // 3 + 3]
         cut = engine.submit(Request(prompt, GREEDY, max_tokens=24, stop=(stop,), ignore_eos=True))
-        assert cut.result() == text[:text.index(stop)] and cut.finish_reason == "stop"
+        assert cut.result() == text[: text.index(stop)] and cut.finish_reason == "stop"
         # end of sequence: make the first generated token a stop token
         first = free.tokens[0]
         tok.stop_ids = frozenset({first})

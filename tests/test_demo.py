@@ -1,5 +1,6 @@
 """`shardwire demo` as a newcomer runs it: real text from glassllm split across two worker processes,
 and no process left behind, whether it ends or is interrupted."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,13 @@ def env(tmp_path_factory):
 
 
 def demo(env, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "shardwire", "demo", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardwire", "demo", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def worker_pids(out: str) -> list[int]:

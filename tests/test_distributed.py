@@ -1,4 +1,5 @@
 """One model split across real worker processes on loopback gives the single-process tokens."""
+
 import pytest
 
 from shardwire.coordinator import Cluster
@@ -8,12 +9,11 @@ from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams
 
-from models import hf_path, model_path
+from models import PROMPT, hf_path, model_path
 from workers import WorkerProcess
 
 pytestmark = pytest.mark.slow  # worker processes
 
-PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]  # valid in every test vocabulary (>= 512 tokens)
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, logprobs=10)
 
 
@@ -33,12 +33,19 @@ def single_process(path, **kw):
     return generate(LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=1, ctx=256), **kw)
 
 
-def distributed(path, addresses, cache_dir, *, tensor_split=None, n_gpu_layers=None, local_devices=(),
-                token=None, tls=None, **kw):
+def distributed(
+    path, addresses, cache_dir, *, tensor_split=None, n_gpu_layers=None, local_devices=(), token=None, tls=None, **kw
+):
     model = open_model(path)
-    cluster = Cluster(addresses, local_devices=local_devices, cache_dir=cache_dir, show_progress=False,
-                      local_cpu=n_gpu_layers is not None and n_gpu_layers < model.config.n_layers,
-                      token=token, tls=tls)
+    cluster = Cluster(
+        addresses,
+        local_devices=local_devices,
+        cache_dir=cache_dir,
+        show_progress=False,
+        local_cpu=n_gpu_layers is not None and n_gpu_layers < model.config.n_layers,
+        token=token,
+        tls=tls,
+    )
     try:
         cluster.connect(model)
         plan = cluster.make_plan(tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, ctx=256, dtype="float32")
@@ -64,6 +71,7 @@ def worker_pool(tmp_path):
         for i in range(count):
             started.append(WorkerProcess(tmp_path / f"cache{len(started)}", **kw).start())
         return started[-count:]
+
     yield start
     for w in started:
         w.stop()
@@ -90,11 +98,16 @@ def test_stage_on_the_coordinator_and_a_worker_with_two_devices(worker_pool, tmp
     coordinator's own device takes the last stage."""
     path = model_path("qwen2", "F32")
     two = worker_pool(1, devices="cpu:0,cpu:1")[0]
-    got, plan, _ = distributed(path, [two.address], tmp_path / "coord", n_gpu_layers=3, local_devices=["cpu"],
-                               tensor_split=[1, 1, 1])
+    got, plan, _ = distributed(
+        path, [two.address], tmp_path / "coord", n_gpu_layers=3, local_devices=["cpu"], tensor_split=[1, 1, 1]
+    )
     labels = [(s.device.worker, s.device.name, s.start, s.end) for s in plan.stages]
-    assert labels == [("local:cpu", "cpu", 0, 1), (two.address, "cpu:0", 1, 2), (two.address, "cpu:1", 2, 3),
-                      ("local", "cpu", 3, 4)]
+    assert labels == [
+        ("local:cpu", "cpu", 0, 1),
+        (two.address, "cpu:0", 1, 2),
+        (two.address, "cpu:1", 2, 3),
+        ("local", "cpu", 3, 4),
+    ]
     assert_same(single_process(path), got)
 
 
@@ -144,19 +157,20 @@ def test_glassllm_split_across_two_workers_continues_like_glassllm(worker_pool, 
     glassllm = pytest.importorskip("glassllm")
     from shardwire.tokenizer import load_tokenizer
     from shardwire_kit.glassllm import convert_glassllm
+
     path = convert_glassllm(tmp_path / "glass.gguf", "gguf")
     model, tokenizer = glassllm.load_pretrained("en")
     prompt = tokenizer.encode("Alice was beginning to get very tired")
     expected = [step.token for step in model.generate(prompt, 40, greedy=True)]
     assert load_tokenizer(open_model(path)).encode("Alice was beginning to get very tired") == prompt
     workers = worker_pool(2)
-    (tokens, _), plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord", n=40,
-                                       prompt=prompt)
+    (tokens, _), plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord", n=40, prompt=prompt)
     assert len(plan.stages) == 2 and tokens == expected
 
 
 def test_each_worker_reports_the_dtype_its_hardware_computes_best_and_the_plan_uses_it(worker_pool, tmp_path):
     from shardwire.devices import default_dtype
+
     model = open_model(model_path("llama", "F32"))
     cluster = Cluster([w.address for w in worker_pool(2)], cache_dir=tmp_path, show_progress=False)
     try:
@@ -165,7 +179,9 @@ def test_each_worker_reports_the_dtype_its_hardware_computes_best_and_the_plan_u
         cluster.links[1].devices[0].dtype = "float16"  # as a worker on a machine with other hardware says
         plan = cluster.make_plan(ctx=64)
         assert [s.device.dtype for s in plan.stages] == [default_dtype("cpu"), "float16"]
-        assert {s.device.dtype for s in cluster.make_plan(ctx=64, dtype="float32").stages} == {"float32"}  # --dtype wins
+        assert {s.device.dtype for s in cluster.make_plan(ctx=64, dtype="float32").stages} == {
+            "float32"
+        }  # --dtype wins
     finally:
         cluster.close()
 
@@ -181,8 +197,7 @@ def test_concurrent_sequences_share_decode_steps(worker_pool, tmp_path):
         pipeline = cluster.load(cluster.make_plan(ctx=128, n_slots=4, dtype="float32"))
         widths = []
         submit = pipeline.submit
-        pipeline.submit = lambda step: (widths.append(len(step.rows)) if step.width == 1 else None,
-                                        submit(step))[1]
+        pipeline.submit = lambda step: (widths.append(len(step.rows)) if step.width == 1 else None, submit(step))[1]
         engine = Engine(pipeline)
         try:
             handles = [engine.submit(Request(PROMPT[i:], GREEDY_LOGPROBS, max_tokens=24)) for i in range(4)]

@@ -5,6 +5,7 @@ The fake "model" keeps a KV cache per slot (the tokens written at each position)
 sampled row with rule(cache of that slot), so a row that skips positions, or a replay that does
 not carry the whole history, shows up as an error and as a wrong token.
 """
+
 from __future__ import annotations
 
 import threading
@@ -97,7 +98,7 @@ class FakePipeline:
             if row.start > len(cache):
                 self.problems.append(f"slot {row.slot}: row starts at {row.start} past its cache of {len(cache)}")
                 return StepResult(step.id, error=PipelineError(self.problems[-1]))
-            del cache[row.start:]
+            del cache[row.start :]
             cache.extend(row.tokens)
             sampled.append(Sampled(self.rule(cache)) if row.sampling is not None else None)
         return StepResult(step.id, sampled)
@@ -105,14 +106,16 @@ class FakePipeline:
     # -- test controls -------------------------------------------------------------------
     def wait_pending(self, n: int, timeout: float = TIMEOUT) -> list[Step]:
         with self.cond:
-            assert self.cond.wait_for(lambda: len(self.pending) >= n, timeout), \
+            assert self.cond.wait_for(lambda: len(self.pending) >= n, timeout), (
                 f"expected {n} pending step(s), have {len(self.pending)}"
+            )
             return list(self.pending)
 
     def wait_steps(self, n: int, timeout: float = TIMEOUT) -> list[Step]:
         with self.cond:
-            assert self.cond.wait_for(lambda: len(self.steps) >= n, timeout), \
+            assert self.cond.wait_for(lambda: len(self.steps) >= n, timeout), (
                 f"expected {n} step(s), have {len(self.steps)}"
+            )
             return list(self.steps)
 
     def answer(self, step: Step, error: PipelineError | None = None) -> None:
@@ -186,10 +189,11 @@ def expected(prompt, n, rule=plus_one) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(rule(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 # -- a whole request -----------------------------------------------------------------------
+
 
 def test_a_request_generates_max_tokens_and_ends_with_length(make_engine):
     pipe = FakePipeline()
@@ -275,12 +279,15 @@ def test_request_rejects_an_empty_prompt_and_negative_max_tokens():
         Request([1], max_tokens=-1)
 
 
-@pytest.mark.parametrize("prompt, message", [
-    (list(range(1, 17)), "the prompt has 16 tokens; the context holds 16"),
-    (list(range(1, 30)), "the prompt has 29 tokens"),
-    ([1, 2, 100], "token ids must be in [0, 100)"),
-    ([-1, 2], "token ids must be in [0, 100)"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        (list(range(1, 17)), "the prompt has 16 tokens; the context holds 16"),
+        (list(range(1, 30)), "the prompt has 29 tokens"),
+        ([1, 2, 100], "token ids must be in [0, 100)"),
+        ([-1, 2], "token ids must be in [0, 100)"),
+    ],
+)
 def test_a_prompt_too_long_or_out_of_the_vocabulary_is_an_error(make_engine, prompt, message):
     pipe = FakePipeline(ctx=16, vocab_size=100)
     engine = make_engine(pipe)
@@ -305,6 +312,7 @@ def test_a_prompt_of_ctx_minus_one_is_accepted(make_engine):
 
 
 # -- prefill ---------------------------------------------------------------------------------
+
 
 def test_a_long_prompt_is_prefilled_in_chunks_and_only_the_last_samples(make_engine):
     pipe = FakePipeline(ctx=64)
@@ -347,6 +355,7 @@ def test_penalized_sampling_sends_recent_tokens_only_with_sampled_rows(make_engi
 
 
 # -- several sequences -------------------------------------------------------------------------
+
 
 def test_requests_beyond_the_slots_wait_for_a_freed_slot(make_engine):
     pipe = FakePipeline(n_slots=1, hold=True)
@@ -448,6 +457,7 @@ def test_with_one_stage_one_decode_step_is_in_flight_and_carries_all_ready_seque
 
 # -- cancellation ------------------------------------------------------------------------------
 
+
 def test_cancel_a_running_request_frees_its_slot_once_its_step_is_back(make_engine):
     pipe = FakePipeline(n_slots=1, hold=True)
     engine = make_engine(pipe)
@@ -535,6 +545,7 @@ def test_cancel_while_broken_leaves_the_other_sequences_to_be_replayed(make_engi
 
 # -- errors ------------------------------------------------------------------------------------
 
+
 def test_a_failed_step_ends_its_sequences_with_error(make_engine):
     pipe = FakePipeline(n_slots=2, hold=True)
     engine = make_engine(pipe)
@@ -602,6 +613,7 @@ def test_close_cancels_running_and_waiting_requests():
 
 
 # -- recovery ----------------------------------------------------------------------------------
+
 
 def run_uninterrupted(prompts, max_tokens, rule, prefill_chunk):
     pipe = FakePipeline(n_slots=len(prompts), n_stages=2, rule=rule)
@@ -734,8 +746,10 @@ def test_a_non_recoverable_pipeline_ignores_broken(make_engine):
 
 # -- text, stop strings and end-of-generation tokens (a tiny fake tokenizer) -----------------------
 
+
 class CharTokenizer:
     """Token i is chr(i); 0 is the end-of-generation token."""
+
     stop_ids = frozenset({0})
 
     class _Decoder:
@@ -755,6 +769,7 @@ def scripted(text: str):
 
     def rule(tokens):
         return ord(next(it, "\0"))
+
     return rule
 
 

@@ -1,4 +1,5 @@
 """Reading model files: real llama.cpp output, lazy per-layer reads, and clear errors on bad input."""
+
 import json
 import shutil
 import subprocess
@@ -44,6 +45,7 @@ def test_loading_a_layer_range_reads_only_its_tensors():
 
 def test_sharded_safetensors_folder(tmp_path):
     from shardwire_kit.writer import write_hf
+
     cfg, tensors, vocab = model_source("qwen2")
     write_hf(tmp_path, cfg, tensors, tokenizer_json=vocab.tokenizer_json, shard_max_tensors=7)
     assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -83,8 +85,11 @@ def test_unsupported_architecture(tmp_path):
     cfg, tensors, vocab = model_source("llama")
     path = tmp_path / "gpt.gguf"
     write_gguf(path, cfg, tensors, vocab.gguf_metadata)
-    data = path.read_bytes().replace(b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00llama",
-                                     b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00falcn", 1)
+    data = path.read_bytes().replace(
+        b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00llama",
+        b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00falcn",
+        1,
+    )
     path.write_bytes(data)
     with pytest.raises(ConfigError, match="unsupported architecture 'falcn'"):
         open_model(path)

@@ -1,5 +1,6 @@
 """Malformed input: property tests of the decoders, and a bounded live fuzz run against a
 worker process that must keep serving correctly afterwards."""
+
 import random
 import socket
 import struct
@@ -32,15 +33,58 @@ from workers import WorkerProcess
 
 PARSERS = list(MESSAGES.values())
 
-leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                 st.text(max_size=20), st.binary(max_size=40))
-values = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=5),
-                                                    st.dictionaries(st.text(max_size=10), inner, max_size=5)),
-                      max_leaves=30)
-FIELDS = ["role", "nonce", "proof", "worker_id", "auth", "code", "message", "devices", "version", "plan",
-          "config", "qk_interleaved", "n_slots", "ctx", "stages", "next", "hashes", "hash", "offset", "total",
-          "step", "rows", "sampling", "recent", "dtype", "shape", "tokens", "logprobs", "slot", "name", "free",
-          "t", "sources", "prefill_chunk", "coordinator", "kernels", "weights"]
+leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=40),
+)
+values = st.recursive(
+    leaf,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=10), inner, max_size=5)),
+    max_leaves=30,
+)
+FIELDS = [
+    "role",
+    "nonce",
+    "proof",
+    "worker_id",
+    "auth",
+    "code",
+    "message",
+    "devices",
+    "version",
+    "plan",
+    "config",
+    "qk_interleaved",
+    "n_slots",
+    "ctx",
+    "stages",
+    "next",
+    "hashes",
+    "hash",
+    "offset",
+    "total",
+    "step",
+    "rows",
+    "sampling",
+    "recent",
+    "dtype",
+    "shape",
+    "tokens",
+    "logprobs",
+    "slot",
+    "name",
+    "free",
+    "t",
+    "sources",
+    "prefill_chunk",
+    "coordinator",
+    "kernels",
+    "weights",
+]
 headers = st.dictionaries(st.sampled_from(FIELDS), values, max_size=12)
 
 
@@ -93,8 +137,15 @@ TOKEN = "fuzz-token"
 
 
 def valid_frames(plan_id: str) -> list[bytes]:
-    forward = {"plan": plan_id, "step": 1, "rows": [[0, 0, 4]], "sampling": [None], "recent": [[]],
-               "dtype": "int32", "shape": [1, 4]}
+    forward = {
+        "plan": plan_id,
+        "step": 1,
+        "rows": [[0, 0, 4]],
+        "sampling": [None],
+        "recent": [[]],
+        "dtype": "int32",
+        "shape": [1, 4],
+    }
     return [
         pack_header(MessageType.HELLO, {"role": "coordinator", "nonce": b"n" * 32}, 0),
         pack_header(MessageType.DESCRIBE, {}, 0),
@@ -115,15 +166,17 @@ def mutate(frame: bytes, rng: random.Random) -> bytes:
         for _ in range(rng.randint(1, 4)):
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     elif kind == 1:  # truncate
-        data = data[:rng.randrange(len(data) + 1)]
+        data = data[: rng.randrange(len(data) + 1)]
     elif kind == 2:  # lie about lengths
         struct.pack_into("<IQ", data, 20, rng.choice([0, 1, 1 << 20, 1 << 31]), rng.choice([0, 7, 1 << 40, 2**64 - 1]))
     elif kind == 3:  # random type
         struct.pack_into("<H", data, 6, rng.randrange(0, 40))
     else:  # garbage msgpack of the right length
         junk = bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
-        data = bytearray(struct.pack("<4sHHHHQIQ", MAGIC, PROTOCOL_VERSION, rng.randrange(1, 19), 0, 0, 0,
-                                     len(junk), 0)) + junk
+        data = (
+            bytearray(struct.pack("<4sHHHHQIQ", MAGIC, PROTOCOL_VERSION, rng.randrange(1, 19), 0, 0, 0, len(junk), 0))
+            + junk
+        )
     return bytes(data)
 
 
@@ -176,8 +229,10 @@ def test_live_fuzz_leaves_the_worker_serving(tmp_path):
                 send_and_drop(worker.port, batch, True)
                 sent["authenticated"] += 1
         total = sum(sent.values())
-        print(f"live fuzz: {total} connections {sent}, worker RSS "
-              f"{rss_before / 2**20:.1f} -> {proc.memory_info().rss / 2**20:.1f} MiB")
+        print(
+            f"live fuzz: {total} connections {sent}, worker RSS "
+            f"{rss_before / 2**20:.1f} -> {proc.memory_info().rss / 2**20:.1f} MiB"
+        )
         assert worker.proc.poll() is None, "".join(worker.log[-30:])
         assert total >= 1000
         tokens, _ = generate(pipeline)
@@ -198,16 +253,30 @@ def test_oversized_and_out_of_plan_requests_are_rejected_without_allocating(tmp_
         pipeline = cluster.load(cluster.make_plan(ctx=256, dtype="float32"))
         proc = psutil.Process(worker.proc.pid)
         rss_before = proc.memory_info().rss
-        forward = {"plan": cluster.plan_id, "step": 9, "rows": [[0, 0, 4]], "sampling": [None], "recent": [[]],
-                   "dtype": "int32", "shape": [1, 4]}
+        forward = {
+            "plan": cluster.plan_id,
+            "step": 9,
+            "rows": [[0, 0, 4]],
+            "sampling": [None],
+            "recent": [[]],
+            "dtype": "int32",
+            "shape": [1, 4],
+        }
         cases = {
             "a 1 TB payload": (MessageType.FORWARD, forward, 1 << 40, "exceeds the limit"),
-            "a shape whose product overflows": (MessageType.FORWARD,
-                                                dict(forward, dtype="float32", shape=[1, 4, 1 << 20],
-                                                     rows=[[0, 0, 4]]), 16, "does not match|elements|hidden size"),
+            "a shape whose product overflows": (
+                MessageType.FORWARD,
+                dict(forward, dtype="float32", shape=[1, 4, 1 << 20], rows=[[0, 0, 4]]),
+                16,
+                "does not match|elements|hidden size",
+            ),
             "a slot outside the plan": (MessageType.FORWARD, dict(forward, rows=[[7, 0, 4]]), 16, "slot 7"),
-            "positions past the context": (MessageType.FORWARD, dict(forward, rows=[[0, 300, 4]]), 16,
-                                           "exceed the context|cannot start"),
+            "positions past the context": (
+                MessageType.FORWARD,
+                dict(forward, rows=[[0, 300, 4]]),
+                16,
+                "exceed the context|cannot start",
+            ),
         }
         for what, (mtype, header, plen, message) in cases.items():
             conn = authenticated(worker.port)

@@ -1,5 +1,6 @@
 """shardwire_kit.glassllm: the trained glassllm model, converted by our code, must continue text exactly
 as glassllm does, and its tokenizer must give glassllm's ids."""
+
 from __future__ import annotations
 
 import os
@@ -62,7 +63,7 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def load_hf(folder, **kwargs):
@@ -80,10 +81,22 @@ def glass_greedy(glass, ids, n):
 def test_config(converted, glass):
     hf, gguf = converted
     cfg = gl.model_config(glass[0])
-    assert (cfg.arch, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == \
-        ("llama", 4, 128, 4, 2, 32, 341)
-    assert (cfg.vocab_size, cfg.norm_eps, cfg.rope_theta, cfg.context_length, cfg.tied_embeddings) == \
-        (1024, 1e-6, 10000.0, 128, True)
+    assert (cfg.arch, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == (
+        "llama",
+        4,
+        128,
+        4,
+        2,
+        32,
+        341,
+    )
+    assert (cfg.vocab_size, cfg.norm_eps, cfg.rope_theta, cfg.context_length, cfg.tied_embeddings) == (
+        1024,
+        1e-6,
+        10000.0,
+        128,
+        True,
+    )
     assert open_model(hf).config == cfg
     g = open_model(gguf).config
     assert g.to_dict() == {**cfg.to_dict(), "norm_eps": float(np.float32(1e-6))}

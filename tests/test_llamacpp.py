@@ -2,6 +2,7 @@
 llama.cpp's own llama-quantize (Q4_0, Q8_0, Q4_K_M; its width of 128 and FFN of 341 leave some
 matrices F16 or on llama.cpp's fallback types), compared token by token. Skips unless llama.cpp
 was built by benchmarks/build_llama_cpp.sh."""
+
 import sys
 from pathlib import Path
 
@@ -15,8 +16,9 @@ numerics = pytest.importorskip("numerics_llamacpp")
 pytest.importorskip("glassllm")
 try:
     if numerics.llama_cpp() is None:
-        pytest.skip(f"llama.cpp is not built in {numerics.PREFIX} (benchmarks/build_llama_cpp.sh)",
-                    allow_module_level=True)
+        pytest.skip(
+            f"llama.cpp is not built in {numerics.PREFIX} (benchmarks/build_llama_cpp.sh)", allow_module_level=True
+        )
 except ImportError as e:  # the bindings' own dependencies (diskcache, ...)
     pytest.skip(f"llama.cpp's Python bindings do not import: {e}", allow_module_level=True)
 
@@ -29,6 +31,7 @@ NEAR_TIE = 0.05  # logits: where llama.cpp's 8-bit activations may reorder the t
 @pytest.fixture(scope="module")
 def glassllm_f32(tmp_path_factory):
     from shardwire_kit.glassllm import convert_glassllm
+
     return convert_glassllm(tmp_path_factory.mktemp("glassllm") / "glassllm-F32.gguf", "gguf", weight_type="F32")
 
 

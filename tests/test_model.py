@@ -1,4 +1,5 @@
 """Our forward pass against transformers on the same weights, for every supported architecture."""
+
 import os
 
 import pytest
@@ -10,12 +11,10 @@ from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import GREEDY
 
-from models import NAMES, hf_path, model_path
+from models import NAMES, PROMPT, hf_path, model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
-
-PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]  # valid in every test vocabulary (>= 512 tokens)
 
 
 def reference(name: str):
@@ -51,7 +50,7 @@ def arch(request):
         generated = list(PROMPT)
         for _ in range(32):  # plain argmax: generate() would hold back end-of-sequence tokens
             generated.append(int(ref(torch.tensor([generated])).logits[0, -1].argmax()))
-    return name, logits, generated[len(PROMPT):], ref
+    return name, logits, generated[len(PROMPT) :], ref
 
 
 def assert_same_greedy(ref, ours: list[int], theirs: list[int]) -> None:
@@ -64,7 +63,8 @@ def assert_same_greedy(ref, ours: list[int], theirs: list[int]) -> None:
                 logits = ref(torch.tensor([PROMPT + theirs[:i]])).logits[0, -1]
             first, second = torch.topk(logits, 2).values.tolist()
             assert first - second <= 1e-4 * float(logits.max() - logits.min()), (
-                f"step {i}: {a} != {b} although the reference's margin is {first - second:.5f}")
+                f"step {i}: {a} != {b} although the reference's margin is {first - second:.5f}"
+            )
             return
 
 

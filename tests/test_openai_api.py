@@ -1,5 +1,6 @@
 """OpenAI request parsing and response shapes (shardwire/openai_api.py): pure functions over dicts,
 tested with a small fake tokenizer (and once with a real one)."""
+
 from __future__ import annotations
 
 import time
@@ -29,6 +30,7 @@ BOS = 1
 class FakeTokenizer:
     """Characters are tokens (token id = code point); BOS is 1; "<s>" is a special token text.
     Records how encode and the chat template were called."""
+
     vocab_size = 1000
     stop_ids = frozenset({2})
 
@@ -81,12 +83,14 @@ def bad(parse, body, tok, *fragments, param=None):
         assert fragment in e.message, (fragment, e.message)
     if param is not None:
         assert e.param == param
-    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": e.param,
-                                  "code": e.code}}
+    assert e.body() == {
+        "error": {"message": e.message, "type": "invalid_request_error", "param": e.param, "code": e.code}
+    }
     return e
 
 
 # -- completions -------------------------------------------------------------------------------
+
 
 def test_completion_defaults_are_openai_s(tok):
     job = parse_completion({"prompt": "hi"}, tok)
@@ -94,9 +98,18 @@ def test_completion_defaults_are_openai_s(tok):
     assert job.prompts == [[BOS] + ords("hi")]
     assert job.n == 1 and job.max_tokens is None and job.stop == ()
     assert (job.stream, job.include_usage, job.ignore_eos, job.echo) == (False, False, False, [])
-    assert job.sampling == SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                          frequency_penalty=0.0, presence_penalty=0.0, repeat_last_n=64,
-                                          seed=None, logprobs=None)
+    assert job.sampling == SamplingParams(
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repeat_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        repeat_last_n=64,
+        seed=None,
+        logprobs=None,
+    )
     assert job.logprobs is None
     assert job.id.startswith("cmpl-") and len(job.id) == len("cmpl-") + 24
     assert abs(job.created - time.time()) < 5
@@ -114,8 +127,19 @@ def test_completion_prompt_forms(tok):
 
 
 def test_completion_sampling_fields(tok):
-    job = parse_completion({"prompt": "a", "temperature": 0.5, "top_p": 0.9, "seed": 42, "max_tokens": 7,
-                            "presence_penalty": 0.5, "frequency_penalty": -1, "logprobs": 3}, tok)
+    job = parse_completion(
+        {
+            "prompt": "a",
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 42,
+            "max_tokens": 7,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "logprobs": 3,
+        },
+        tok,
+    )
     s = job.sampling
     assert (s.temperature, s.top_p, s.seed, s.presence_penalty, s.frequency_penalty) == (0.5, 0.9, 42, 0.5, -1.0)
     assert s.logprobs == 3 == job.logprobs
@@ -129,11 +153,28 @@ def test_completion_sampling_fields(tok):
 
 
 def test_null_fields_take_their_defaults(tok):
-    body = {"prompt": "a", "temperature": None, "top_p": None, "n": None, "max_tokens": None, "stop": None,
-            "stream": None, "seed": None, "logprobs": None, "echo": None, "stream_options": None}
+    body = {
+        "prompt": "a",
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "max_tokens": None,
+        "stop": None,
+        "stream": None,
+        "seed": None,
+        "logprobs": None,
+        "echo": None,
+        "stream_options": None,
+    }
     job = parse_completion(body, tok)
-    assert (job.sampling.temperature, job.sampling.top_p, job.n, job.max_tokens, job.stop, job.stream) == \
-        (1.0, 1.0, 1, None, (), False)
+    assert (job.sampling.temperature, job.sampling.top_p, job.n, job.max_tokens, job.stop, job.stream) == (
+        1.0,
+        1.0,
+        1,
+        None,
+        (),
+        False,
+    )
 
 
 def test_top_p_zero_means_greedy(tok):
@@ -148,8 +189,9 @@ def test_seed_any_integer_is_folded_into_63_bits(tok):
 
 
 def test_llama_server_extras(tok):
-    job = parse_completion({"prompt": "a", "top_k": 40, "min_p": 0.1, "repeat_penalty": 1.1,
-                            "repeat_last_n": 32, "ignore_eos": True}, tok)
+    job = parse_completion(
+        {"prompt": "a", "top_k": 40, "min_p": 0.1, "repeat_penalty": 1.1, "repeat_last_n": 32, "ignore_eos": True}, tok
+    )
     s = job.sampling
     assert (s.top_k, s.min_p, s.repeat_penalty, s.repeat_last_n) == (40, 0.1, 1.1, 32)
     assert s.penalized and job.ignore_eos is True
@@ -166,6 +208,7 @@ def test_echo_keeps_each_prompt_s_text(tok):
 def test_stop(tok):
     def stop(value):
         return parse_completion({"prompt": "a", "stop": value}, tok).stop
+
     assert stop("\n") == ("\n",)
     assert stop(["a", "bc"]) == ("a", "bc")
     assert stop(["", "x"]) == ("x",)  # empty strings stop nothing
@@ -178,8 +221,9 @@ def test_unknown_fields_are_ignored(tok):
     assert job.prompts == [[BOS, 97]]
 
 
-@pytest.mark.parametrize("prompt", [None, "", [], {}, 5, [1.5], [True, 2], ["a", 5], [[1], "a", None], [["a"]],
-                                    [[]], [[1, [2]]]])
+@pytest.mark.parametrize(
+    "prompt", [None, "", [], {}, 5, [1.5], [True, 2], ["a", 5], [[1], "a", None], [["a"]], [[]], [[1, [2]]]]
+)
 def test_completion_bad_prompts(tok, prompt):
     body = {} if prompt is None else {"prompt": prompt}
     tok.add_bos = False  # so "" tokenizes to nothing
@@ -191,8 +235,12 @@ def test_completion_empty_prompt_message(tok):
     tok.add_bos = False
     bad(parse_completion, {"prompt": ""}, tok, "the prompt is empty")
     bad(parse_completion, {"prompt": [[]]}, tok, "the prompt is empty")
-    bad(parse_completion, {"prompt": {"text": "a"}}, tok, "'prompt' must be a string, a list of strings or a list of "
-                                                          "token ids")
+    bad(
+        parse_completion,
+        {"prompt": {"text": "a"}},
+        tok,
+        "'prompt' must be a string, a list of strings or a list of token ids",
+    )
 
 
 @pytest.mark.parametrize("ids", [[1000], [-1], [5, 1000], [[3], [1 << 40]]])
@@ -244,8 +292,13 @@ def test_chat_bad_numbers(tok, field, value, message):
 
 @pytest.mark.parametrize("stop", [5, {"a": 1}, [1], ["a", None], ["1", "2", "3", "4", "5"]])
 def test_bad_stop(tok, stop):
-    bad(parse_completion, {"prompt": "a", "stop": stop}, tok, "'stop' must be a string or a list of at most 4 strings",
-        param="stop")
+    bad(
+        parse_completion,
+        {"prompt": "a", "stop": stop},
+        tok,
+        "'stop' must be a string or a list of at most 4 strings",
+        param="stop",
+    )
 
 
 @pytest.mark.parametrize("field, value", [("stream", "yes"), ("stream", 1), ("echo", "true"), ("ignore_eos", 0)])
@@ -259,24 +312,43 @@ def test_choices_are_limited_over_prompts_times_n(tok):
     bad(parse_completion, {"prompt": [[1]] * 129}, tok, "at most 128 choices", param="n")
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function"}]), ("functions", [{"name": "f"}]),
-                                          ("logit_bias", {"50256": -100}), ("suffix", "end")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function"}]),
+        ("functions", [{"name": "f"}]),
+        ("logit_bias", {"50256": -100}),
+        ("suffix", "end"),
+    ],
+)
 def test_unsupported_features_are_refused(tok, field, value):
     bad(parse_completion, {"prompt": "a", field: value}, tok, f"'{field}' is not supported", param=field)
-    bad(parse_chat, {"messages": [{"role": "user", "content": "x"}], field: value}, tok, "not supported",
-        param=field)
+    bad(parse_chat, {"messages": [{"role": "user", "content": "x"}], field: value}, tok, "not supported", param=field)
 
 
 def test_empty_unsupported_fields_are_accepted(tok):
-    job = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [], "logit_bias": {},
-                      "suffix": "", "response_format": {"type": "text"}}, tok)
+    job = parse_chat(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [],
+            "logit_bias": {},
+            "suffix": "",
+            "response_format": {"type": "text"},
+        },
+        tok,
+    )
     assert job.kind == "chat"
 
 
 @pytest.mark.parametrize("fmt", [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}, "text", []])
 def test_response_format_other_than_text_is_refused(tok, fmt):
-    bad(parse_chat, {"messages": [{"role": "user", "content": "x"}], "response_format": fmt}, tok,
-        "only response_format", param="response_format")
+    bad(
+        parse_chat,
+        {"messages": [{"role": "user", "content": "x"}], "response_format": fmt},
+        tok,
+        "only response_format",
+        param="response_format",
+    )
 
 
 def test_stream_and_usage(tok):
@@ -287,17 +359,28 @@ def test_stream_and_usage(tok):
     # usage in a stream only: without stream the option changes nothing
     job = parse_completion({"prompt": "a", "stream_options": {"include_usage": True}}, tok)
     assert not job.stream and not job.include_usage
-    bad(parse_completion, {"prompt": "a", "stream": True, "stream_options": ["include_usage"]}, tok,
-        "'stream_options' must be an object", param="stream_options")
-    bad(parse_completion, {"prompt": "a", "stream": True, "stream_options": {"include_usage": "yes"}}, tok,
-        "'include_usage' must be true or false")
+    bad(
+        parse_completion,
+        {"prompt": "a", "stream": True, "stream_options": ["include_usage"]},
+        tok,
+        "'stream_options' must be an object",
+        param="stream_options",
+    )
+    bad(
+        parse_completion,
+        {"prompt": "a", "stream": True, "stream_options": {"include_usage": "yes"}},
+        tok,
+        "'include_usage' must be true or false",
+    )
 
 
 # -- chat --------------------------------------------------------------------------------------
 
+
 def test_chat_renders_the_template_and_reads_special_tokens(tok):
-    job = parse_chat({"messages": [{"role": "system", "content": "be brief"},
-                                   {"role": "user", "content": "hi <s>"}]}, tok)
+    job = parse_chat(
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi <s>"}]}, tok
+    )
     text = "[system]be brief[user]hi <s>"
     assert job.kind == "chat" and job.id.startswith("chatcmpl-")
     assert tok.encode_calls == [(text, False, True)]  # the template wrote BOS if the model wants one
@@ -307,36 +390,63 @@ def test_chat_renders_the_template_and_reads_special_tokens(tok):
 
 
 def test_chat_message_forms(tok):
-    parse_chat({"messages": [{"role": "developer", "content": "rules"},
-                             {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                          {"type": "text", "text": "b"}]},
-                             {"role": "assistant", "content": None, "name": "bot"},
-                             {"role": "user"}]}, tok)
+    parse_chat(
+        {
+            "messages": [
+                {"role": "developer", "content": "rules"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "name": "bot"},
+                {"role": "user"},
+            ]
+        },
+        tok,
+    )
     (messages,) = tok.templated
-    assert messages == [{"role": "system", "content": "rules"},  # templates know system, not developer
-                        {"role": "user", "content": "ab"},
-                        {"role": "assistant", "content": "", "name": "bot"},
-                        {"role": "user", "content": ""}]
+    assert messages == [
+        {"role": "system", "content": "rules"},  # templates know system, not developer
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "", "name": "bot"},
+        {"role": "user", "content": ""},
+    ]
 
 
-@pytest.mark.parametrize("messages, fragment, param", [
-    (None, "'messages' must be a non-empty list", "messages"),
-    ([], "'messages' must be a non-empty list", "messages"),
-    ("hello", "'messages' must be a non-empty list", "messages"),
-    ({"role": "user"}, "'messages' must be a non-empty list", "messages"),
-    (["hello"], "messages[0] must be an object with a role of", "messages[0]"),
-    ([{"content": "x"}], "messages[0] must be an object with a role of", "messages[0]"),
-    ([{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}],
-     "messages[1] must be an object with a role of assistant, developer, system, tool, user", "messages[1]"),
-    ([{"role": "user", "content": 5}], "messages[0].content must be a string or a list of text parts",
-     "messages[0].content"),
-    ([{"role": "user", "content": {"text": "x"}}], "must be a string or a list of text parts",
-     "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-     "messages[0]: only text content parts are supported", "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "only text content parts", "messages[0].content"),
-    ([{"role": "user", "content": ["plain"]}], "only text content parts", "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    "messages, fragment, param",
+    [
+        (None, "'messages' must be a non-empty list", "messages"),
+        ([], "'messages' must be a non-empty list", "messages"),
+        ("hello", "'messages' must be a non-empty list", "messages"),
+        ({"role": "user"}, "'messages' must be a non-empty list", "messages"),
+        (["hello"], "messages[0] must be an object with a role of", "messages[0]"),
+        ([{"content": "x"}], "messages[0] must be an object with a role of", "messages[0]"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}],
+            "messages[1] must be an object with a role of assistant, developer, system, tool, user",
+            "messages[1]",
+        ),
+        (
+            [{"role": "user", "content": 5}],
+            "messages[0].content must be a string or a list of text parts",
+            "messages[0].content",
+        ),
+        (
+            [{"role": "user", "content": {"text": "x"}}],
+            "must be a string or a list of text parts",
+            "messages[0].content",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0]: only text content parts are supported",
+            "messages[0].content",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            "only text content parts",
+            "messages[0].content",
+        ),
+        ([{"role": "user", "content": ["plain"]}], "only text content parts", "messages[0].content"),
+    ],
+)
 def test_chat_bad_messages(tok, messages, fragment, param):
     body = {} if messages is None else {"messages": messages}
     bad(parse_chat, body, tok, fragment, param=param)
@@ -344,18 +454,33 @@ def test_chat_bad_messages(tok, messages, fragment, param):
 
 @pytest.mark.parametrize("role", [["user"], {"name": "user"}])
 def test_chat_role_of_the_wrong_type_is_a_bad_request(tok, role):
-    bad(parse_chat, {"messages": [{"role": role, "content": "x"}]}, tok, "messages[0] must be an object with a role",
-        param="messages[0]")
+    bad(
+        parse_chat,
+        {"messages": [{"role": role, "content": "x"}]},
+        tok,
+        "messages[0] must be an object with a role",
+        param="messages[0]",
+    )
 
 
 def test_chat_template_errors_are_bad_requests(tok):
-    bad(parse_chat, {"messages": [{"role": "tool", "content": "42"}]}, tok, "this template has no tool role",
-        param="messages")
+    bad(
+        parse_chat,
+        {"messages": [{"role": "tool", "content": "42"}]},
+        tok,
+        "this template has no tool role",
+        param="messages",
+    )
 
 
 def test_chat_rendering_to_nothing_is_a_bad_request(tok):
-    bad(parse_chat, {"messages": [{"role": "user", "content": ""}]}, FakeTokenizerRenderingNothing(),
-        "the rendered chat prompt is empty", param="messages")
+    bad(
+        parse_chat,
+        {"messages": [{"role": "user", "content": ""}]},
+        FakeTokenizerRenderingNothing(),
+        "the rendered chat prompt is empty",
+        param="messages",
+    )
 
 
 class FakeTokenizerRenderingNothing(FakeTokenizer):
@@ -369,11 +494,21 @@ def test_chat_logprobs(tok):
     assert parse_chat({"messages": msgs, "logprobs": True, "top_logprobs": 5}, tok).logprobs == 5
     assert parse_chat({"messages": msgs, "logprobs": True, "top_logprobs": 20}, tok).logprobs == 20
     assert parse_chat({"messages": msgs, "logprobs": False}, tok).logprobs is None
-    bad(parse_chat, {"messages": msgs, "top_logprobs": 3}, tok, "'top_logprobs' needs 'logprobs': true",
-        param="top_logprobs")
+    bad(
+        parse_chat,
+        {"messages": msgs, "top_logprobs": 3},
+        tok,
+        "'top_logprobs' needs 'logprobs': true",
+        param="top_logprobs",
+    )
     bad(parse_chat, {"messages": msgs, "logprobs": False, "top_logprobs": 3}, tok, "needs 'logprobs'")
-    bad(parse_chat, {"messages": msgs, "logprobs": True, "top_logprobs": 21}, tok,
-        "'top_logprobs' must be between 0 and 20", param="top_logprobs")
+    bad(
+        parse_chat,
+        {"messages": msgs, "logprobs": True, "top_logprobs": 21},
+        tok,
+        "'top_logprobs' must be between 0 and 20",
+        param="top_logprobs",
+    )
     bad(parse_chat, {"messages": msgs, "logprobs": True, "top_logprobs": -1}, tok, "between 0 and 20")
     bad(parse_chat, {"messages": msgs, "logprobs": 5}, tok, "'logprobs' must be true or false", param="logprobs")
 
@@ -384,10 +519,14 @@ def test_chat_max_tokens_fields(tok):
     assert parse_chat({"messages": msgs, "max_completion_tokens": 4}, tok).max_tokens == 4
     assert parse_chat({"messages": msgs, "max_completion_tokens": 4, "max_tokens": 9}, tok).max_tokens == 4
     assert parse_chat({"messages": msgs, "max_completion_tokens": 0}, tok).max_tokens == 0
-    bad(parse_chat, {"messages": msgs, "max_completion_tokens": -1}, tok,
-        "'max_completion_tokens' must be at least 0, got -1", param="max_completion_tokens")
-    bad(parse_chat, {"messages": msgs, "max_tokens": -2}, tok, "'max_tokens' must be at least 0",
-        param="max_tokens")
+    bad(
+        parse_chat,
+        {"messages": msgs, "max_completion_tokens": -1},
+        tok,
+        "'max_completion_tokens' must be at least 0, got -1",
+        param="max_completion_tokens",
+    )
+    bad(parse_chat, {"messages": msgs, "max_tokens": -2}, tok, "'max_tokens' must be at least 0", param="max_tokens")
 
 
 def test_chat_with_a_real_tokenizer():
@@ -395,6 +534,7 @@ def test_chat_with_a_real_tokenizer():
     from shardwire.tokenizer import load_tokenizer
 
     from models import model_path
+
     tokenizer = load_tokenizer(open_model(model_path("qwen2")))
     job = parse_chat({"messages": [{"role": "user", "content": "hello"}], "seed": 3, "n": 2}, tokenizer)
     (prompt,) = job.prompts
@@ -407,9 +547,11 @@ def test_chat_with_a_real_tokenizer():
 
 # -- Job.requests ------------------------------------------------------------------------------
 
+
 def test_requests_one_per_prompt_and_choice(tok):
-    job = parse_completion({"prompt": ["ab", "c"], "n": 3, "seed": 10, "max_tokens": 5, "stop": "x",
-                            "ignore_eos": True}, tok)
+    job = parse_completion(
+        {"prompt": ["ab", "c"], "n": 3, "seed": 10, "max_tokens": 5, "stop": "x", "ignore_eos": True}, tok
+    )
     reqs = job.requests(ctx=100)
     assert len(reqs) == 6
     assert [r.prompt for r in reqs] == [[BOS, 97, 98]] * 3 + [[BOS, 99]] * 3  # choice i * n + j: prompt i
@@ -445,18 +587,22 @@ def test_a_prompt_that_fills_the_context_is_refused(tok):
 
 # -- errors ------------------------------------------------------------------------------------
 
+
 def test_error_shapes():
     e = bad_request("nope", "n", "some_code")
     assert (e.status, str(e)) == (400, "nope")
-    assert e.body() == {"error": {"message": "nope", "type": "invalid_request_error", "param": "n",
-                                  "code": "some_code"}}
+    assert e.body() == {
+        "error": {"message": "nope", "type": "invalid_request_error", "param": "n", "code": "some_code"}
+    }
     u = unavailable("loading")
     assert u.status == 503
-    assert u.body() == {"error": {"message": "loading", "type": "unavailable_error", "param": None,
-                                  "code": "unavailable"}}
+    assert u.body() == {
+        "error": {"message": "loading", "type": "unavailable_error", "param": None, "code": "unavailable"}
+    }
 
 
 # -- responses -----------------------------------------------------------------------------------
+
 
 def events(*items):
     """Events from (text, token, logprob, top) tuples, then a finish."""
@@ -489,13 +635,26 @@ def test_chat_response_shape(tok):
     b.add(Event(finish_reason="length"))
     out = response(job, "m.gguf", [a, b], usage(5, 3))
     assert out == {
-        "id": job.id, "object": "chat.completion", "created": job.created, "model": "m.gguf",
+        "id": job.id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": "m.gguf",
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "OK", "refusal": None}, "logprobs": None,
-             "finish_reason": "stop"},
-            {"index": 1, "message": {"role": "assistant", "content": "N", "refusal": None}, "logprobs": None,
-             "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "OK", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+            },
+            {
+                "index": 1,
+                "message": {"role": "assistant", "content": "N", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "length",
+            },
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+    }
 
 
 def test_chat_response_logprobs(tok):
@@ -504,17 +663,27 @@ def test_chat_response_logprobs(tok):
     c.add(Event("é", 233, -0.25, [(233, -0.25), (101, -2.0)]))
     c.add(Event(finish_reason="stop"))
     (choice,) = response(job, "m", [c], usage(1, 1))["choices"]
-    assert choice["logprobs"] == {"content": [
-        {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9],
-         "top_logprobs": [{"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9]},
-                          {"token": "e", "logprob": -2.0, "bytes": [101]}]}],
-        "refusal": None}
+    assert choice["logprobs"] == {
+        "content": [
+            {
+                "token": "é",
+                "logprob": -0.25,
+                "bytes": [0xC3, 0xA9],
+                "top_logprobs": [
+                    {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9]},
+                    {"token": "e", "logprob": -2.0, "bytes": [101]},
+                ],
+            }
+        ],
+        "refusal": None,
+    }
     # logprobs asked for with no top alternatives: an empty list each
     job = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, tok)
     c = Choice(0, tok, frozenset())
     c.add(Event("a", 97, -1.5, []))
     assert response(job, "m", [c], usage(1, 1))["choices"][0]["logprobs"]["content"] == [
-        {"token": "a", "logprob": -1.5, "bytes": [97], "top_logprobs": []}]
+        {"token": "a", "logprob": -1.5, "bytes": [97], "top_logprobs": []}
+    ]
 
 
 def test_text_response_with_echo_and_logprobs(tok):
@@ -532,8 +701,12 @@ def test_text_response_with_echo_and_logprobs(tok):
     out = response(job, "m", choices, usage(7, 8))
     assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
     assert [c["text"] for c in out["choices"]] == ["abcde", "abcd", "xyzcd", "xyzcd"]  # choice i: prompt i // n
-    assert out["choices"][1]["logprobs"] == {"tokens": ["c", "d"], "token_logprobs": [-0.1, -0.2],
-                                             "top_logprobs": [{"c": -0.1}, {"e": -0.05}], "text_offset": [2, 3]}
+    assert out["choices"][1]["logprobs"] == {
+        "tokens": ["c", "d"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"c": -0.1}, {"e": -0.05}],
+        "text_offset": [2, 3],
+    }
     assert out["choices"][0]["logprobs"]["tokens"] == ["c", "d", "<s>", "e"]
     assert out["choices"][0]["logprobs"]["text_offset"] == [2, 3, 4, 7]
     assert out["choices"][2]["logprobs"]["text_offset"] == [3, 4]  # after the echoed prompt
@@ -546,16 +719,23 @@ def test_text_response_without_logprobs(tok):
     c.add(Event("z", 122, -0.3))
     c.add(Event(finish_reason="stop"))
     assert response(job, "m", [c], usage(3, 1))["choices"] == [
-        {"index": 0, "text": "z", "finish_reason": "stop", "logprobs": None}]
+        {"index": 0, "text": "z", "finish_reason": "stop", "logprobs": None}
+    ]
 
 
 def test_stream_chunks(tok):
     job = parse_chat({"messages": [{"role": "user", "content": "x"}]}, tok)
     c = Choice(0, tok, frozenset())
     first = chunk(job, "m", [chunk_choice(job, c, role=True)])
-    assert first == {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": "m",
-                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                                  "logprobs": None}]}
+    assert first == {
+        "id": job.id,
+        "object": "chat.completion.chunk",
+        "created": job.created,
+        "model": "m",
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+        ],
+    }
     assert "usage" not in first  # only with stream_options.include_usage
     assert chunk_choice(job, c, text="Hi")["delta"] == {"content": "Hi"}
     end = chunk_choice(job, c, finish_reason="stop")
@@ -571,11 +751,14 @@ def test_stream_chunks_with_usage(tok):
     assert body["object"] == "text_completion" and body["usage"] is None  # every chunk carries it, null
     assert body["choices"] == [{"index": 0, "text": "q", "finish_reason": None, "logprobs": None}]
     last = chunk(job, "m", [], usage(3, 1))
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 1,
-                                                       "total_tokens": 4}
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
     lp = chunk_choice(job, c, text="q", entries=[(113, -0.7, [(113, -0.7)])], offset=5)
-    assert lp["logprobs"] == {"tokens": ["q"], "token_logprobs": [-0.7], "top_logprobs": [{"q": -0.7}],
-                              "text_offset": [5]}
+    assert lp["logprobs"] == {
+        "tokens": ["q"],
+        "token_logprobs": [-0.7],
+        "top_logprobs": [{"q": -0.7}],
+        "text_offset": [5],
+    }
 
 
 def test_job_ids_are_unique_and_kept_when_given():

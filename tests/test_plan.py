@@ -1,23 +1,35 @@
 """The plan's arithmetic, without workers: how blocks are split, what a stage costs, and the
 errors an impossible plan gives."""
+
 import pytest
 import torch
 
 from shardwire.formats import open_model
 from shardwire.kvcache import KVCache
-from shardwire.plan import PlanDevice, PlanError, make_plan, split_blocks, split_blocks_evenly, stage_cost
+from shardwire.plan import (
+    PlanDevice,
+    PlanError,
+    PlannedStage,
+    make_plan,
+    split_blocks,
+    split_blocks_evenly,
+    stage_cost,
+)
 
 from models import model_path
 
 
-@pytest.mark.parametrize("n,shares,expected", [
-    (4, [1, 1], [2, 2]),
-    (4, [3, 1], [3, 1]),
-    (5, [1, 1], [3, 2]),  # llama.cpp gives the remainder to the earlier device
-    (8, [1, 0, 1], [4, 0, 4]),
-    (22, [3, 1, 1], [14, 4, 4]),
-    (3, [1, 1, 1, 1], [1, 1, 1, 0]),  # more devices than blocks: the last ones get none
-])
+@pytest.mark.parametrize(
+    "n,shares,expected",
+    [
+        (4, [1, 1], [2, 2]),
+        (4, [3, 1], [3, 1]),
+        (5, [1, 1], [3, 2]),  # llama.cpp gives the remainder to the earlier device
+        (8, [1, 0, 1], [4, 0, 4]),
+        (22, [3, 1, 1], [14, 4, 4]),
+        (3, [1, 1, 1, 1], [1, 1, 1, 0]),  # more devices than blocks: the last ones get none
+    ],
+)
 def test_split_blocks_follows_llama_cpp(n, shares, expected):
     assert split_blocks(n, shares) == expected
 
@@ -34,18 +46,20 @@ def test_split_by_free_memory_rounds_by_largest_remainder():
     assert sum(split_blocks_evenly(22, [7.0, 3.0, 2.0])) == 22
 
 
+def cpu_stage(start, end, first, last, dtype="float32", kernels=True):
+    return PlannedStage(PlanDevice("w:1", "cpu", 1 << 40, dtype, kernels), start, end, first, last)
+
+
 def test_stage_cost_counts_weights_kv_and_workspace():
     model = open_model(model_path("llama", "F32"))
     cfg = model.config
     tensors = model.stage_tensors(0, 2, True, False)
-    cost = stage_cost(cfg, tensors, 0, 2, True, False, device_type="cpu", kernels=True, dtype="float32",
-                      weights="dequant", n_slots=3, ctx=64, chunk=16)
+    cost = stage_cost(cfg, tensors, cpu_stage(0, 2, True, False), "dequant", n_slots=3, ctx=64, chunk=16)
     assert cost.weight_bytes == sum(t.nbytes for t in tensors.values())  # F32 held as it is stored
     assert cost.kv_bytes == KVCache.nbytes_for(2, 3, cfg.n_kv_heads, 64, cfg.head_dim, torch.float32)
     assert cost.workspace_bytes > 0 and cost.formats == {"F32": "dense"}
     assert cost.total_bytes == cost.weight_bytes + cost.kv_bytes + cost.workspace_bytes
-    half = stage_cost(cfg, tensors, 0, 2, True, False, device_type="cpu", kernels=True, dtype="bfloat16",
-                      weights="dequant", n_slots=3, ctx=64, chunk=16)
+    half = stage_cost(cfg, tensors, cpu_stage(0, 2, True, False, "bfloat16"), "dequant", n_slots=3, ctx=64, chunk=16)
     assert half.weight_bytes * 2 == cost.weight_bytes and half.kv_bytes * 2 == cost.kv_bytes
 
 
@@ -54,8 +68,9 @@ def test_stage_cost_follows_the_weight_mode_and_the_kernels():
     tensors = model.stage_tensors(0, 4, True, True)
 
     def cost(weights, kernels=True):
-        return stage_cost(model.config, tensors, 0, 4, True, True, device_type="cpu", kernels=kernels,
-                          dtype="float32", weights=weights, n_slots=1, ctx=64, chunk=16)
+        stage = cpu_stage(0, 4, True, True, kernels=kernels)
+        return stage_cost(model.config, tensors, stage, weights, n_slots=1, ctx=64, chunk=16)
+
     dense, packed, compact = cost("dequant"), cost("packed"), cost("compact")
     assert packed.formats["Q4_K"].startswith("int4") and dense.formats["Q4_K"] == "dense"
     assert compact.weight_bytes <= packed.weight_bytes < dense.weight_bytes
@@ -89,11 +104,14 @@ def test_auto_takes_the_first_mode_that_fits_each_device():
     model = open_model(model_path("llama", "Q6_K"))
 
     def weights(free, kernels=True):
-        return make_plan(model, [PlanDevice("w:1", "cpu", free, kernels=kernels)], ctx=64, prefill_chunk=16,
-                         weights="auto").stages[0]
+        return make_plan(
+            model, [PlanDevice("w:1", "cpu", free, kernels=kernels)], ctx=64, prefill_chunk=16, weights="auto"
+        ).stages[0]
+
     roomy = weights(1 << 40)
     assert roomy.weights == "fast"
-    compact = make_plan(model, [PlanDevice("w:1", "cpu", 1 << 40, kernels=True)], ctx=64, prefill_chunk=16,
-                        weights="compact").stages[0]
+    compact = make_plan(
+        model, [PlanDevice("w:1", "cpu", 1 << 40, kernels=True)], ctx=64, prefill_chunk=16, weights="compact"
+    ).stages[0]
     assert weights(compact.total_bytes).weights == "compact"
     assert weights(1 << 40, kernels=False).weights == "dequant"

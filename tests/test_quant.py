@@ -1,6 +1,7 @@
 """Packed on-device weights: every GGUF type decodes bit for bit as gguf does, every packed format
 multiplies like its dequantized weights, Q/K rows are un-interleaved in packed form too, and the
 plan's memory accounting is what the built stage holds."""
+
 import numpy as np
 import pytest
 import torch
@@ -17,14 +18,13 @@ from shardwire.quant.policy import weight_formats, weight_nbytes
 from shardwire.sampling import GREEDY
 from shardwire_kit.writer import quantize
 
-from models import model_path
+from models import PROMPT, model_path
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8x2"}  # lossless up to bf16 scales
 # rms error a requantized format adds, as a share of the type's own rms error (measured: 0.19, 0.44,
 # 0.17-0.21, 0.41); the total error is at most sqrt(1 + 0.5^2) = 1.12x the type's own
 REQUANT_BOUND = 0.5
-PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]  # valid in every test vocabulary (>= 512 tokens)
 
 
 def matrix(dtype: str, rows: int = 72, cols: int = 512, seed: int = 0):
@@ -34,6 +34,7 @@ def matrix(dtype: str, rows: int = 72, cols: int = 512, seed: int = 0):
     data, qtype = quantize(w, dtype)
     assert qtype.name == dtype
     from gguf.quants import dequantize
+
     return w, torch.from_numpy(data.reshape(rows, -1).copy()), torch.from_numpy(dequantize(data, qtype))
 
 
@@ -96,7 +97,7 @@ def dense_weight(attn, name: str) -> torch.Tensor:
         return attn.wo.weight
     q, kv = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
     start, size = {"wq": (0, q), "wk": (q, kv), "wv": (q + kv, kv)}[name]
-    return attn.wqkv.weight[start:start + size]
+    return attn.wqkv.weight[start : start + size]
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
@@ -150,8 +151,12 @@ def test_planned_weight_bytes_are_what_the_stage_holds(mode, first, last, start,
 
 def test_plan_auto_packs_and_falls_back_to_compact():
     model = open_model(model_path("llama", "Q6_K"))
-    plan = lambda free, weights="auto": make_plan(model, [PlanDevice("w:1", "cpu", free, kernels=True)], ctx=64,  # noqa: E731
-                                                  prefill_chunk=16, weights=weights)
+
+    def plan(free, weights="auto"):
+        return make_plan(
+            model, [PlanDevice("w:1", "cpu", free, kernels=True)], ctx=64, prefill_chunk=16, weights=weights
+        )
+
     roomy = plan(1 << 40)
     assert roomy.stages[0].weights == "fast" and roomy.stages[0].formats["Q6_K"].startswith("int8")
     compact = plan(1 << 40, "compact").stages[0]
@@ -172,16 +177,21 @@ def test_auto_keeps_q8_0_dense_on_a_bf16_cpu_while_it_fits():
     model = open_model(model_path("llama", "Q8_0"))
 
     def plan(free, dtype="bfloat16"):
-        return make_plan(model, [PlanDevice("w:1", "cpu", free, dtype=dtype, kernels=True)], ctx=64, prefill_chunk=16,
-                         weights="auto").stages[0]
+        return make_plan(
+            model, [PlanDevice("w:1", "cpu", free, dtype=dtype, kernels=True)], ctx=64, prefill_chunk=16, weights="auto"
+        ).stages[0]
+
     roomy = plan(1 << 40)
     assert roomy.weights == "fast" and roomy.formats["Q8_0"] == "dense"
     tight = plan(roomy.total_bytes - 1024)
     assert tight.weights in ("packed", "compact") and tight.formats["Q8_0"].startswith("int8x2")
     assert plan(1 << 40, "float32").formats["Q8_0"].startswith("int8x2")
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", dtype=torch.bfloat16)
-    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.bfloat16
-               for n, p in stage.named_parameters() if n.endswith("wqkv.weight"))
+    assert all(
+        isinstance(p, torch.nn.Parameter) and p.dtype == torch.bfloat16
+        for n, p in stage.named_parameters()
+        if n.endswith("wqkv.weight")
+    )
 
 
 def test_greedy_tokens_through_a_worker_equal_the_local_packed_path(tmp_path):

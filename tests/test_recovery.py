@@ -1,4 +1,5 @@
 """A request in flight survives the loss of a worker: detect, re-plan, replay, continue."""
+
 import threading
 import time
 
@@ -27,8 +28,16 @@ SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
 def model_file(tmp_path_factory):
     """Six blocks that outweigh a small vocabulary, so a memory budget can hold a third of the
     model and not half."""
-    return write_random_llama(tmp_path_factory.mktemp("recovery") / "six.gguf", n_layers=6, dim=128, n_heads=4,
-                              n_kv_heads=2, ffn_dim=384, context_length=512, seed=3)
+    return write_random_llama(
+        tmp_path_factory.mktemp("recovery") / "six.gguf",
+        n_layers=6,
+        dim=128,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=384,
+        context_length=512,
+        seed=3,
+    )
 
 
 def budget_for_a_third(path) -> str:
@@ -54,13 +63,16 @@ class Setup:
         self.cluster.heartbeat.interval, self.cluster.heartbeat.dead_after = 0.25, 1.5
         self.cluster.heartbeat.stall_timeout, self.cluster.recovery_timeout = 3.0, recovery_timeout
         self.cluster.connect(self.model)
-        self.pipeline = self.cluster.load(self.cluster.make_plan(ctx=256, n_slots=4, prefill_chunk=CHUNK, dtype="float32"))
+        self.pipeline = self.cluster.load(
+            self.cluster.make_plan(ctx=256, n_slots=4, prefill_chunk=CHUNK, dtype="float32")
+        )
         assert len(self.cluster.plan.stages) == 3
         self.engine = Engine(self.pipeline, prefill_chunk=CHUNK)
 
     def restart(self, i):
-        self.workers[i] = WorkerProcess(self.workers[i].cache_dir, port=self.workers[i].port,
-                                        extra=self.workers[i].extra).start()
+        self.workers[i] = WorkerProcess(
+            self.workers[i].cache_dir, port=self.workers[i].port, extra=self.workers[i].extra
+        ).start()
 
     def close(self):
         self.engine.close()
@@ -78,6 +90,7 @@ def setup(tmp_path, model_file):
     def make(**kw):
         made.append(Setup(tmp_path, model_file, **kw))
         return made[-1]
+
     yield make
     for s in made:
         s.close()
@@ -93,6 +106,7 @@ def reference(model_file):
         if key not in cache:
             cache[key] = single_process(path, n=n, sampling=sampling, prompt=list(prompt))[0]
         return cache[key]
+
     return tokens
 
 
@@ -111,9 +125,11 @@ def collect(handle):
 
 def test_kill_during_decode_all_requests_complete_unchanged(setup, reference):
     s = setup()
-    handles = [s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)),
-               s.engine.submit(Request(PROMPT[:9], SEEDED, max_tokens=40)),
-               s.engine.submit(Request(PROMPT[3:], GREEDY, max_tokens=30))]
+    handles = [
+        s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)),
+        s.engine.submit(Request(PROMPT[:9], SEEDED, max_tokens=40)),
+        s.engine.submit(Request(PROMPT[3:], GREEDY, max_tokens=30)),
+    ]
     wait_for_tokens(handles[0], 8)
     s.workers[1].kill()
     assert collect(handles[0])[0] == reference()
@@ -190,4 +206,3 @@ def test_a_restarted_worker_is_admitted_back_into_the_plan(setup, reference):
         s.engine.submit(Request(PROMPT, GREEDY, max_tokens=2)).result()
         time.sleep(0.3)
     assert collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)))[0] == reference()
-

@@ -1,4 +1,5 @@
 """Sampling: llama.cpp's chain, reproducible from (seed, position) alone."""
+
 import math
 
 import pytest
@@ -69,8 +70,9 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     assert [t for t, _ in got.top] == torch.topk(ref, 3).indices.tolist()
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(min_p=2), dict(repeat_penalty=0),
-                                 dict(logprobs=50)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1), dict(top_p=0), dict(min_p=2), dict(repeat_penalty=0), dict(logprobs=50)]
+)
 def test_bad_parameters_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

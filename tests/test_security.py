@@ -1,4 +1,5 @@
 """Tokens, TLS and a worker that refuses strangers before any model command runs."""
+
 import socket
 import subprocess
 import sys
@@ -25,8 +26,10 @@ TOKEN = "correct horse battery staple"
 @pytest.fixture
 def certs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("certs")
-    return {name: generate_certificate(folder, ["127.0.0.1", "localhost"], name=name)
-            for name in ("w1", "w2", "coord", "stranger")}
+    return {
+        name: generate_certificate(folder, ["127.0.0.1", "localhost"], name=name)
+        for name in ("w1", "w2", "coord", "stranger")
+    }
 
 
 @pytest.fixture
@@ -37,6 +40,7 @@ def pool(tmp_path):
         w = WorkerProcess(tmp_path / f"cache{len(started)}", **kw).start()
         started.append(w)
         return w
+
     yield start
     for w in started:
         w.stop()
@@ -81,6 +85,7 @@ def test_replayed_handshake_is_refused(pool):
     """Record a real client's AUTH, replay it on a new connection: the worker's nonce changed."""
     worker = pool(token=TOKEN)
     from shardwire.wire import auth
+
     sock = socket.create_connection(("127.0.0.1", worker.port))
     conn = Connection(sock, "victim")
     nonce = auth.new_nonce()
@@ -122,8 +127,9 @@ def test_mutual_tls_requires_a_client_certificate(pool, certs):
         conn, _ = connect("127.0.0.1", worker.port, token=None, tls=ClientTLS(pins={pin}))
         conn.send(Describe())
         conn.expect(Devices)
-    conn, _ = connect("127.0.0.1", worker.port, token=None,
-                      tls=ClientTLS(pins={pin}, cert=certs["coord"][0], key=certs["coord"][1]))
+    conn, _ = connect(
+        "127.0.0.1", worker.port, token=None, tls=ClientTLS(pins={pin}, cert=certs["coord"][0], key=certs["coord"][1])
+    )
     conn.close()
 
 
@@ -139,6 +145,7 @@ def test_token_and_tls_end_to_end_give_the_same_tokens(pool, certs, tmp_path):
         assert [l.fingerprint for l in cluster.links] == [certs["w1"][2], certs["w2"][2]]
         pipeline = cluster.load(cluster.make_plan(ctx=256, dtype="float32"))
         from test_distributed import generate
+
         tokens, _ = generate(pipeline)
     finally:
         cluster.close()
@@ -149,15 +156,26 @@ def test_coordinator_stage_speaks_tls_to_remote_workers(pool, certs, tmp_path):
     """-ngl keeps a stage on the coordinator, whose in-process worker reaches w1 over TLS."""
     path = model_path("qwen2", "F32")
     w1 = pool(token=TOKEN, extra=tls_args(certs["w1"]))
-    (tokens, _), plan, _ = distributed(path, [w1.address], tmp_path, n_gpu_layers=2,
-                                       token=TOKEN, tls=ClientTLS(pins={certs["w1"][2]}))
+    (tokens, _), plan, _ = distributed(
+        path, [w1.address], tmp_path, n_gpu_layers=2, token=TOKEN, tls=ClientTLS(pins={certs["w1"][2]})
+    )
     assert [s.device.worker for s in plan.stages] == ["local:cpu", w1.address]
     assert tokens == single_process(path)[0]
 
 
 def test_listening_beyond_loopback_needs_a_token_or_insecure(tmp_path):
-    cmd = [sys.executable, "-m", "shardwire", "worker", "--host", "0.0.0.0", "--port", "0",
-           "--cache-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardwire",
+        "worker",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--cache-dir",
+        str(tmp_path),
+    ]
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0
     assert "without authentication" in refused.stderr and "--insecure" in refused.stderr

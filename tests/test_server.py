@@ -1,4 +1,5 @@
 """`shardwire serve` as a real process over two real workers, driven by the official openai client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,15 +33,45 @@ from workers import WorkerProcess  # noqa: E402
 KEY = "test-key"
 CTX = 256
 PARALLEL = 4
-PROMPTS = ["Once upon a time", "The clockmaker opened her shop", "def add(a, b):", "Children asked why gears turn",
-           "In the evening the river", "tick, tock", "Time is patient", "12 or 13 broken clocks"]
+PROMPTS = [
+    "Once upon a time",
+    "The clockmaker opened her shop",
+    "def add(a, b):",
+    "Children asked why gears turn",
+    "In the evening the river",
+    "tick, tock",
+    "Time is patient",
+    "12 or 13 broken clocks",
+]
 
 
 class ServeProcess:
     def __init__(self, model, workers, cache_dir):
-        cmd = [sys.executable, "-m", "shardwire", "--log-level", "info", "serve", str(model),
-               "--rpc", ",".join(w.address for w in workers), "--port", "0", "-c", str(CTX), "-np", str(PARALLEL),
-               "--api-key", KEY, "--cache-dir", str(cache_dir), "--threads", "1", "--dtype", "float32"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardwire",
+            "--log-level",
+            "info",
+            "serve",
+            str(model),
+            "--rpc",
+            ",".join(w.address for w in workers),
+            "--port",
+            "0",
+            "-c",
+            str(CTX),
+            "-np",
+            str(PARALLEL),
+            "--api-key",
+            KEY,
+            "--cache-dir",
+            str(cache_dir),
+            "--threads",
+            "1",
+            "--dtype",
+            "float32",
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         self.log: list[str] = []
@@ -116,6 +147,7 @@ def reference(model):
 
     def run(prompt: list[int], n: int, sampling=SamplingParams(temperature=0.0)) -> str:
         return engine.submit(Request(prompt, sampling, max_tokens=n)).result()
+
     run.tokenizer = tokenizer
     yield run
     engine.close()
@@ -133,8 +165,9 @@ def test_completion_chat_and_streamed_chat_through_the_openai_client(client, mod
     assert done.usage.completion_tokens <= 10 and done.choices[0].finish_reason in ("stop", "length")
 
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a clock part."}]
-    chat = client.chat.completions.create(model=model.name, messages=messages, max_tokens=12, temperature=0.9,
-                                          seed=1234)
+    chat = client.chat.completions.create(
+        model=model.name, messages=messages, max_tokens=12, temperature=0.9, seed=1234
+    )
     text = chat.choices[0].message.content
     prompt = tok.encode(tok.apply_chat_template(messages), add_special=False, parse_special=True)
     assert "<|im_start|>" in tok.apply_chat_template(messages)  # Qwen's template from the model file
@@ -142,8 +175,15 @@ def test_completion_chat_and_streamed_chat_through_the_openai_client(client, mod
     # OpenAI's defaults: temperature as given, top_p 1, top_k and min_p off
     assert text == reference(prompt, 12, SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=1234))
 
-    stream = client.chat.completions.create(model=model.name, messages=messages, max_tokens=12, temperature=0.9,
-                                            seed=1234, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model.name,
+        messages=messages,
+        max_tokens=12,
+        temperature=0.9,
+        seed=1234,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -152,20 +192,29 @@ def test_completion_chat_and_streamed_chat_through_the_openai_client(client, mod
 
 
 def test_n_choices_logprobs_and_stop(client, model):
-    out = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}], n=3,
-                                         max_tokens=6, temperature=1.0, seed=5, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert [c.index for c in out.choices] == [0, 1, 2]
-    first = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}],
-                                           max_tokens=6, temperature=1.0, seed=5)
+    first = client.chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=1.0, seed=5
+    )
     assert out.choices[0].message.content == first.choices[0].message.content  # choice j draws with seed + j
     for entry in out.choices[0].logprobs.content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
 
     full = client.completions.create(model=model.name, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
-    cut = full[len(full) // 2:][:3]
+    cut = full[len(full) // 2 :][:3]
     assert cut.strip()
     stopped = client.completions.create(model=model.name, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[cut])
-    assert stopped.choices[0].text == full[:full.index(cut)] and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == full[: full.index(cut)] and stopped.choices[0].finish_reason == "stop"
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, model):
@@ -199,8 +248,14 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 def test_eight_concurrent_streams_match_the_same_requests_one_at_a_time(client, model):
     def one(i, stream):
         # top_k (llama-server's extra field) spares the sampler sorting all 151936 logits per token
-        kw = dict(model=model.name, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=12,
-                  temperature=0.8, seed=i, extra_body={"top_k": 40})
+        kw = dict(
+            model=model.name,
+            messages=[{"role": "user", "content": PROMPTS[i]}],
+            max_tokens=12,
+            temperature=0.8,
+            seed=i,
+            extra_body={"top_k": 40},
+        )
         if not stream:
             return client.chat.completions.create(**kw).choices[0].message.content
         return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True))
@@ -214,8 +269,10 @@ def test_eight_concurrent_streams_match_the_same_requests_one_at_a_time(client, 
 
 def test_client_disconnect_cancels_its_sequence_and_frees_the_slot(server, client, model):
     before = status(server)["requests"]["client_gone"]
-    streams = [client.completions.create(model=model.name, prompt=p, max_tokens=CTX, temperature=0, stream=True)
-               for p in PROMPTS[:PARALLEL]]  # every slot busy for ~240 tokens
+    streams = [
+        client.completions.create(model=model.name, prompt=p, max_tokens=CTX, temperature=0, stream=True)
+        for p in PROMPTS[:PARALLEL]
+    ]  # every slot busy for ~240 tokens
     for s in streams:
         next(iter(s))
     assert status(server)["slots"]["busy"] == PARALLEL
@@ -245,8 +302,7 @@ def test_health_and_cluster_status(server):
     assert all(w["latency_ms"] is not None for w in status(server)["cluster"]["workers"])
 
 
-def test_a_lost_worker_is_survived_then_readmitted_and_new_workers_join(server, workers, client, model,
-                                                                        tmp_path):
+def test_a_lost_worker_is_survived_then_readmitted_and_new_workers_join(server, workers, client, model, tmp_path):
     victim = workers[1]
     victim.kill()
     # the model fits on the remaining worker: requests keep being served
@@ -281,6 +337,7 @@ def wait_for_stages(server, client, model, n, timeout=30):
 
 class _GonePipeline:
     """A pipeline whose worker has gone: every step fails."""
+
     n_slots, ctx, n_stages, vocab_size, broken = 2, 64, 1, 151936, None
 
     def __init__(self):
@@ -315,8 +372,10 @@ def test_generation_failing_on_a_gone_worker_is_503_and_the_server_stays_up(mode
         try:
             async with ClientSession() as http:
                 for stream in (False, True, False):
-                    async with http.post(url + "/v1/chat/completions", json={
-                            "messages": [{"role": "user", "content": "hi"}], "stream": stream}) as r:
+                    async with http.post(
+                        url + "/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "hi"}], "stream": stream},
+                    ) as r:
                         assert r.status == 503
                         error = (await r.json())["error"]
                         assert error["type"] == "unavailable_error" and "10.0.0.9:50052" in error["message"]

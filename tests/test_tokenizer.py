@@ -11,8 +11,12 @@ from shardwire.formats.gguf import read_gguf
 from shardwire.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 VOCABS = ["llama-spm", "llama-bpe", "qwen2", "phi-3", "gpt-2"]
-MULTIBYTE = ["🦙 llamas 🦙🦙 and 👍🏽", "中文字符测试，日本語のテキスト、한국어", "Äpfel für Ünsere Öfen — ½ €",
-             "mixed 🚀中 é\u0301 ا لعربية"]
+MULTIBYTE = [
+    "🦙 llamas 🦙🦙 and 👍🏽",
+    "中文字符测试，日本語のテキスト、한국어",
+    "Äpfel für Ünsere Öfen — ½ €",
+    "mixed 🚀中 é\u0301 ا لعربية",
+]
 
 
 @lru_cache(maxsize=None)
@@ -48,8 +52,11 @@ def test_llama_cpp_test_vectors(name):
     tok = vocab(name)
     cases = vocab_cases(name)
     assert len(cases) >= 40
-    wrong = [(text, tok.encode(text, add_special=False), ids) for text, ids in cases
-             if tok.encode(text, add_special=False, parse_special=False) != ids]
+    wrong = [
+        (text, tok.encode(text, add_special=False), ids)
+        for text, ids in cases
+        if tok.encode(text, add_special=False, parse_special=False) != ids
+    ]
     assert not wrong, "\n".join(f"{t!r}: got {g}, llama.cpp {w}" for t, g, w in wrong)
 
 
@@ -80,9 +87,16 @@ def test_spm_space_prefix():
     assert tok.encode("<s>Hello", add_special=False, parse_special=True) == [1, 15043]
 
 
-@pytest.mark.parametrize("name,add_bos,bos", [("llama-spm", True, 1), ("phi-3", True, 1),
-                                              ("llama-bpe", True, 128000), ("qwen2", False, 151643),
-                                              ("gpt-2", False, 50256)])
+@pytest.mark.parametrize(
+    "name,add_bos,bos",
+    [
+        ("llama-spm", True, 1),
+        ("phi-3", True, 1),
+        ("llama-bpe", True, 128000),
+        ("qwen2", False, 151643),
+        ("gpt-2", False, 50256),
+    ],
+)
 def test_bos_eos(name, add_bos, bos):
     tok = vocab(name)
     assert (tok.add_bos, tok.bos_id, tok.add_eos) == (add_bos, bos, False)
@@ -124,8 +138,9 @@ def test_parse_special():
 def test_phi3_special_tokens_strip_following_whitespace():
     # llama.cpp marks Phi-3's special tokens rstrip (by the model name), as its tokenizer.json does
     tok = vocab("phi-3")
-    assert (tok.encode("<|user|>\n  Hi", add_special=False, parse_special=True)
-            == tok.encode("<|user|>Hi", add_special=False, parse_special=True))
+    assert tok.encode("<|user|>\n  Hi", add_special=False, parse_special=True) == tok.encode(
+        "<|user|>Hi", add_special=False, parse_special=True
+    )
 
 
 @pytest.mark.parametrize("name", VOCABS)
@@ -206,6 +221,7 @@ def test_load_tokenizer_from_model_file():
 
 # --- tokenizer.json through the tokenizers library ---
 
+
 def _trained_byte_level_tokenizer():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -213,8 +229,11 @@ def _trained_byte_level_tokenizer():
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     hf.train_from_iterator(["hello world, the quick brown fox", "tokenizers are fun"] * 20, trainer)
     hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     return hf
@@ -224,8 +243,9 @@ def test_hf_folder(tmp_path):
     hf = _trained_byte_level_tokenizer()
     hf.save(str(tmp_path / "tokenizer.json"))
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template})
+    )
     tok = Tokenizer.from_hf_folder(tmp_path)
     assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (0, 1, True, False)
     assert tok.chat_template == template and {1, 3} <= tok.stop_ids
@@ -259,9 +279,14 @@ def test_gguf_metadata_with_huggingface_json():
     hf = HFTokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [("a", "b"), ("ab", "c")]))
     hf.decoder = decoders.Fuse()
     hf.add_special_tokens(["<s>", "</s>"])
-    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.huggingface.json": hf.to_str(),
-          "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
-          "tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template": "{{ messages[0]['content'] }}"}
+    md = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.huggingface.json": hf.to_str(),
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": "{{ messages[0]['content'] }}",
+    }
     tok = Tokenizer.from_gguf_metadata(md)
     ids = tok.encode("abc cab, ab!")
     assert ids == [0, *hf.encode("abc cab, ab!", add_special_tokens=False).ids]

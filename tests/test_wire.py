@@ -1,4 +1,5 @@
 """Frames, message validation and the authenticated handshake, over real loopback sockets."""
+
 import socket
 import struct
 import threading
@@ -54,8 +55,7 @@ def socket_pair():
     return a, b
 
 
-def raw_frame(mtype=1, header=b"\x80", payload=b"", magic=MAGIC, version=PROTOCOL_VERSION, flags=0,
-              plen=None):
+def raw_frame(mtype=1, header=b"\x80", payload=b"", magic=MAGIC, version=PROTOCOL_VERSION, flags=0, plen=None):
     plen = len(payload) if plen is None else plen
     return struct.pack("<4sHHHHQIQ", magic, version, mtype, flags, 0, 7, len(header), plen) + header + payload
 
@@ -72,14 +72,17 @@ def test_frame_round_trip_with_payload_into_buffer():
     sender.join()
 
 
-@pytest.mark.parametrize("data, message", [
-    (raw_frame(magic=b"HTTP"), "bad magic"),
-    (raw_frame(version=99), "protocol version 99"),
-    (raw_frame(mtype=999), "unknown message type"),
-    (raw_frame(flags=1), "reserved"),
-    (raw_frame(header=b"\xc1"), "malformed msgpack"),
-    (raw_frame(header=msgpack.packb([1, 2])), "not a map"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (raw_frame(magic=b"HTTP"), "bad magic"),
+        (raw_frame(version=99), "protocol version 99"),
+        (raw_frame(mtype=999), "unknown message type"),
+        (raw_frame(flags=1), "reserved"),
+        (raw_frame(header=b"\xc1"), "malformed msgpack"),
+        (raw_frame(header=msgpack.packb([1, 2])), "not a map"),
+    ],
+)
 def test_bad_frames_are_rejected(data, message):
     a, b = socket_pair()
     a.sendall(data)
@@ -104,8 +107,15 @@ def test_oversized_header_is_rejected():
 
 
 def forward_header(**over):
-    h = {"plan": "p", "step": 1, "rows": [[0, 0, 3]], "sampling": [None], "recent": [[]],
-         "dtype": "int32", "shape": [1, 3]}
+    h = {
+        "plan": "p",
+        "step": 1,
+        "rows": [[0, 0, 3]],
+        "sampling": [None],
+        "recent": [[]],
+        "dtype": "int32",
+        "shape": [1, 3],
+    }
     h.update(over)
     return h
 
@@ -140,26 +150,58 @@ def test_shape_product_overflow_is_rejected():
 
 
 def tensor_spec(**over):
-    d = {"name": "blk.0.attn_q.weight", "dtype": "F16", "shape": [64, 64], "nbytes": 8192, "hash": "a" * 64,
-         "file": "m.gguf", "file_size": 10, "offset": 0}
+    d = {
+        "name": "blk.0.attn_q.weight",
+        "dtype": "F16",
+        "shape": [64, 64],
+        "nbytes": 8192,
+        "hash": "a" * 64,
+        "file": "m.gguf",
+        "file_size": 10,
+        "offset": 0,
+    }
     d.update(over)
     return d
 
 
 def test_tensor_spec_validation():
     TensorSpec.parse(tensor_spec())
-    for bad in [tensor_spec(file="../etc/passwd"), tensor_spec(file="a/b"), tensor_spec(hash="zz"),
-                tensor_spec(dtype="PICKLE"), tensor_spec(shape=[0, 1]), tensor_spec(nbytes=-1)]:
+    for bad in [
+        tensor_spec(file="../etc/passwd"),
+        tensor_spec(file="a/b"),
+        tensor_spec(hash="zz"),
+        tensor_spec(dtype="PICKLE"),
+        tensor_spec(shape=[0, 1]),
+        tensor_spec(nbytes=-1),
+    ]:
         with pytest.raises(FrameError):
             TensorSpec.parse(bad)
 
 
 def test_assign_stages_must_be_consecutive():
-    stage = {"index": 0, "device": "cpu", "start": 0, "end": 2, "first": True, "last": False,
-             "dtype": "float32", "weights": "dequant", "tensors": [tensor_spec()]}
+    stage = {
+        "index": 0,
+        "device": "cpu",
+        "start": 0,
+        "end": 2,
+        "first": True,
+        "last": False,
+        "dtype": "float32",
+        "weights": "dequant",
+        "tensors": [tensor_spec()],
+    }
     later = dict(stage, index=1, start=3, end=4, first=False)
-    h = {"plan": "p", "coordinator": "c", "config": {}, "qk_interleaved": True, "n_slots": 1, "ctx": 64,
-         "prefill_chunk": 512, "stages": [stage, later], "next": None}
+    h = {
+        "plan": "p",
+        "coordinator": "c",
+        "config": {},
+        "qk_interleaved": True,
+        "n_slots": 1,
+        "ctx": 64,
+        "prefill_chunk": 512,
+        "stages": [stage, later],
+        "next": None,
+    }
     with pytest.raises(FrameError, match="consecutive"):
         Assign.parse(h)
     h["stages"] = [stage, dict(later, start=2)]
@@ -169,19 +211,40 @@ def test_assign_stages_must_be_consecutive():
 # One of each message, as a sender builds it.
 SPEC = TensorSpec("blk.0.attn_q.weight", "Q4_K", [64, 256], 9216, "a" * 64, "m.gguf", 123456, 4096)
 EXAMPLES = [
-    Hello("coordinator", b"n" * 32), Challenge(b"c" * 32, "host/1234", True), Auth(b"p" * 32), Welcome(b""),
-    Error("plan", "worker w rejects the plan: too big"), Ping(12.5), Pong(12.5), Describe(), Release(), Ok(),
+    Hello("coordinator", b"n" * 32),
+    Challenge(b"c" * 32, "host/1234", True),
+    Auth(b"p" * 32),
+    Welcome(b""),
+    Error("plan", "worker w rejects the plan: too big"),
+    Ping(12.5),
+    Pong(12.5),
+    Describe(),
+    Release(),
+    Ok(),
     Free(3),
-    Devices("host/1234", "0.1.0", [DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True),
-                                   DeviceInfo("cuda:0", 5, 9, "float16", False)]),
-    Assign("plan1", "coord1", {"arch": "llama", "n_layers": 2}, True, 4, 256, 64,
-           [StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", [SPEC]),
-            StageSpec(1, "cpu:1", 1, 2, False, True, "bfloat16", "compact", [])],
-           NextHop("10.0.0.2", 50052, "sha256:" + "b" * 64)),
-    Need(["a" * 64, "b" * 64]), Weights("a" * 64, 8 << 20, 9 << 20),
+    Devices(
+        "host/1234",
+        "0.1.0",
+        [DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True), DeviceInfo("cuda:0", 5, 9, "float16", False)],
+    ),
+    Assign(
+        "plan1",
+        "coord1",
+        {"arch": "llama", "n_layers": 2},
+        True,
+        4,
+        256,
+        64,
+        [
+            StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", [SPEC]),
+            StageSpec(1, "cpu:1", 1, 2, False, True, "bfloat16", "compact", []),
+        ],
+        NextHop("10.0.0.2", 50052, "sha256:" + "b" * 64),
+    ),
+    Need(["a" * 64, "b" * 64]),
+    Weights("a" * 64, 8 << 20, 9 << 20),
     Ready([StageReport(0, 1000, 200), StageReport(1, 50, 20)], {"file": 10, "cache": 0, "streamed": 5}),
-    Forward("plan1", 7, [(0, 0, 4), (2, 10, 4)], [None, {"temperature": 0.0}], [[], [1, 2]], "float32",
-            [2, 4, 16]),
+    Forward("plan1", 7, [(0, 0, 4), (2, 10, 4)], [None, {"temperature": 0.0}], [[], [1, 2]], "float32", [2, 4, 16]),
     Result(7, [None, 42], [None, [-0.5, [[42, -0.5], [7, -1.25]]]]),
 ]
 
@@ -211,6 +274,7 @@ def test_result_carries_sampled_tokens_both_ways():
 
 # -- the handshake -----------------------------------------------------------------------
 
+
 def serve_once(token, results):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -227,18 +291,22 @@ def serve_once(token, results):
         finally:
             conn.close()
             listener.close()
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return listener.getsockname()[1], t
 
 
-@pytest.mark.parametrize("server_token, client_token, ok", [
-    ("secret", "secret", True),
-    (None, None, True),
-    ("secret", "wrong", False),
-    ("secret", None, False),
-    (None, "secret", False),  # a coordinator with a token never talks to a worker without one
-])
+@pytest.mark.parametrize(
+    "server_token, client_token, ok",
+    [
+        ("secret", "secret", True),
+        (None, None, True),
+        ("secret", "wrong", False),
+        ("secret", None, False),
+        (None, "secret", False),  # a coordinator with a token never talks to a worker without one
+    ],
+)
 def test_handshake(server_token, client_token, ok):
     results = []
     port, t = serve_once(server_token, results)
@@ -277,8 +345,11 @@ def test_fixed_header_size():
 
 
 def test_devices_carry_the_compute_dtype_and_kernels_each_device_does_best():
-    base = {"worker_id": "w", "version": "1",
-            "devices": [{"name": "cpu", "free": 1, "total": 2, "dtype": "bfloat16", "kernels": True}]}
+    base = {
+        "worker_id": "w",
+        "version": "1",
+        "devices": [{"name": "cpu", "free": 1, "total": 2, "dtype": "bfloat16", "kernels": True}],
+    }
     assert Devices.parse(base).devices[0] == DeviceInfo("cpu", 1, 2, "bfloat16", True)
     for field, bad in [("dtype", "int4"), ("kernels", "yes"), ("dtype", None)]:
         devices = [dict(base["devices"][0], **{field: bad})]

@@ -1,5 +1,6 @@
 """shardwire_kit.writer: GGUF files and Hugging Face folders as llama.cpp's converter and transformers
 write them, read back by shardwire, by the gguf package and by transformers."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,21 @@ from shardwire_kit.writer import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Relative RMS error (rms(error) / rms(weights)) each type stays under on Gaussian weights.
-REL_TOLERANCE = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.06, "Q5_1": 0.06,
-                 "Q5_0": 0.06, "Q4_K": 0.1, "Q4_1": 0.11, "Q4_0": 0.12, "Q3_K": 0.2, "Q2_K": 0.4}
+REL_TOLERANCE = {
+    "F32": 0.0,
+    "F16": 1e-3,
+    "BF16": 8e-3,
+    "Q8_0": 0.01,
+    "Q6_K": 0.03,
+    "Q5_K": 0.06,
+    "Q5_1": 0.06,
+    "Q5_0": 0.06,
+    "Q4_K": 0.1,
+    "Q4_1": 0.11,
+    "Q4_0": 0.12,
+    "Q3_K": 0.2,
+    "Q2_K": 0.4,
+}
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 LEGACY_QUANTS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -61,8 +75,16 @@ def one_torch_thread():
 @lru_cache(maxsize=None)
 def small(name: str):
     vocab = load_vocab("tiny")
-    cfg, tensors = random_model(**SMALL[name], n_layers=2, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512,
-                                vocab_size=vocab.size, context_length=256)
+    cfg, tensors = random_model(
+        **SMALL[name],
+        n_layers=2,
+        dim=256,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=512,
+        vocab_size=vocab.size,
+        context_length=256,
+    )
     return cfg, tensors, vocab
 
 
@@ -75,9 +97,11 @@ def gguf_file(tmp_path_factory):
     def get(name: str, weight_type: str) -> Path:
         if (name, weight_type) not in written:
             cfg, tensors, vocab = small(name)
-            written[name, weight_type] = write_gguf(folder / f"{name}-{weight_type}.gguf", cfg, tensors,
-                                                    vocab.gguf_metadata, weight_type=weight_type)[0]
+            written[name, weight_type] = write_gguf(
+                folder / f"{name}-{weight_type}.gguf", cfg, tensors, vocab.gguf_metadata, weight_type=weight_type
+            )[0]
         return written[name, weight_type]
+
     return get
 
 
@@ -89,14 +113,20 @@ def hf_folder(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in written:
             cfg, tensors, vocab = small(name)
-            written[name] = write_hf(folder / name, cfg, tensors, tokenizer_json=vocab.tokenizer_json,
-                                     tokenizer_config=vocab.tokenizer_config)
+            written[name] = write_hf(
+                folder / name,
+                cfg,
+                tensors,
+                tokenizer_json=vocab.tokenizer_json,
+                tokenizer_config=vocab.tokenizer_config,
+            )
         return written[name]
+
     return get
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2)))
+    return float(np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want**2)))
 
 
 def hf_order(name: str, w: np.ndarray, cfg) -> np.ndarray:
@@ -178,7 +208,8 @@ def test_rows_that_are_not_whole_blocks_fall_back_to_f16():
 
 
 ROUND_TRIPS = [("llama", t) for t in WEIGHT_TYPES] + [
-    (name, t) for name in ("llama3.1", "mistral", "qwen2", "qwen3") for t in ("F32", "Q8_0", "Q4_K")]
+    (name, t) for name in ("llama3.1", "mistral", "qwen2", "qwen3") for t in ("F32", "Q8_0", "Q4_K")
+]
 
 
 @pytest.mark.parametrize("name,weight_type", ROUND_TRIPS)
@@ -240,10 +271,18 @@ def test_llama3_rope_factors_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg, _, _ = small("llama3.1")
-    params = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
-              **{k: v for k, v in LLAMA3_SCALING.items() if k != "type"}}
-    config = LlamaConfig(hidden_size=cfg.dim, num_attention_heads=cfg.n_heads, head_dim=cfg.head_dim,
-                         rope_parameters=params, max_position_embeddings=cfg.context_length)
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": cfg.rope_theta,
+        **{k: v for k, v in LLAMA3_SCALING.items() if k != "type"},
+    }
+    config = LlamaConfig(
+        hidden_size=cfg.dim,
+        num_attention_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        rope_parameters=params,
+        max_position_embeddings=cfg.context_length,
+    )
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     plain = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
     factors = llama3_rope_factors(cfg)
@@ -254,15 +293,20 @@ def test_llama3_rope_factors_match_transformers():
 def test_type_for_chooses_per_tensor(tmp_path):
     cfg, tensors, vocab = small("llama")
     mix = {"output.weight": "Q6_K", "token_embd.weight": "Q8_0"}
-    path = write_gguf(tmp_path / "mix.gguf", cfg, tensors, vocab.gguf_metadata, weight_type="Q4_K",
-                      type_for=lambda n, shape: mix.get(n, "Q4_K"))[0]
+    path = write_gguf(
+        tmp_path / "mix.gguf",
+        cfg,
+        tensors,
+        vocab.gguf_metadata,
+        weight_type="Q4_K",
+        type_for=lambda n, shape: mix.get(n, "Q4_K"),
+    )[0]
     types = {n: t.dtype for n, t in open_model(path).tensors.items()}
     assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q8_0"
     assert types["blk.1.ffn_down.weight"] == "Q4_K" and types["blk.1.ffn_norm.weight"] == "F32"
     assert read_gguf(path).metadata["general.file_type"] == 14  # MOSTLY_Q4_K_S
     with pytest.raises(ValueError, match="unsupported weight type"):
-        write_gguf(tmp_path / "bad.gguf", cfg, tensors, {}, weight_type="Q4_K",
-                   type_for=lambda n, shape: "IQ2_XXS")
+        write_gguf(tmp_path / "bad.gguf", cfg, tensors, {}, weight_type="Q4_K", type_for=lambda n, shape: "IQ2_XXS")
 
 
 def test_narrow_rows_fall_back_to_f16_in_files(tmp_path):
@@ -278,8 +322,9 @@ def test_narrow_rows_fall_back_to_f16_in_files(tmp_path):
 
 def test_split_gguf_round_trips(tmp_path, gguf_file):
     cfg, tensors, vocab = small("llama")
-    parts = write_gguf(tmp_path / "split.gguf", cfg, tensors, vocab.gguf_metadata, weight_type="Q8_0",
-                       split_max_tensors=8)
+    parts = write_gguf(
+        tmp_path / "split.gguf", cfg, tensors, vocab.gguf_metadata, weight_type="Q8_0", split_max_tensors=8
+    )
     n = len(tensors)
     count = -(-n // 8)
     assert [p.name for p in parts] == [f"split-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
@@ -334,8 +379,12 @@ def test_transformers_loads_hf_folder(hf_folder, name):
         assert np.array_equal(state["lm_head.weight"], tensors["token_embd.weight"])
     c = model.config
     assert type(model).__name__ == json.loads((folder / "config.json").read_text())["architectures"][0]
-    assert (c.model_type, c.hidden_size, c.num_key_value_heads, c.intermediate_size) == \
-        (cfg.arch, cfg.dim, cfg.n_kv_heads, cfg.ffn_dim)
+    assert (c.model_type, c.hidden_size, c.num_key_value_heads, c.intermediate_size) == (
+        cfg.arch,
+        cfg.dim,
+        cfg.n_kv_heads,
+        cfg.ffn_dim,
+    )
     assert getattr(c, "head_dim", cfg.head_dim) == cfg.head_dim
     assert c.rope_parameters["rope_theta"] == cfg.rope_theta
     assert c.rope_parameters["rope_type"] == ("llama3" if cfg.rope_scaling else "default")
@@ -350,8 +399,11 @@ def test_transformers_loads_gguf(gguf_file, hf_folder, name, weight_type):
     path = gguf_file(name, weight_type)
     model = load_hf(path.parent, gguf_file=path.name)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    ours = {t.name: hf_order(t.name, dequantize(t.data, t.tensor_type).reshape(tensors[t.name].shape), cfg)
-            for t in GGUFReader(path).tensors if t.name in tensors}
+    ours = {
+        t.name: hf_order(t.name, dequantize(t.data, t.tensor_type).reshape(tensors[t.name].shape), cfg)
+        for t in GGUFReader(path).tensors
+        if t.name in tensors
+    }
     for canonical, w in ours.items():
         assert np.array_equal(state[hf_name(canonical)], w), canonical
         if weight_type == "F32":

@@ -1,4 +1,5 @@
 """Real `shardwire worker` processes on loopback for tests."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,16 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 class WorkerProcess:
-    def __init__(self, cache_dir: Path, extra: tuple[str, ...] = (), port: int = 0, token: str | None = None,
-                 devices: str = "cpu", threads: int = 1, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        cache_dir: Path,
+        extra: tuple[str, ...] = (),
+        port: int = 0,
+        token: str | None = None,
+        devices: str = "cpu",
+        threads: int = 1,
+        host: str = "127.0.0.1",
+    ):
         self.cache_dir, self.extra, self.port, self.token = cache_dir, extra, port, token
         self.devices, self.threads, self.host = devices, threads, host
         self.proc: subprocess.Popen | None = None
@@ -27,9 +36,25 @@ class WorkerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
         if self.token is not None:
             env["SHARDWIRE_TOKEN"] = self.token
-        cmd = [sys.executable, "-m", "shardwire", "--log-level", "info", "worker", "--host", self.host,
-               "--port", str(self.port), "--device", self.devices, "--threads", str(self.threads),
-               "--cache-dir", str(self.cache_dir), *self.extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardwire",
+            "--log-level",
+            "info",
+            "worker",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--device",
+            self.devices,
+            "--threads",
+            str(self.threads),
+            "--cache-dir",
+            str(self.cache_dir),
+            *self.extra,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         deadline = time.monotonic() + timeout
         lines = self.log = []
@@ -43,6 +68,7 @@ class WorkerProcess:
                 self.port = int(m[2])
                 # keep draining output so the worker never blocks on a full pipe
                 import threading
+
                 threading.Thread(target=self._drain, daemon=True).start()
                 return self
         self.stop()

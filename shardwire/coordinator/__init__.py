@@ -6,6 +6,7 @@ weights it lacks; health.py pings the workers and notices what stopped; remote.p
 pipeline the engine drives, sending steps into the ring and taking results from its end;
 launch.py turns command-line options into a pipeline.
 """
+
 from .cluster import Cluster
 
 __all__ = ["Cluster"]

@@ -1,6 +1,7 @@
 """The coordinator's cluster: reach the workers and learn their devices, plan over them, load the
 plan (each worker its stages, then a RemotePipeline over them), and recover from a lost worker
 by planning again over whatever answers."""
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,18 @@ log = logging.getLogger("shardwire.cluster")
 
 
 class Cluster:
-    def __init__(self, addresses: list[str], *, token: str | None = None, local_devices: list[str] = (),
-                 local_cpu: bool = False, cache_dir: Path | None = None, connect_timeout: float = 10.0,
-                 tls: ClientTLS | None = None, show_progress: bool = True):
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        token: str | None = None,
+        local_devices: list[str] = (),
+        local_cpu: bool = False,
+        cache_dir: Path | None = None,
+        connect_timeout: float = 10.0,
+        tls: ClientTLS | None = None,
+        show_progress: bool = True,
+    ):
         self.token, self.tls = token, tls
         self.connect_timeout = connect_timeout
         self.cache_dir = cache_dir or default_cache_dir()
@@ -49,6 +59,7 @@ class Cluster:
 
     def _start_local(self, name: str, devices: list[str], model: ModelFile) -> WorkerLink:
         from ..worker import Worker  # the coordinator runs its own stages as an in-process worker
+
         server_tls = pin = None
         if self.tls is not None:
             # Local stages reach remote workers as peers: they speak TLS too, with the
@@ -61,8 +72,15 @@ class Cluster:
                 server_tls = ServerTLS(cert, key)
             pin = server_tls.fingerprint()
         # Local stages share the cluster's token: remote workers must accept them as peers.
-        worker = Worker(host="127.0.0.1", port=0, devices=devices, token=self.token,
-                        cache_dir=self.cache_dir, model_dirs=[model.path.parent], tls=server_tls)
+        worker = Worker(
+            host="127.0.0.1",
+            port=0,
+            devices=devices,
+            token=self.token,
+            cache_dir=self.cache_dir,
+            model_dirs=[model.path.parent],
+            tls=server_tls,
+        )
         port = worker.bind()
         worker.start()
         return WorkerLink(name, "127.0.0.1", port, local=worker, pin=pin)
@@ -83,8 +101,9 @@ class Cluster:
             tls = self.tls
             if tls is not None and link.local is not None:  # our own certificate: trust exactly it
                 tls = ClientTLS(pins={link.pin}, cert=tls.cert, key=tls.key)
-            conn, challenge = connect(link.host, link.port, token=self.token, tls=tls, pin=link.pin,
-                                      timeout=timeout or self.connect_timeout)
+            conn, challenge = connect(
+                link.host, link.port, token=self.token, tls=tls, pin=link.pin, timeout=timeout or self.connect_timeout
+            )
         except AuthError as e:
             raise AuthError(f"worker {link.name} refused: {e}") from None
         except TLSError as e:
@@ -114,8 +133,9 @@ class Cluster:
 
     # -- planning ------------------------------------------------------------------------
 
-    def plan_devices(self, dtype: str | None, links: list[WorkerLink] | None = None
-                     ) -> tuple[list[PlanDevice], PlanDevice | None]:
+    def plan_devices(
+        self, dtype: str | None, links: list[WorkerLink] | None = None
+    ) -> tuple[list[PlanDevice], PlanDevice | None]:
         devices, cpu = [], None
         for link in self.links if links is None else links:
             for d in link.devices:
@@ -126,10 +146,26 @@ class Cluster:
                     devices.append(pd)
         return devices, cpu
 
-    def make_plan(self, *, tensor_split=None, n_gpu_layers=None, n_slots=1, ctx=4096,
-                  dtype: str | None = None, prefill_chunk: int = 512, weights: str = "dequant") -> Plan:
-        self._plan_options = dict(tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, n_slots=n_slots, ctx=ctx,
-                                  dtype=dtype, prefill_chunk=prefill_chunk, weights=weights)
+    def make_plan(
+        self,
+        *,
+        tensor_split=None,
+        n_gpu_layers=None,
+        n_slots=1,
+        ctx=4096,
+        dtype: str | None = None,
+        prefill_chunk: int = 512,
+        weights: str = "dequant",
+    ) -> Plan:
+        self._plan_options = dict(
+            tensor_split=tensor_split,
+            n_gpu_layers=n_gpu_layers,
+            n_slots=n_slots,
+            ctx=ctx,
+            dtype=dtype,
+            prefill_chunk=prefill_chunk,
+            weights=weights,
+        )
         return self._plan_on(self.links)
 
     def _plan_on(self, links: list[WorkerLink]) -> Plan:
@@ -140,8 +176,17 @@ class Cluster:
         split = o["tensor_split"]
         if split is not None and len(split) > len(devices):
             split = None
-        return make_plan(self.model, devices, cpu=cpu, tensor_split=split, n_gpu_layers=o["n_gpu_layers"],
-                         n_slots=o["n_slots"], ctx=o["ctx"], prefill_chunk=o["prefill_chunk"], weights=o["weights"])
+        return make_plan(
+            self.model,
+            devices,
+            cpu=cpu,
+            tensor_split=split,
+            n_gpu_layers=o["n_gpu_layers"],
+            n_slots=o["n_slots"],
+            ctx=o["ctx"],
+            prefill_chunk=o["prefill_chunk"],
+            weights=o["weights"],
+        )
 
     # -- loading -------------------------------------------------------------------------
 
@@ -158,10 +203,17 @@ class Cluster:
             hashes = HashIndex(self.cache_dir).hashes([model.tensors[n] for n in sorted(names)], reader)
             stats: dict[str, int] = {}
             for i, (link, stages) in enumerate(groups):
-                assign = Assign(self.plan_id, self._id, model.config.to_dict(), model.qk_interleaved, plan.n_slots,
-                                plan.ctx, self._plan_options.get("prefill_chunk", 512),
-                                stage_specs(model, stages, hashes),
-                                next_hop(groups[i + 1][0] if i + 1 < len(groups) else None))
+                assign = Assign(
+                    self.plan_id,
+                    self._id,
+                    model.config.to_dict(),
+                    model.qk_interleaved,
+                    plan.n_slots,
+                    plan.ctx,
+                    self._plan_options.get("prefill_chunk", 512),
+                    stage_specs(model, stages, hashes),
+                    next_hop(groups[i + 1][0] if i + 1 < len(groups) else None),
+                )
                 ready = assign_and_ship(link, assign, model, reader, self.show_progress)
                 for kind, n in ready.sources.items():
                     stats[kind] = stats.get(kind, 0) + n
@@ -170,8 +222,14 @@ class Cluster:
             reader.close()
         if self.pipeline is None:
             self.pipeline = RemotePipeline(recover=self.recover, status=self.status, close=self.close)
-        self.pipeline.attach([link for link, _ in groups], self.plan_id, plan.n_slots, plan.ctx, len(plan.stages),
-                             model.config.vocab_size)
+        self.pipeline.attach(
+            [link for link, _ in groups],
+            self.plan_id,
+            plan.n_slots,
+            plan.ctx,
+            len(plan.stages),
+            model.config.vocab_size,
+        )
         for link, _ in groups:
             link.start_reader(self.pipeline.events)
         self.heartbeat.pipeline = self.pipeline
@@ -219,18 +277,38 @@ class Cluster:
                 error = e
             if time.monotonic() >= deadline:
                 missing = [l.name for l in self.links if not l.alive]
-                self.events.append({"at": time.time(), "reason": reason, "lost": missing, "recovered": False,
-                                    "seconds": round(time.monotonic() - start, 3), "error": str(error)})
-                raise PipelineError(f"could not recover within {self.recovery_timeout:.0f} s after: {reason}. "
-                                    f"Lost: {', '.join(missing) or 'none'}. {error}",
-                                    missing[0] if missing else None)
+                self.events.append(
+                    {
+                        "at": time.time(),
+                        "reason": reason,
+                        "lost": missing,
+                        "recovered": False,
+                        "seconds": round(time.monotonic() - start, 3),
+                        "error": str(error),
+                    }
+                )
+                raise PipelineError(
+                    f"could not recover within {self.recovery_timeout:.0f} s after: {reason}. "
+                    f"Lost: {', '.join(missing) or 'none'}. {error}",
+                    missing[0] if missing else None,
+                )
             time.sleep(1.0)
-        event = {"at": time.time(), "reason": reason, "lost": lost, "recovered": True,
-                 "seconds": round(time.monotonic() - start, 3), "replayed_tokens": 0,
-                 "plan": [[s.device.label, s.start, s.end] for s in plan.stages]}
+        event = {
+            "at": time.time(),
+            "reason": reason,
+            "lost": lost,
+            "recovered": True,
+            "seconds": round(time.monotonic() - start, 3),
+            "replayed_tokens": 0,
+            "plan": [[s.device.label, s.start, s.end] for s in plan.stages],
+        }
         self.events.append(event)
-        log.warning("recovered in %.2f s on %d stage(s): %s", event["seconds"], len(plan.stages),
-                    ", ".join(f"{w} blocks {a}-{b - 1}" for w, a, b in event["plan"]))
+        log.warning(
+            "recovered in %.2f s on %d stage(s): %s",
+            event["seconds"],
+            len(plan.stages),
+            ", ".join(f"{w} blocks {a}-{b - 1}" for w, a, b in event["plan"]),
+        )
         return event
 
     # -- status and shutdown -------------------------------------------------------------
@@ -238,10 +316,14 @@ class Cluster:
     def status(self) -> dict:
         """Workers, their devices, the blocks each holds, memory and last measured latency."""
         groups = {l.name: stages for l, stages in self._stages_by_worker(self.plan)} if self.plan else {}
-        return {"plan": self.plan_id, "ready": self.pipeline is not None and self.pipeline.broken is None,
-                "broken": None if self.pipeline is None else self.pipeline.broken,
-                "load": self.load_stats, "recoveries": self.events[-20:],
-                "workers": [l.status(groups.get(l.name, [])) for l in self.links]}
+        return {
+            "plan": self.plan_id,
+            "ready": self.pipeline is not None and self.pipeline.broken is None,
+            "broken": None if self.pipeline is None else self.pipeline.broken,
+            "load": self.load_stats,
+            "recoveries": self.events[-20:],
+            "workers": [l.status(groups.get(l.name, [])) for l in self.links],
+        }
 
     def wire_bytes(self) -> int:
         """Bytes on the coordinator's own connections; worker-to-worker traffic is not seen here."""

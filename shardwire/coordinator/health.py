@@ -1,6 +1,7 @@
 """The coordinator's heartbeat: ping every worker serving the plan, declare gone one that stops
 answering, notice a ring that stops returning results, and probe lost workers until one answers
 again."""
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ class Heartbeat:
             if not link.watched:
                 continue
             if now - link.last_pong > self.dead_after and pipeline is not None:
-                pipeline.link_lost(link, f"worker {link.name} stopped answering "
-                                         f"(no heartbeat for {now - link.last_pong:.1f} s)")
+                pipeline.link_lost(
+                    link, f"worker {link.name} stopped answering (no heartbeat for {now - link.last_pong:.1f} s)"
+                )
                 link.drop()
                 continue
             try:
@@ -58,8 +60,7 @@ class Heartbeat:
             return
         stalled = pipeline.stalled_for(now)
         if stalled > self.stall_timeout:
-            pipeline.fail(f"no step result for {stalled:.1f} s: a link between workers may have stopped "
-                          "carrying data")
+            pipeline.fail(f"no step result for {stalled:.1f} s: a link between workers may have stopped carrying data")
             return
         lost = [l for l in links if l.lost_since is not None and now - l.lost_since > 1.0]
         if lost and not pipeline.rebalance_due and now - self._last_probe > 2.0:

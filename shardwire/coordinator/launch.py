@@ -1,4 +1,5 @@
 """From command-line options to a running pipeline: in this process, or split across workers."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,26 +19,50 @@ from .cluster import Cluster
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("splitting across workers (llama.cpp's RPC flags)")
-    g.add_argument("--rpc", default=os.environ.get("SHARDWIRE_RPC"),
-                   help="comma-separated worker addresses host:port (env SHARDWIRE_RPC)")
-    g.add_argument("-ts", "--tensor-split", default=None,
-                   help="share of blocks per device in plan order, e.g. 3,1,1 (default: by free memory)")
-    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
-                   help="blocks placed on devices; the first n_layers - N stay on this machine's CPU "
-                        "(default: all)")
-    g.add_argument("-sm", "--split-mode", default="layer", choices=["layer"],
-                   help="how to split the model (default: %(default)s)")
+    g.add_argument(
+        "--rpc",
+        default=os.environ.get("SHARDWIRE_RPC"),
+        help="comma-separated worker addresses host:port (env SHARDWIRE_RPC)",
+    )
+    g.add_argument(
+        "-ts",
+        "--tensor-split",
+        default=None,
+        help="share of blocks per device in plan order, e.g. 3,1,1 (default: by free memory)",
+    )
+    g.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        type=int,
+        default=None,
+        help="blocks placed on devices; the first n_layers - N stay on this machine's CPU (default: all)",
+    )
+    g.add_argument(
+        "-sm", "--split-mode", default="layer", choices=["layer"], help="how to split the model (default: %(default)s)"
+    )
     add_client_tls_args(g)
     g.add_argument("--cache-dir", default=None, help="where tensor hashes are remembered (default: ~/.cache/shardwire)")
     g = p.add_argument_group("surviving a worker that drops out")
-    g.add_argument("--dead-after", type=float, default=5.0,
-                   help="seconds without a heartbeat before a worker counts as gone (default: %(default)s)")
-    g.add_argument("--stall-timeout", type=float, default=30.0,
-                   help="seconds without any step result, while steps are in flight, before the links "
-                        "between workers count as broken (default: %(default)s)")
-    g.add_argument("--recovery-timeout", type=float, default=60.0,
-                   help="how long a request waits for lost capacity to come back when what is left cannot "
-                        "hold the model (default: %(default)s)")
+    g.add_argument(
+        "--dead-after",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat before a worker counts as gone (default: %(default)s)",
+    )
+    g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without any step result, while steps are in flight, before the links "
+        "between workers count as broken (default: %(default)s)",
+    )
+    g.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=60.0,
+        help="how long a request waits for lost capacity to come back when what is left cannot "
+        "hold the model (default: %(default)s)",
+    )
 
 
 def parse_split(text: str | None) -> list[float] | None:
@@ -49,31 +74,52 @@ def parse_split(text: str | None) -> list[float] | None:
         raise ValueError(f"--tensor-split '{text}' is not a comma-separated list of numbers") from None
 
 
-def local_pipeline(model: ModelFile, device: str, dtype: str, weights: str, n_slots: int, ctx: int,
-                   prefill_chunk: int = 512) -> LocalPipeline:
+def local_pipeline(
+    model: ModelFile, device: str, dtype: str, weights: str, n_slots: int, ctx: int, prefill_chunk: int = 512
+) -> LocalPipeline:
     """Every block in this process on one device, its weights held as the plan resolves `weights`
     for that device (auto: the first mode that fits its free memory), as a worker's would be."""
     planned = PlanDevice("local", device, free_memory(device), dtype, kernels_on(torch_device(device)))
     plan = make_plan(model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights)
     stage = plan.stages[0]
-    return LocalPipeline([load_stage(model, 0, model.config.n_layers, device=torch_device(device),
-                                     dtype=parse_dtype(dtype), weights=stage.weights)], n_slots=n_slots, ctx=ctx)
+    return LocalPipeline(
+        [
+            load_stage(
+                model,
+                0,
+                model.config.n_layers,
+                device=torch_device(device),
+                dtype=parse_dtype(dtype),
+                weights=stage.weights,
+            )
+        ],
+        n_slots=n_slots,
+        ctx=ctx,
+    )
 
 
-def _cluster(model: ModelFile, args: argparse.Namespace, workers: list[str], local: list[str],
-             show_progress: bool) -> Cluster:
+def _cluster(
+    model: ModelFile, args: argparse.Namespace, workers: list[str], local: list[str], show_progress: bool
+) -> Cluster:
     ngl = args.n_gpu_layers
-    return Cluster(workers, token=resolve_token(args), tls=client_tls(args), local_devices=local,
-                   local_cpu=ngl is not None and ngl < model.config.n_layers,
-                   cache_dir=Path(args.cache_dir) if args.cache_dir else None, show_progress=show_progress)
+    return Cluster(
+        workers,
+        token=resolve_token(args),
+        tls=client_tls(args),
+        local_devices=local,
+        local_cpu=ngl is not None and ngl < model.config.n_layers,
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        show_progress=show_progress,
+    )
 
 
 def _workers(args: argparse.Namespace) -> list[str]:
     return [a for a in (args.rpc or "").split(",") if a.strip()]
 
 
-def build_pipeline(model: ModelFile, args: argparse.Namespace, n_slots: int = 1,
-                   quiet: bool = False) -> tuple[Pipeline, Cluster | None]:
+def build_pipeline(
+    model: ModelFile, args: argparse.Namespace, n_slots: int = 1, quiet: bool = False
+) -> tuple[Pipeline, Cluster | None]:
     """A LocalPipeline, or a loaded cluster's pipeline when --rpc or -ngl asks for one, with its
     cluster."""
     ctx = min(args.ctx_size, model.config.context_length)
@@ -82,15 +128,24 @@ def build_pipeline(model: ModelFile, args: argparse.Namespace, n_slots: int = 1,
     if not workers and (ngl is None or ngl >= model.config.n_layers):
         device = check_device(args.device or default_devices()[0])
         return local_pipeline(model, device, args.dtype or default_dtype(device), args.weights, n_slots, ctx), None
-    local = [check_device(d) for d in args.device.split(",")] if args.device else (
-        [d for d in default_devices() if d != "cpu"])
+    local = (
+        [check_device(d) for d in args.device.split(",")]
+        if args.device
+        else ([d for d in default_devices() if d != "cpu"])
+    )
     cluster = _cluster(model, args, workers, local, show_progress=not quiet)
     cluster.heartbeat.dead_after, cluster.heartbeat.stall_timeout = args.dead_after, args.stall_timeout
     cluster.recovery_timeout = args.recovery_timeout
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=ngl,
-                                 n_slots=n_slots, ctx=ctx, dtype=args.dtype, weights=args.weights)
+        plan = cluster.make_plan(
+            tensor_split=parse_split(args.tensor_split),
+            n_gpu_layers=ngl,
+            n_slots=n_slots,
+            ctx=ctx,
+            dtype=args.dtype,
+            weights=args.weights,
+        )
         if not quiet:
             print(plan.table(), file=sys.stderr)
         return cluster.load(plan), cluster
@@ -103,13 +158,22 @@ def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
     """The plan table for `shardwire plan`: workers are asked for their devices, nothing is loaded."""
     ctx = min(args.ctx_size, model.config.context_length)
     workers = _workers(args)
-    local = [check_device(d) for d in args.device.split(",")] if args.device else (
-        [d for d in default_devices() if d != "cpu"] if workers else ["cpu"])
+    local = (
+        [check_device(d) for d in args.device.split(",")]
+        if args.device
+        else ([d for d in default_devices() if d != "cpu"] if workers else ["cpu"])
+    )
     cluster = _cluster(model, args, workers, local, show_progress=False)
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(tensor_split=parse_split(args.tensor_split), n_gpu_layers=args.n_gpu_layers,
-                                 n_slots=args.parallel, ctx=ctx, dtype=args.dtype, weights=args.weights)
+        plan = cluster.make_plan(
+            tensor_split=parse_split(args.tensor_split),
+            n_gpu_layers=args.n_gpu_layers,
+            n_slots=args.parallel,
+            ctx=ctx,
+            dtype=args.dtype,
+            weights=args.weights,
+        )
     finally:
         cluster.close()
     table = plan.table()

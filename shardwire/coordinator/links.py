@@ -1,5 +1,6 @@
 """One worker as the coordinator sees it: its address, its connection, and the thread that reads
 what it sends back (results, step errors, PONGs)."""
+
 from __future__ import annotations
 
 import re
@@ -39,6 +40,7 @@ def parse_address(text: str, default_port: int = 50052) -> tuple[str, int]:
 @dataclass
 class LinkEvents:
     """What a link's reader reports, and to whom."""
+
     result: Callable[[Result], None]
     step_failed: Callable[[RemoteError, "WorkerLink"], None]
     lost: Callable[["WorkerLink", str], None]
@@ -108,8 +110,20 @@ class WorkerLink:
 
     def status(self, stages: list) -> dict:
         """For GET /v1/cluster: this worker, its devices, and its (index, PlannedStage) stages."""
-        return {"name": self.name, "worker_id": self.worker_id, "alive": self.alive,
-                "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
-                "devices": [{"name": d.name, "free": d.free, "total": d.total} for d in self.devices],
-                "stages": [{"index": i, "device": s.device.name, "blocks": [s.start, s.end],
-                            "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes} for i, s in stages]}
+        return {
+            "name": self.name,
+            "worker_id": self.worker_id,
+            "alive": self.alive,
+            "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
+            "devices": [{"name": d.name, "free": d.free, "total": d.total} for d in self.devices],
+            "stages": [
+                {
+                    "index": i,
+                    "device": s.device.name,
+                    "blocks": [s.start, s.end],
+                    "weight_bytes": s.weight_bytes,
+                    "kv_bytes": s.kv_bytes,
+                }
+                for i, s in stages
+            ],
+        }

@@ -4,6 +4,7 @@ worker as FORWARD frames; sampled tokens come back from the last one's as RESULT
 It knows only the links it is given and the callbacks to recover, report status and close;
 the cluster reports what its links' readers and its heartbeat see through the public methods
 below."""
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,9 @@ class RemotePipeline:
         self._lock = threading.Lock()
         self._last_progress = time.monotonic()
 
-    def attach(self, links: list[WorkerLink], plan_id: str, n_slots: int, ctx: int, n_stages: int,
-               vocab_size: int) -> None:
+    def attach(
+        self, links: list[WorkerLink], plan_id: str, n_slots: int, ctx: int, n_stages: int, vocab_size: int
+    ) -> None:
         """Point the pipeline at a loaded plan over `links`, first stage's worker first."""
         self.links, self.plan_id = links, plan_id
         self.n_slots, self.ctx, self.n_stages, self.vocab_size = n_slots, ctx, n_stages, vocab_size

@@ -1,5 +1,6 @@
 """Assigning a worker its stages: the ASSIGN, the weights it asks for in NEED streamed in chunks,
 and its READY."""
+
 from __future__ import annotations
 
 import sys
@@ -18,11 +19,32 @@ WEIGHT_CHUNK = 8 << 20
 def stage_specs(model: ModelFile, stages: list[tuple[int, PlannedStage]], hashes: dict[str, str]) -> list[StageSpec]:
     specs = []
     for index, stage in stages:
-        tensors = [TensorSpec(name, info.dtype, list(info.shape), info.nbytes, hashes[name], info.path.name,
-                              info.path.stat().st_size, info.offset)
-                   for name, info in model.stage_tensors(stage.start, stage.end, stage.first, stage.last).items()]
-        specs.append(StageSpec(index, stage.device.name, stage.start, stage.end, stage.first, stage.last,
-                               stage.device.dtype, stage.weights, tensors))
+        tensors = [
+            TensorSpec(
+                name,
+                info.dtype,
+                list(info.shape),
+                info.nbytes,
+                hashes[name],
+                info.path.name,
+                info.path.stat().st_size,
+                info.offset,
+            )
+            for name, info in model.stage_tensors(stage.start, stage.end, stage.first, stage.last).items()
+        ]
+        specs.append(
+            StageSpec(
+                index,
+                stage.device.name,
+                stage.start,
+                stage.end,
+                stage.first,
+                stage.last,
+                stage.device.dtype,
+                stage.weights,
+                tensors,
+            )
+        )
     return specs
 
 
@@ -30,8 +52,9 @@ def next_hop(link: WorkerLink | None) -> NextHop | None:
     return None if link is None else NextHop(link.host, link.port, link.fingerprint)
 
 
-def assign_and_ship(link: WorkerLink, assign: Assign, model: ModelFile, reader: TensorReader,
-                    show_progress: bool) -> Ready:
+def assign_and_ship(
+    link: WorkerLink, assign: Assign, model: ModelFile, reader: TensorReader, show_progress: bool
+) -> Ready:
     """Send `assign`, stream the tensors the worker lacks, and wait for its READY; raises
     PipelineError naming the worker when it refuses or fails."""
     conn = link.conn
@@ -46,7 +69,7 @@ def assign_and_ship(link: WorkerLink, assign: Assign, model: ModelFile, reader: 
             for digest in need.hashes:
                 data = reader.read(by_hash[digest])
                 for offset in range(0, len(data), WEIGHT_CHUNK):
-                    chunk = data[offset:offset + WEIGHT_CHUNK]
+                    chunk = data[offset : offset + WEIGHT_CHUNK]
                     conn.send(Weights(digest, offset, len(data)), chunk)
                     advance(len(chunk))
         return conn.expect(Ready)
@@ -74,8 +97,15 @@ class _progress:
             TimeRemainingColumn,
             TransferSpeedColumn,
         )
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True)
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+        )
         self._progress.start()
         task = self._progress.add_task(self.label, total=self.total)
         return lambda n: self._progress.advance(task, n)

@@ -1,4 +1,5 @@
 """Open a model (GGUF file or Hugging Face folder) as a config plus a lazy tensor index."""
+
 from __future__ import annotations
 
 import re
@@ -10,15 +11,31 @@ from .gguf import GGUFError, read_gguf_model
 from .safetensors import SafetensorsError, read_hf_folder
 from .tensors import TensorInfo, TensorReader
 
-__all__ = ["ModelFile", "ModelError", "TensorInfo", "TensorReader", "block_of", "expected_shape", "open_model",
-           "required_tensors"]
+__all__ = [
+    "ModelFile",
+    "ModelError",
+    "TensorInfo",
+    "TensorReader",
+    "block_of",
+    "expected_shape",
+    "open_model",
+    "required_tensors",
+]
 
 ModelError = (ConfigError, GGUFError, SafetensorsError, FileNotFoundError)
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-_REQUIRED_BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                   "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
-                   "ffn_down.weight")
+_REQUIRED_BLOCK = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
 
 
 def block_of(name: str) -> int | None:
@@ -42,8 +59,7 @@ class ModelFile:
 
     def stage_tensors(self, start: int, end: int, first: bool, last: bool) -> dict[str, TensorInfo]:
         """Every tensor a stage holding blocks [start, end) needs."""
-        names = [n for n, _ in self.tensors.items()
-                 if (b := block_of(n)) is not None and start <= b < end]
+        names = [n for n, _ in self.tensors.items() if (b := block_of(n)) is not None and start <= b < end]
         if "rope_freqs.weight" in self.tensors:
             names.append("rope_freqs.weight")
         if first:
@@ -68,8 +84,7 @@ def open_model(path: str | Path) -> ModelFile:
             raise FileNotFoundError(f"{path}: no such model file or folder")
         metadata, tensors = read_gguf_model(path)
         cfg = from_gguf_metadata(metadata, set(tensors), str(path))
-        model = ModelFile(path, "gguf", cfg, tensors, metadata,
-                          qk_interleaved=cfg.arch in ("llama", "mistral"))
+        model = ModelFile(path, "gguf", cfg, tensors, metadata, qk_interleaved=cfg.arch in ("llama", "mistral"))
     else:
         raise FileNotFoundError(f"{path}: no such model file or folder")
     _check_tensors(model)
@@ -80,16 +95,27 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     """The shape a tensor of this name must have in a model of `cfg`; None for unknown names."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     if block_of(name) is None:
-        return {"token_embd.weight": (cfg.vocab_size, cfg.dim), "output.weight": (cfg.vocab_size, cfg.dim),
-                "output_norm.weight": (cfg.dim,), "rope_freqs.weight": (cfg.head_dim // 2,)}.get(name)
+        return {
+            "token_embd.weight": (cfg.vocab_size, cfg.dim),
+            "output.weight": (cfg.vocab_size, cfg.dim),
+            "output_norm.weight": (cfg.dim,),
+            "rope_freqs.weight": (cfg.head_dim // 2,),
+        }.get(name)
     return {
-        "attn_norm.weight": (cfg.dim,), "ffn_norm.weight": (cfg.dim,),
-        "attn_q.weight": (q, cfg.dim), "attn_q.bias": (q,),
-        "attn_k.weight": (kv, cfg.dim), "attn_k.bias": (kv,),
-        "attn_v.weight": (kv, cfg.dim), "attn_v.bias": (kv,),
-        "attn_output.weight": (cfg.dim, q), "attn_output.bias": (cfg.dim,),
-        "attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,),
-        "ffn_gate.weight": (cfg.ffn_dim, cfg.dim), "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
+        "attn_norm.weight": (cfg.dim,),
+        "ffn_norm.weight": (cfg.dim,),
+        "attn_q.weight": (q, cfg.dim),
+        "attn_q.bias": (q,),
+        "attn_k.weight": (kv, cfg.dim),
+        "attn_k.bias": (kv,),
+        "attn_v.weight": (kv, cfg.dim),
+        "attn_v.bias": (kv,),
+        "attn_output.weight": (cfg.dim, q),
+        "attn_output.bias": (cfg.dim,),
+        "attn_q_norm.weight": (cfg.head_dim,),
+        "attn_k_norm.weight": (cfg.head_dim,),
+        "ffn_gate.weight": (cfg.ffn_dim, cfg.dim),
+        "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
         "ffn_down.weight": (cfg.dim, cfg.ffn_dim),
     }.get(name.split(".", 2)[2])
 
@@ -115,9 +141,12 @@ def _check_tensors(model: ModelFile) -> None:
     for name, info in model.tensors.items():
         block = block_of(name)
         if block is not None and block >= cfg.n_layers:
-            raise ConfigError(f"{where}: tensor '{name}' belongs to block {block} but the model "
-                              f"has {cfg.n_layers} blocks")
+            raise ConfigError(
+                f"{where}: tensor '{name}' belongs to block {block} but the model has {cfg.n_layers} blocks"
+            )
         expected = expected_shape(cfg, name)
         if expected is not None and tuple(info.shape) != expected:
-            raise ConfigError(f"{where}: tensor '{name}' has shape {list(info.shape)}, "
-                              f"expected {list(expected)} for this model's config")
+            raise ConfigError(
+                f"{where}: tensor '{name}' has shape {list(info.shape)}, "
+                f"expected {list(expected)} for this model's config"
+            )

@@ -3,6 +3,7 @@
 The `gguf` package's reader builds a numpy view per array element, which takes seconds on a
 128k-token vocabulary; this parser reads the same header with `struct` in a fraction of that.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -22,8 +23,17 @@ SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$
 
 # GGUF metadata value types: (struct format, size) for the fixed-size ones.
 _SCALARS = {
-    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
-    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
 }
 _STRING, _ARRAY = 8, 9
 _ARRAY_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -40,9 +50,11 @@ class _Cursor:
     def take(self, n: int, what: str) -> bytes:
         end = self.pos + n
         if n < 0 or end > len(self.data):
-            raise GGUFError(f"{self.path}: truncated GGUF, file ends at byte {len(self.data)} "
-                            f"while reading {what} (needs {n} bytes at offset {self.pos})")
-        chunk = self.data[self.pos:end]
+            raise GGUFError(
+                f"{self.path}: truncated GGUF, file ends at byte {len(self.data)} "
+                f"while reading {what} (needs {n} bytes at offset {self.pos})"
+            )
+        chunk = self.data[self.pos : end]
         self.pos = end
         return chunk
 
@@ -143,20 +155,23 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFFile:
             raise GGUFError(f"{path}: tensor '{name}' has unknown ggml type {ggml_type}") from None
         block, type_size = GGML_QUANT_SIZES[qtype]
         if dims and dims[0] % block:
-            raise GGUFError(f"{path}: tensor '{name}' row of {dims[0]} is not a multiple of "
-                            f"the {qtype.name} block size {block}")
+            raise GGUFError(
+                f"{path}: tensor '{name}' row of {dims[0]} is not a multiple of the {qtype.name} block size {block}"
+            )
         n_elements = 1
         for d in dims:
             n_elements *= d
         nbytes = n_elements // block * type_size
         start = data_offset + offset
         if start + nbytes > file_size:
-            raise GGUFError(f"{path}: truncated GGUF, tensor '{name}' needs bytes "
-                            f"[{start}, {start + nbytes}) but the file has {file_size}")
-        tensors[name] = TensorInfo(name=name, dtype=qtype.name, shape=tuple(reversed(dims)),
-                                   path=path, offset=start, nbytes=nbytes)
-    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors,
-                    data_offset=data_offset)
+            raise GGUFError(
+                f"{path}: truncated GGUF, tensor '{name}' needs bytes "
+                f"[{start}, {start + nbytes}) but the file has {file_size}"
+            )
+        tensors[name] = TensorInfo(
+            name=name, dtype=qtype.name, shape=tuple(reversed(dims)), path=path, offset=start, nbytes=nbytes
+        )
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, data_offset=data_offset)
 
 
 def split_parts(path: Path) -> list[Path]:

@@ -1,4 +1,5 @@
 """Hugging Face folders: safetensors headers (single file or sharded) under canonical names."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,7 @@ from pathlib import Path
 
 from .tensors import TensorInfo
 
-_DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "BOOL": 1}
+_DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MAX_HEADER = 100 << 20
 
 # Hugging Face Llama-family parameter names -> the GGUF names used everywhere in shardwire.
@@ -67,8 +67,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise SafetensorsError(f"{path}: truncated safetensors file (no header length)")
         (header_len,) = struct.unpack("<Q", raw_len)
         if header_len > min(_MAX_HEADER, size - 8):
-            raise SafetensorsError(f"{path}: safetensors header of {header_len} bytes does not fit "
-                                   f"in a file of {size}")
+            raise SafetensorsError(f"{path}: safetensors header of {header_len} bytes does not fit in a file of {size}")
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -85,10 +84,11 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         for d in shape:
             n *= d
         if end - start != n * _DTYPE_SIZES[dtype] or base + end > size:
-            raise SafetensorsError(f"{path}: tensor '{name}' data [{start}, {end}) does not match "
-                                   f"its shape {list(shape)} {dtype} or the file size {size}")
-        out[name] = TensorInfo(name=name, dtype=dtype, shape=shape, path=path,
-                               offset=base + start, nbytes=end - start)
+            raise SafetensorsError(
+                f"{path}: tensor '{name}' data [{start}, {end}) does not match "
+                f"its shape {list(shape)} {dtype} or the file size {size}"
+            )
+        out[name] = TensorInfo(name=name, dtype=dtype, shape=shape, path=path, offset=base + start, nbytes=end - start)
     return out
 
 
@@ -117,6 +117,5 @@ def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
         for name, info in read_safetensors_header(file).items():
             canon = canonical_name(name)
             if canon is not None:
-                tensors[canon] = TensorInfo(canon, info.dtype, info.shape, info.path, info.offset,
-                                            info.nbytes)
+                tensors[canon] = TensorInfo(canon, info.dtype, info.shape, info.path, info.offset, info.nbytes)
     return config, tensors

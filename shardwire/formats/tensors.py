@@ -1,4 +1,5 @@
 """Where a tensor lives in a model file, and a lazy reader that maps only what is asked for."""
+
 from __future__ import annotations
 
 import mmap

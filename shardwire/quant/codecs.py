@@ -1,6 +1,7 @@
 """GGUF's stored blocks, decoded: plain tensors viewed, quantized ones dequantized or split into
 `Groups` (small integers with a scale and offset per group of columns), in numpy or in torch
 on any device, bit for bit what gguf.quants.dequantize gives."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,8 +77,14 @@ class Groups:
         return w.view(N, K)
 
     def rows(self, index) -> "Groups":
-        return Groups(self.q[index], self.scale[index], None if self.offset is None else self.offset[index],
-                      self.group, self.lo, self.bits)
+        return Groups(
+            self.q[index],
+            self.scale[index],
+            None if self.offset is None else self.offset[index],
+            self.group,
+            self.lo,
+            self.bits,
+        )
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -118,8 +125,8 @@ def _q4_1(b):
 
 def _q5(b, affine: bool):
     start = 4 if affine else 2
-    qs = b[..., start + 4:start + 20]
-    q = torch.cat([qs & 15, qs >> 4], -1) | (_bits32(b[..., start:start + 4]) << 4)
+    qs = b[..., start + 4 : start + 20]
+    q = torch.cat([qs & 15, qs >> 4], -1) | (_bits32(b[..., start : start + 4]) << 4)
     if affine:
         return q, _f16(b[..., 0:2]), _f16(b[..., 2:4])
     return q.to(torch.int8) - 16, _f16(b[..., 0:2]), None
@@ -171,10 +178,16 @@ def _q6_k(b):
 
 # type: (decoder, values per group, smallest q, bits)
 _DECODERS = {
-    "Q4_0": (_q4_0, 32, -8, 4), "Q4_1": (_q4_1, 32, 0, 4),
-    "Q5_0": (lambda b: _q5(b, False), 32, -16, 5), "Q5_1": (lambda b: _q5(b, True), 32, 0, 5),
-    "Q8_0": (_q8_0, 32, -128, 8), "Q2_K": (_q2_k, 16, 0, 2), "Q3_K": (_q3_k, 16, -4, 3),
-    "Q4_K": (_q4_k, 32, 0, 4), "Q5_K": (_q5_k, 32, 0, 5), "Q6_K": (_q6_k, 16, -32, 6),
+    "Q4_0": (_q4_0, 32, -8, 4),
+    "Q4_1": (_q4_1, 32, 0, 4),
+    "Q5_0": (lambda b: _q5(b, False), 32, -16, 5),
+    "Q5_1": (lambda b: _q5(b, True), 32, 0, 5),
+    "Q8_0": (_q8_0, 32, -128, 8),
+    "Q2_K": (_q2_k, 16, 0, 2),
+    "Q3_K": (_q3_k, 16, -4, 3),
+    "Q4_K": (_q4_k, 32, 0, 4),
+    "Q5_K": (_q5_k, 32, 0, 5),
+    "Q6_K": (_q6_k, 16, -32, 6),
 }
 
 
@@ -184,5 +197,6 @@ def unpack(raw: torch.Tensor, dtype: str) -> Groups:
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[dtype]]
     N = raw.shape[0]
     q, scale, offset = decode(raw.view(N, -1, type_size))
-    return Groups(q.reshape(N, -1), scale.reshape(N, -1), None if offset is None else offset.reshape(N, -1),
-                  group, lo, bits)
+    return Groups(
+        q.reshape(N, -1), scale.reshape(N, -1), None if offset is None else offset.reshape(N, -1), group, lo, bits
+    )

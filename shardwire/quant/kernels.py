@@ -1,6 +1,7 @@
 """PyTorch's int4 (groups of 32) and int8 (per row) weight-only matmul kernels, and the int4
 weight layouts they take. The layout differs by device: the CPU op packs [N, K] int32, the CUDA
 one [N, K/2] uint8 pairs."""
+
 from __future__ import annotations
 
 from functools import lru_cache

@@ -17,6 +17,7 @@ matrix then lives on its device in one of these formats:
 Packed modules share the interface of model.Linear (forward(x), optional bias) and also give
 dequantized rows, so an embedding table can be gathered from them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,9 @@ class PackedLinear(nn.Module):
 
     fmt = "?"
 
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype,
-                 compute_dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self, out_features: int, in_features: int, dtype: torch.dtype, compute_dtype: torch.dtype = torch.bfloat16
+    ):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.dtype = dtype  # the stage's: what rows() returns
@@ -106,8 +108,15 @@ class Int4Linear(PackedLinear):
     W = sum_i c_i * ((q_i - 8) * scale + zero). One plane (c = 1) is the int4 format; two
     (c = 16, 1) hold 8 bits (int8x2)."""
 
-    def __init__(self, planes: list[torch.Tensor], sz: torch.Tensor, coefs: tuple[int, ...],
-                 out_features: int, in_features: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        planes: list[torch.Tensor],
+        sz: torch.Tensor,
+        coefs: tuple[int, ...],
+        out_features: int,
+        in_features: int,
+        dtype: torch.dtype,
+    ):
         super().__init__(out_features, in_features, dtype)
         self.fmt = "int4" if len(planes) == 1 else "int8x2"
         self.planes = nn.ParameterList([nn.Parameter(p, requires_grad=False) for p in planes])
@@ -139,7 +148,7 @@ class Int4Linear(PackedLinear):
     def dequantize(self, a=0, b=None):
         b = self.out_features if b is None else b
         end = b if b < self.out_features else self.sz.shape[1]
-        q4s = [unpack_cpu_int4_rows(p, a, end)[:b - a] for p in self.planes]
+        q4s = [unpack_cpu_int4_rows(p, a, end)[: b - a] for p in self.planes]
         return self._weights(q4s, self.sz[:, a:b]).to(self.compute_dtype)
 
     def gather(self, index):
@@ -186,6 +195,7 @@ class GGUFLinear(PackedLinear):
 
 
 # GGUF matrices -> packed modules
+
 
 def _row_chunks(g: Groups):
     step = rows_per_chunk(g.q.shape[1])
@@ -253,8 +263,11 @@ def pack_matrix(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.d
     """Stored rows of a matrix (uint8 [N, bytes per row], rows already in model order) -> its
     module in format `fmt` on `device`; `dtype` is the stage's compute dtype."""
     device = torch.device(device)
-    K = raw.shape[1] // GGML_QUANT_SIZES[GGMLQuantizationType[stored]][1] * \
-        GGML_QUANT_SIZES[GGMLQuantizationType[stored]][0]
+    K = (
+        raw.shape[1]
+        // GGML_QUANT_SIZES[GGMLQuantizationType[stored]][1]
+        * GGML_QUANT_SIZES[GGMLQuantizationType[stored]][0]
+    )
     raw = raw.to(device)
     if fmt == "gguf":
         return GGUFLinear(raw, stored, K, dtype)

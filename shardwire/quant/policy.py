@@ -6,6 +6,7 @@ whose error stays within the stored type's own), compact (packed only where that
 product on the device, else dense). `auto` is not a mode a stage is built with: the plan tries
 `modes_for("auto", ...)` in order, per device, and takes the first that fits.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,18 @@ from ..enums import STAGE_WEIGHT_MODES, WEIGHT_MODES
 from .codecs import PLAIN, stored_nbytes
 from .kernels import GROUP, padded_rows
 
-FAST = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q2_K": "int4", "Q3_K": "int4", "Q8_0": "int8x2",
-        "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8"}
+FAST = {
+    "Q4_0": "int4",
+    "Q4_1": "int4",
+    "Q4_K": "int4",
+    "Q2_K": "int4",
+    "Q3_K": "int4",
+    "Q8_0": "int8x2",
+    "Q5_0": "int8",
+    "Q5_1": "int8",
+    "Q5_K": "int8",
+    "Q6_K": "int8",
+}
 COMPACT = {t: f if f in ("int4", "int8x2") and t not in ("Q2_K", "Q3_K") else "gguf" for t, f in FAST.items()}
 
 # fast: packed where its kernel beats a dense matrix-vector product on the device, else dense.
@@ -43,8 +54,9 @@ def modes_for(requested: str, kernels: bool) -> list[str]:
     return ["fast", "packed", "compact"] if kernels else ["dequant", "compact"]
 
 
-def matrix_format(stored: str, shape: tuple[int, ...], mode: str, kernels: bool, device_type: str,
-                  dtype: torch.dtype) -> str:
+def matrix_format(
+    stored: str, shape: tuple[int, ...], mode: str, kernels: bool, device_type: str, dtype: torch.dtype
+) -> str:
     """How a weight matrix stored as `stored` lives on a device: 'dense' or a packed format."""
     if mode not in STAGE_WEIGHT_MODES:
         raise WeightModeError(f"a stage is built with one of {', '.join(STAGE_WEIGHT_MODES)}, not {mode!r}")
@@ -71,8 +83,16 @@ def format_nbytes(fmt: str, stored: str, shape: tuple[int, ...], dtype: torch.dt
     return planes * n_pad * K // 2 + K // GROUP * n_pad * 4
 
 
-def weight_formats(tensors: Mapping, first: bool, last: bool, tied_embeddings: bool, mode: str,
-                   device_type: str, kernels: bool, dtype: torch.dtype) -> dict[str, str]:
+def weight_formats(
+    tensors: Mapping,
+    first: bool,
+    last: bool,
+    tied_embeddings: bool,
+    mode: str,
+    device_type: str,
+    kernels: bool,
+    dtype: torch.dtype,
+) -> dict[str, str]:
     """How each tensor of a stage (anything with .dtype and .shape, by name) lives on a device of
     `device_type`, with or without the packed kernels, computing in `dtype`: 'dense' or a packed
     format, plus EMBEDDING when the token table needs a copy of its own beside the head."""
@@ -95,6 +115,7 @@ def weight_nbytes(tensors: Mapping, formats: Mapping[str, str], dtype: torch.dty
     total = 0
     for name, fmt in formats.items():
         info = tensors["token_embd.weight" if name == EMBEDDING else name]
-        total += format_nbytes(fmt, info.dtype, tuple(info.shape),
-                               torch.float32 if name == "rope_freqs.weight" else dtype)
+        total += format_nbytes(
+            fmt, info.dtype, tuple(info.shape), torch.float32 if name == "rope_freqs.weight" else dtype
+        )
     return total

@@ -6,6 +6,7 @@ pre-tokenizer splits, same merge order, same byte fallback, same detokenizer cle
 a whole tokenizer.json (a Hugging Face folder, or GGUF metadata with `tokenizer.huggingface.json`) goes
 through the `tokenizers` library instead.
 """
+
 from .base import StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "load_tokenizer"]

@@ -1,5 +1,6 @@
 """The tokenizer interface: Tokenizer (encode, decode, chat template), StreamDecoder, TokenizerError, and
 load_tokenizer, which picks the implementation for a model file."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -97,8 +98,14 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """Render messages with the model's template (ChatML when it has none); encode the result
         with add_special=False, parse_special=True."""
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **extra,
+        )
 
     def check_ids(self, ids) -> list[int]:
         ids = [int(i) for i in ids]
@@ -130,4 +137,3 @@ def load_tokenizer(model) -> Tokenizer:
     if model.format == "hf":
         return Tokenizer.from_hf_folder(model.path)
     raise TokenizerError(f"{model.path}: no tokenizer for model format {model.format!r}")
-

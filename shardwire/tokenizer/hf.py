@@ -1,5 +1,6 @@
 """Tokenizers that carry a whole tokenizer.json (a Hugging Face folder, or GGUF metadata with
 tokenizer.huggingface.json), run through the `tokenizers` library, and their windowed stream decoder."""
+
 from __future__ import annotations
 
 import json
@@ -54,9 +55,15 @@ class HFTokenizer(Tokenizer):
         for name in ("generation_config.json", "config.json"):
             eos = _read_json(folder / name).get("eos_token_id")
             stop_ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-        return cls(hf, bos_id=token_id("bos_token"), eos_id=token_id("eos_token"),
-                   add_bos=config.get("add_bos_token"), add_eos=config.get("add_eos_token"),
-                   chat_template=template, stop_ids=stop_ids)
+        return cls(
+            hf,
+            bos_id=token_id("bos_token"),
+            eos_id=token_id("eos_token"),
+            add_bos=config.get("add_bos_token"),
+            add_eos=config.get("add_eos_token"),
+            chat_template=template,
+            stop_ids=stop_ids,
+        )
 
     @classmethod
     def from_gguf_metadata(cls, md: dict) -> "HFTokenizer":
@@ -67,10 +74,15 @@ class HFTokenizer(Tokenizer):
         except Exception as e:
             raise TokenizerError(f"tokenizer.huggingface.json cannot be loaded ({e})") from None
         ids = {name: md.get(key) for name, key in ID_KEYS.items()}
-        return cls(hf, bos_id=ids["bos"], eos_id=ids["eos"],
-                   add_bos=md.get("tokenizer.ggml.add_bos_token"), add_eos=md.get("tokenizer.ggml.add_eos_token"),
-                   chat_template=md.get("tokenizer.chat_template"),
-                   stop_ids=[ids[k] for k in ("eot", "eom") if ids[k] is not None])
+        return cls(
+            hf,
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            add_bos=md.get("tokenizer.ggml.add_bos_token"),
+            add_eos=md.get("tokenizer.ggml.add_eos_token"),
+            chat_template=md.get("tokenizer.chat_template"),
+            stop_ids=[ids[k] for k in ("eot", "eom") if ids[k] is not None],
+        )
 
     def _encode(self, text: str, parse_special: bool) -> list[int]:
         hf = self._hf if parse_special else self._plain()
@@ -108,21 +120,21 @@ class _WindowStreamDecoder(StreamDecoder):
 
     def _delta(self) -> tuple[str, str]:
         decode = self._tok.decode
-        before = decode(self._ids[self._prefix:self._read], self._skip_special)
-        return before, decode(self._ids[self._prefix:], self._skip_special)
+        before = decode(self._ids[self._prefix : self._read], self._skip_special)
+        return before, decode(self._ids[self._prefix :], self._skip_special)
 
     def _text(self, id: int) -> str:
         self._ids += self._tok.check_ids([id])
         before, now = self._delta()
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self._ids)
-            return now[len(before):]
+            return now[len(before) :]
         return ""
 
     def _text_end(self) -> str:
         before, now = self._delta()
         self._prefix = self._read = len(self._ids)
-        return now[len(before):]
+        return now[len(before) :]
 
 
 def _post_processor_tokens(hf) -> tuple[int | None, int | None]:
@@ -134,7 +146,7 @@ def _post_processor_tokens(hf) -> tuple[int | None, int | None]:
         return None, None
     if not plain or len(full) <= len(plain):
         return None, None
-    at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
     if at is None:
         return None, None
     bos = full[at - 1] if at > 0 else None

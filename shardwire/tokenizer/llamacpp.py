@@ -1,5 +1,6 @@
 """GGUF vocabularies ("llama" SentencePiece, "gpt2" byte-level BPE) tokenized token-for-token as llama.cpp
 (src/llama-vocab.cpp): special-token partition, merges, byte fallback, and the byte-level stream decoder."""
+
 from __future__ import annotations
 
 import codecs
@@ -15,27 +16,84 @@ _TYPE_ATTR = {1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: 
 
 # Token texts llama.cpp treats as end of generation, and the FIM tokens it detects by text
 # (llama_vocab::impl::load). Every EOG token is also forced to CONTROL.
-EOG_TEXTS = frozenset([
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-])
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-              "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+EOG_TEXTS = frozenset(
+    [
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    ]
+)
+_EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+)
 _FIM_TEXTS = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>", "<file_sep>", "<file-sep>"),
 }
-ID_KEYS = {name: f"tokenizer.ggml.{name}_token_id" for name in
-           ("bos", "eos", "eot", "eom", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")}
+ID_KEYS = {
+    name: f"tokenizer.ggml.{name}_token_id"
+    for name in ("bos", "eos", "eot", "eom", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
+}
 ID_KEYS["unk"] = "tokenizer.ggml.unknown_token_id"
 
 
@@ -45,8 +103,10 @@ class LlamaCppTokenizer(Tokenizer):
         if kind is None:
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.model")
         if kind not in ("llama", "gpt2"):
-            raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r} (shardwire reads 'llama' and "
-                                 "'gpt2' vocabularies, or a tokenizer.huggingface.json)")
+            raise TokenizerError(
+                f"unsupported tokenizer.ggml.model {kind!r} (shardwire reads 'llama' and "
+                "'gpt2' vocabularies, or a tokenizer.huggingface.json)"
+            )
         tokens = md.get("tokenizer.ggml.tokens")
         if not tokens:
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens (missing vocabulary)")
@@ -98,6 +158,7 @@ class LlamaCppTokenizer(Tokenizer):
     def _find_special_tokens(self, ids: dict) -> set[int]:
         """Fill in eot/eom/fim ids from token texts and return the end-of-generation set, marking those
         tokens CONTROL, as llama.cpp does."""
+
         def mark(i):
             self.attrs[i] |= CONTROL
 
@@ -281,4 +342,3 @@ class _ByteStreamDecoder(StreamDecoder):
 
     def _text_end(self) -> str:
         return self._utf8.decode(b"", final=True)
-

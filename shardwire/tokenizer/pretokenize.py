@@ -1,6 +1,7 @@
 """llama.cpp's byte-level BPE text handling: the pre-tokenizer splits it picks by tokenizer.ggml.pre, GPT-2's
 byte <-> printable-character mapping, the pair-merge loop shared by SentencePiece and BPE, and the detokenizer's
 clean-spaces rule."""
+
 from __future__ import annotations
 
 import heapq
@@ -15,11 +16,15 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
-           r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _stage(pattern: str, hand_written: bool):
@@ -37,23 +42,47 @@ PRE_STAGES = {
     "gpt2": [_stage(_GPT2, True)],
     "tekken": [_stage(_TEKKEN, False)],
     "starcoder": [_stage(r"\p{N}", False), _stage(_GPT2, True)],
-    "default": [_stage(r"[\p{P}\$\+<=>\^~\|]+", False), _stage(_GPT2, True),
-                _stage(r"\p{N}+", False), _stage(r"[0-9][0-9][0-9]", False)],
+    "default": [
+        _stage(r"[\p{P}\$\+<=>\^~\|]+", False),
+        _stage(_GPT2, True),
+        _stage(r"\p{N}+", False),
+        _stage(r"[0-9][0-9][0-9]", False),
+    ],
 }
 # tokenizer.ggml.pre -> (stages, ignore_merges, clean_spaces, default add_bos)
 PRE_TYPES = {
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                     "lfm2", "jina-v5-nano"], ("llama3", True, True, True)),
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"],
+        ("llama3", True, True, True),
+    ),
     **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False, True, False)),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open"],
-                    ("qwen2", False, False, False)),
+    **dict.fromkeys(
+        ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open"], ("qwen2", False, False, False)
+    ),
     **dict.fromkeys(["stablelm2", "megrez"], ("qwen2", False, True, False)),
     "qwen35": ("qwen35", False, False, False),
-    **dict.fromkeys(["gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
-                     "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo", "jais", "exaone4"],
-                    ("gpt2", False, True, False)),
-    **dict.fromkeys(["starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"],
-                    ("starcoder", False, True, False)),
+    **dict.fromkeys(
+        [
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "mpt",
+            "olmo",
+            "jais",
+            "exaone4",
+        ],
+        ("gpt2", False, True, False),
+    ),
+    **dict.fromkeys(
+        ["starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"], ("starcoder", False, True, False)
+    ),
     **dict.fromkeys(["smollm", "command-r"], ("starcoder", False, False, False)),
     "tekken": ("tekken", True, False, True),
     "default": ("default", False, True, False),
@@ -81,31 +110,35 @@ def split_words(text: str, stages) -> list[str]:
 # llama.cpp classifies code points with Unicode 15.1 tables, where everything assigned since (Unicode
 # 16.0 and 17.0, which the regex module knows) is unassigned. Before splitting, these are replaced by
 # U+0378, unassigned in every version, so \p{L}, \p{N}, \s... see them as llama.cpp does.
-_NEWER_UNICODE = regex.compile("[" + (
-    r"\u0558\u058b-\u058c\u05c8-\u05c9\u088f\u0897\u0b53-\u0b54\u0c5c\u0cdc\u1acf-\u1af0\u1b4e-\u1b4f\u1b7f"
-    r"\u1c89-\u1c8a\u208f\u209d-\u209f\u20c1-\u20c4\u2427-\u2429\u2b96\u2e60-\u2e63\u31e4-\u31e5"
-    r"\ua7cb-\ua7cf\ua7d2\ua7d4\ua7da-\ua7dd\ua7e2\ua7f1\uab6c-\uab6d\ufbc3-\ufbd2\ufd90-\ufd91\ufdc8-\ufdce"
-    r"\U000105c0-\U000105f3\U000107bb-\U000107bf\U00010940-\U00010959\U00010d40-\U00010d65"
-    r"\U00010d69-\U00010d85\U00010d8e-\U00010d8f\U00010ec2-\U00010ec7\U00010ec9-\U00010eee"
-    r"\U00010ef0-\U00010efc\U00011380-\U00011389\U0001138b\U0001138e\U00011390-\U000113b5"
-    r"\U000113b7-\U000113c0\U000113c2\U000113c5\U000113c7-\U000113ca\U000113cc-\U000113d5"
-    r"\U000113d7-\U000113d8\U000113e1-\U000113e2\U000116d0-\U000116e3\U00011b0a\U00011b60-\U00011b67"
-    r"\U00011bc0-\U00011be1\U00011bf0-\U00011bf9\U00011db0-\U00011ddb\U00011de0-\U00011de9"
-    r"\U00011df0-\U00011df1\U00011f5a\U0001246f\U00012475-\U0001247f\U00012550-\U00012686"
-    r"\U00013460-\U000143fa\U00016100-\U00016139\U00016d40-\U00016d79\U00016ea0-\U00016eb8"
-    r"\U00016ebb-\U00016ed3\U00016ff2-\U00016ff6\U000187f8-\U000187ff\U00018cd6-\U00018cda\U00018cff"
-    r"\U00018d09-\U00018d20\U00018d80-\U00018df2\U00018e00-\U00019191\U000191a0-\U000191d2"
-    r"\U0001b123-\U0001b128\U0001b168\U0001cc00-\U0001ccfc\U0001cd00-\U0001ceb3\U0001ceba-\U0001ced0"
-    r"\U0001ced2-\U0001ced4\U0001cedd-\U0001cefd\U0001d127-\U0001d128\U0001d1eb-\U0001d1ff"
-    r"\U0001d250-\U0001d281\U0001d6a6\U0001db00-\U0001db1c\U0001df1f-\U0001df24\U0001df2b-\U0001df81"
-    r"\U0001df90-\U0001df96\U0001dfcd-\U0001dfff\U0001e5d0-\U0001e5fa\U0001e5ff\U0001e6c0-\U0001e6de"
-    r"\U0001e6e0-\U0001e6f5\U0001e6fe-\U0001e6ff\U0001f1ae\U0001f6d8-\U0001f6d9\U0001f777-\U0001f77a"
-    r"\U0001f7da-\U0001f7db\U0001f7f1-\U0001f7ff\U0001f8b2-\U0001f8bb\U0001f8c0-\U0001f8c1"
-    r"\U0001f8d0-\U0001f8d8\U0001fa54-\U0001fa57\U0001fa89-\U0001fa8f\U0001fabe\U0001fac6\U0001fac8"
-    r"\U0001facc-\U0001facd\U0001fadc-\U0001fadd\U0001fadf\U0001fae9-\U0001faeb\U0001faef"
-    r"\U0001faf9-\U0001fafa\U0001fbcb-\U0001fbef\U0001fbfa\U0002b73a-\U0002b73f\U0002b81e"
-    r"\U0002cea2-\U0002cead\U000323b0-\U00033479\U0003d000-\U0003fc3f"
-) + "]")
+_NEWER_UNICODE = regex.compile(
+    "["
+    + (
+        r"\u0558\u058b-\u058c\u05c8-\u05c9\u088f\u0897\u0b53-\u0b54\u0c5c\u0cdc\u1acf-\u1af0\u1b4e-\u1b4f\u1b7f"
+        r"\u1c89-\u1c8a\u208f\u209d-\u209f\u20c1-\u20c4\u2427-\u2429\u2b96\u2e60-\u2e63\u31e4-\u31e5"
+        r"\ua7cb-\ua7cf\ua7d2\ua7d4\ua7da-\ua7dd\ua7e2\ua7f1\uab6c-\uab6d\ufbc3-\ufbd2\ufd90-\ufd91\ufdc8-\ufdce"
+        r"\U000105c0-\U000105f3\U000107bb-\U000107bf\U00010940-\U00010959\U00010d40-\U00010d65"
+        r"\U00010d69-\U00010d85\U00010d8e-\U00010d8f\U00010ec2-\U00010ec7\U00010ec9-\U00010eee"
+        r"\U00010ef0-\U00010efc\U00011380-\U00011389\U0001138b\U0001138e\U00011390-\U000113b5"
+        r"\U000113b7-\U000113c0\U000113c2\U000113c5\U000113c7-\U000113ca\U000113cc-\U000113d5"
+        r"\U000113d7-\U000113d8\U000113e1-\U000113e2\U000116d0-\U000116e3\U00011b0a\U00011b60-\U00011b67"
+        r"\U00011bc0-\U00011be1\U00011bf0-\U00011bf9\U00011db0-\U00011ddb\U00011de0-\U00011de9"
+        r"\U00011df0-\U00011df1\U00011f5a\U0001246f\U00012475-\U0001247f\U00012550-\U00012686"
+        r"\U00013460-\U000143fa\U00016100-\U00016139\U00016d40-\U00016d79\U00016ea0-\U00016eb8"
+        r"\U00016ebb-\U00016ed3\U00016ff2-\U00016ff6\U000187f8-\U000187ff\U00018cd6-\U00018cda\U00018cff"
+        r"\U00018d09-\U00018d20\U00018d80-\U00018df2\U00018e00-\U00019191\U000191a0-\U000191d2"
+        r"\U0001b123-\U0001b128\U0001b168\U0001cc00-\U0001ccfc\U0001cd00-\U0001ceb3\U0001ceba-\U0001ced0"
+        r"\U0001ced2-\U0001ced4\U0001cedd-\U0001cefd\U0001d127-\U0001d128\U0001d1eb-\U0001d1ff"
+        r"\U0001d250-\U0001d281\U0001d6a6\U0001db00-\U0001db1c\U0001df1f-\U0001df24\U0001df2b-\U0001df81"
+        r"\U0001df90-\U0001df96\U0001dfcd-\U0001dfff\U0001e5d0-\U0001e5fa\U0001e5ff\U0001e6c0-\U0001e6de"
+        r"\U0001e6e0-\U0001e6f5\U0001e6fe-\U0001e6ff\U0001f1ae\U0001f6d8-\U0001f6d9\U0001f777-\U0001f77a"
+        r"\U0001f7da-\U0001f7db\U0001f7f1-\U0001f7ff\U0001f8b2-\U0001f8bb\U0001f8c0-\U0001f8c1"
+        r"\U0001f8d0-\U0001f8d8\U0001fa54-\U0001fa57\U0001fa89-\U0001fa8f\U0001fabe\U0001fac6\U0001fac8"
+        r"\U0001facc-\U0001facd\U0001fadc-\U0001fadd\U0001fadf\U0001fae9-\U0001faeb\U0001faef"
+        r"\U0001faf9-\U0001fafa\U0001fbcb-\U0001fbef\U0001fbfa\U0002b73a-\U0002b73f\U0002b81e"
+        r"\U0002cea2-\U0002cead\U000323b0-\U00033479\U0003d000-\U0003fc3f"
+    )
+    + "]"
+)
 
 
 def _byte_chars() -> list[str]:
@@ -158,7 +191,7 @@ def merge_symbols(word: str, priority) -> list[str]:
             consider(prev[left], left)
     pieces, i = [], 0
     while i < n:
-        pieces.append(word[i:end[i]])
+        pieces.append(word[i : end[i]])
         i = end[i]
     return pieces
 
@@ -188,4 +221,3 @@ def clean_spaces(text: str) -> str:
     text = _SPACE_BEFORE_PUNCT.sub("", text)
     text = text.replace(" ' ", "'")
     return _SPACE_BEFORE_CONTRACTION.sub("", text)
-

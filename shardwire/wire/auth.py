@@ -5,6 +5,7 @@ the other side's nonce is new each time.
     client -> HELLO(client nonce)      worker -> CHALLENGE(worker nonce)
     client -> AUTH(client proof)       worker -> WELCOME(worker proof), only if the client's was right
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,9 @@ def new_nonce() -> bytes:
 
 
 def _mac(token: str, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token.encode(), label + b"".join(len(p).to_bytes(2, "big") + p for p in parts),
-                    hashlib.sha256).digest()
+    return hmac.new(
+        token.encode(), label + b"".join(len(p).to_bytes(2, "big") + p for p in parts), hashlib.sha256
+    ).digest()
 
 
 def server_proof(token: str, client_nonce: bytes, server_nonce: bytes) -> bytes:

@@ -1,4 +1,5 @@
 """A framed, authenticated connection over a TCP (optionally TLS) socket."""
+
 from __future__ import annotations
 
 import socket
@@ -79,9 +80,17 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
-def connect(host: str, port: int, *, token: str | None, role: str = "coordinator",
-            timeout: float = 10.0, tls: ClientTLS | None = None, pin: str | None = None,
-            limits: Limits | None = None) -> tuple[Connection, Challenge]:
+def connect(
+    host: str,
+    port: int,
+    *,
+    token: str | None,
+    role: str = "coordinator",
+    timeout: float = 10.0,
+    tls: ClientTLS | None = None,
+    pin: str | None = None,
+    limits: Limits | None = None,
+) -> tuple[Connection, Challenge]:
     """Open a connection (TLS first when `tls` is given) and run the HELLO handshake as the
     client. The worker must be trusted (CA or pinned fingerprint) before anything is sent,
     and with a token it must also prove it knows the token: a coordinator never sends a

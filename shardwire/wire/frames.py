@@ -12,6 +12,7 @@
 Every length is checked against limits before anything is allocated, and the msgpack
 header is decoded with its own size limits; nothing off the wire is ever executed.
 """
+
 from __future__ import annotations
 
 import socket
@@ -93,9 +94,16 @@ def parse_fixed(raw: bytes, limits: Limits) -> tuple[MessageType, int, int, int]
 
 def decode_header(raw: bytes, limits: Limits) -> dict:
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
-                                 max_str_len=limits.max_header, max_bin_len=limits.max_header,
-                                 max_array_len=1 << 20, max_map_len=1 << 16, max_ext_len=0)
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_header,
+            max_bin_len=limits.max_header,
+            max_array_len=1 << 20,
+            max_map_len=1 << 16,
+            max_ext_len=0,
+        )
     except Exception as e:  # msgpack raises many types on malformed input
         raise FrameError(f"malformed msgpack header: {type(e).__name__}") from None
     if not isinstance(header, dict):
@@ -130,8 +138,13 @@ def read_frame(sock: socket.socket, limits: Limits, payload_into=None) -> Frame:
     return Frame(mtype, header, payload, request)
 
 
-def send_frame(sock: socket.socket, type: MessageType, header: dict | None = None,
-               payload: bytes | bytearray | memoryview = b"", request: int = 0) -> int:
+def send_frame(
+    sock: socket.socket,
+    type: MessageType,
+    header: dict | None = None,
+    payload: bytes | bytearray | memoryview = b"",
+    request: int = 0,
+) -> int:
     """Send one frame; returns the bytes written."""
     view = memoryview(payload).cast("B") if len(payload) else b""
     head = pack_header(type, header or {}, len(view), request)

@@ -5,7 +5,11 @@ naming the one that is wrong.
 Parsers check shape and range only; whether a value fits the current plan (a slot, a layer
 range, a memory budget) is the receiver's check. `MESSAGES` maps each frame type to its
 message; `parse_message` reads any frame's header by it.
+
+Longer than the other modules on purpose: it is the whole protocol, and keeping every message in
+one file is what lets a reader check both sides against one declaration.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -93,10 +97,12 @@ MESSAGES: dict[MessageType, type["Message"]] = {}
 
 def message(type: MessageType):
     """Register a message class as the header of frames of `type`."""
+
     def register(cls):
         cls.TYPE = type
         MESSAGES[type] = cls
         return cls
+
     return register
 
 
@@ -116,6 +122,7 @@ def parse_message(frame: Frame) -> Message:
 
 
 # -- handshake ---------------------------------------------------------------------------
+
 
 @message(MessageType.HELLO)
 @dataclass
@@ -177,6 +184,7 @@ class Error(Message):
 
 # -- liveness and control ------------------------------------------------------------------
 
+
 @dataclass
 class _Clock(Message):
     t: float = 0.0  # the pinging side's clock, echoed back
@@ -226,6 +234,7 @@ class Free(Message):
 
 # -- devices and plans -------------------------------------------------------------------
 
+
 @dataclass
 class DeviceInfo:
     name: str
@@ -237,8 +246,13 @@ class DeviceInfo:
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
         d = _map(d, what)
-        return cls(_str(d, "name", what, 64), _int(d, "free", what), _int(d, "total", what),
-                   _str(d, "dtype", what, 16, COMPUTE_DTYPES), _get(d, "kernels", bool, what))
+        return cls(
+            _str(d, "name", what, 64),
+            _int(d, "free", what),
+            _int(d, "total", what),
+            _str(d, "dtype", what, 16, COMPUTE_DTYPES),
+            _get(d, "kernels", bool, what),
+        )
 
 
 @message(MessageType.DEVICES)
@@ -274,9 +288,16 @@ class TensorSpec:
         file = _str(d, "file", what, 255)
         if "/" in file or "\\" in file or file in ("", ".", ".."):
             raise FrameError(f"{what}: file must be a plain base name")
-        return cls(_str(d, "name", what, 128), _str(d, "dtype", what, 8, STORED_TYPES), shape,
-                   _int(d, "nbytes", what, 1, 1 << 40), _hash(d, "hash", what), file, _int(d, "file_size", what),
-                   _int(d, "offset", what))
+        return cls(
+            _str(d, "name", what, 128),
+            _str(d, "dtype", what, 8, STORED_TYPES),
+            shape,
+            _int(d, "nbytes", what, 1, 1 << 40),
+            _hash(d, "hash", what),
+            file,
+            _int(d, "file_size", what),
+            _int(d, "offset", what),
+        )
 
 
 @dataclass
@@ -295,11 +316,17 @@ class StageSpec:
     def parse(cls, d) -> "StageSpec":
         d, what = _map(d, "ASSIGN stage"), "ASSIGN stage"
         tensors = [TensorSpec.parse(t) for t in _list(d, "tensors", what, 1 << 16)]
-        stage = cls(_int(d, "index", what, 0, 1 << 16), _str(d, "device", what, 32),
-                    _int(d, "start", what, 0, 1 << 16), _int(d, "end", what, 0, 1 << 16),
-                    _get(d, "first", bool, what), _get(d, "last", bool, what),
-                    _str(d, "dtype", what, 16, COMPUTE_DTYPES), _str(d, "weights", what, 16, STAGE_WEIGHT_MODES),
-                    tensors)
+        stage = cls(
+            _int(d, "index", what, 0, 1 << 16),
+            _str(d, "device", what, 32),
+            _int(d, "start", what, 0, 1 << 16),
+            _int(d, "end", what, 0, 1 << 16),
+            _get(d, "first", bool, what),
+            _get(d, "last", bool, what),
+            _str(d, "dtype", what, 16, COMPUTE_DTYPES),
+            _str(d, "weights", what, 16, STAGE_WEIGHT_MODES),
+            tensors,
+        )
         if stage.start > stage.end:
             raise FrameError(f"{what}: start {stage.start} > end {stage.end}")
         return stage
@@ -308,6 +335,7 @@ class StageSpec:
 @dataclass
 class NextHop:
     """The worker holding the following stage, and its TLS certificate as the coordinator verified it."""
+
     host: str
     port: int
     fingerprint: str | None = None
@@ -350,11 +378,17 @@ class Assign(Message):
             if b.start != a.end or b.index != a.index + 1:
                 raise FrameError(f"{what}: stages are not consecutive")
         nxt = h.get("next")
-        return cls(_str(h, "plan", what, 64), _str(h, "coordinator", what, 64),
-                   _map(_get(h, "config", dict, what), what), _get(h, "qk_interleaved", bool, what),
-                   _int(h, "n_slots", what, 1, 4096), _int(h, "ctx", what, 1, 1 << 24),
-                   _int(h, "prefill_chunk", what, 1, 1 << 20), stages,
-                   None if nxt is None else NextHop.parse(nxt))
+        return cls(
+            _str(h, "plan", what, 64),
+            _str(h, "coordinator", what, 64),
+            _map(_get(h, "config", dict, what), what),
+            _get(h, "qk_interleaved", bool, what),
+            _int(h, "n_slots", what, 1, 4096),
+            _int(h, "ctx", what, 1, 1 << 24),
+            _int(h, "prefill_chunk", what, 1, 1 << 20),
+            stages,
+            None if nxt is None else NextHop.parse(nxt),
+        )
 
 
 @message(MessageType.NEED)
@@ -374,6 +408,7 @@ class Need(Message):
 @dataclass
 class Weights(Message):
     """One chunk of one tensor's bytes; the payload is the chunk."""
+
     hash: str
     offset: int
     total: int
@@ -407,17 +442,21 @@ class Ready(Message):
         sources = _map(_get(h, "sources", dict, "READY"), "READY")
         if set(sources) - set(SOURCE_KINDS):
             raise FrameError(f"READY: sources must be among {', '.join(SOURCE_KINDS)}")
-        return cls([StageReport.parse(s) for s in _list(h, "stages", "READY", 64)],
-                   {k: _int(sources, k, "READY sources") for k in sources})
+        return cls(
+            [StageReport.parse(s) for s in _list(h, "stages", "READY", 64)],
+            {k: _int(sources, k, "READY sources") for k in sources},
+        )
 
 
 # -- the data path -----------------------------------------------------------------------
+
 
 @message(MessageType.FORWARD)
 @dataclass
 class Forward(Message):
     """One step for a batch of rows; the payload is int32 token ids (into the first stage) or
     hidden states (between stages)."""
+
     plan: str
     step: int
     rows: list[tuple[int, int, int]]  # (slot, start position, new tokens)
@@ -434,8 +473,11 @@ class Forward(Message):
             raise FrameError(f"{what}: no rows")
         parsed = []
         for r in rows:
-            if (not isinstance(r, list) or len(r) != 3
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in r)):
+            if (
+                not isinstance(r, list)
+                or len(r) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in r)
+            ):
                 raise FrameError(f"{what}: a row must be [slot, start, n] of non-negative ints")
             parsed.append(tuple(r))
         widths = {r[2] for r in parsed}
@@ -467,9 +509,15 @@ class Forward(Message):
     @classmethod
     def of_rows(cls, plan: str, step: int, rows) -> "Forward":
         """The first stage's FORWARD for rows with .slot, .start, .tokens, .sampling and .recent."""
-        return cls(plan, step, [(r.slot, r.start, len(r.tokens)) for r in rows],
-                   [r.sampling.to_dict() if r.sampling is not None else None for r in rows],
-                   [list(r.recent) for r in rows], "int32", [len(rows), len(rows[0].tokens)])
+        return cls(
+            plan,
+            step,
+            [(r.slot, r.start, len(r.tokens)) for r in rows],
+            [r.sampling.to_dict() if r.sampling is not None else None for r in rows],
+            [list(r.recent) for r in rows],
+            "int32",
+            [len(rows), len(rows[0].tokens)],
+        )
 
     def passing_on(self, dtype: str, shape: list[int]) -> "Forward":
         """The same step, carrying hidden states of `dtype` and `shape` to the next stage."""
@@ -479,8 +527,15 @@ class Forward(Message):
         return PAYLOAD_DTYPES[self.dtype] * math.prod(self.shape)
 
     def to_wire(self) -> dict:
-        return {"plan": self.plan, "step": self.step, "rows": [list(r) for r in self.rows],
-                "sampling": self.sampling, "recent": self.recent, "dtype": self.dtype, "shape": self.shape}
+        return {
+            "plan": self.plan,
+            "step": self.step,
+            "rows": [list(r) for r in self.rows],
+            "sampling": self.sampling,
+            "recent": self.recent,
+            "dtype": self.dtype,
+            "shape": self.shape,
+        }
 
 
 @message(MessageType.RESULT)
@@ -494,23 +549,38 @@ class Result(Message):
     def parse(cls, h: dict) -> "Result":
         tokens = _list(h, "tokens", "RESULT", MAX_ROWS)
         logprobs = _list(h, "logprobs", "RESULT", MAX_ROWS)
-        if not all(t is None or (isinstance(t, int) and not isinstance(t, bool) and t >= 0) for t in tokens) \
-                or len(logprobs) != len(tokens):
+        if not all(t is None or (isinstance(t, int) and not isinstance(t, bool) and t >= 0) for t in tokens) or len(
+            logprobs
+        ) != len(tokens):
             raise FrameError("RESULT: bad tokens")
         for lp in logprobs:
-            if lp is not None and not (isinstance(lp, list) and len(lp) == 2 and isinstance(lp[0], (int, float))
-                                       and isinstance(lp[1], list)
-                                       and all(isinstance(t, list) and len(t) == 2 for t in lp[1])):
+            if lp is not None and not (
+                isinstance(lp, list)
+                and len(lp) == 2
+                and isinstance(lp[0], (int, float))
+                and isinstance(lp[1], list)
+                and all(isinstance(t, list) and len(t) == 2 for t in lp[1])
+            ):
                 raise FrameError("RESULT: bad logprobs")
         return cls(_int(h, "step", "RESULT"), tokens, logprobs)
 
     @classmethod
     def of_sampled(cls, step: int, sampled: list[Sampled | None]) -> "Result":
-        return cls(step, [s.token if s is not None else None for s in sampled],
-                   [[s.logprob, [list(t) for t in s.top]] if s is not None and s.logprob is not None else None
-                    for s in sampled])
+        return cls(
+            step,
+            [s.token if s is not None else None for s in sampled],
+            [
+                [s.logprob, [list(t) for t in s.top]] if s is not None and s.logprob is not None else None
+                for s in sampled
+            ],
+        )
 
     def sampled(self) -> list[Sampled | None]:
-        return [None if token is None else Sampled(token) if lp is None
-                else Sampled(token, lp[0], [tuple(t) for t in lp[1]])
-                for token, lp in zip(self.tokens, self.logprobs)]
+        return [
+            None
+            if token is None
+            else Sampled(token)
+            if lp is None
+            else Sampled(token, lp[0], [tuple(t) for t in lp[1]])
+            for token, lp in zip(self.tokens, self.logprobs)
+        ]

@@ -1,5 +1,6 @@
 """TLS for every link, with the standard library's ssl: a CA, or pinned certificate
 fingerprints for people without one."""
+
 from __future__ import annotations
 
 import datetime
@@ -29,6 +30,7 @@ def normalize_pin(pin: str) -> str:
 class ServerTLS:
     """A worker's side: its certificate, and optionally the CA its clients must present a
     certificate from (mutual TLS)."""
+
     cert: Path
     key: Path
     client_ca: Path | None = None
@@ -50,6 +52,7 @@ class ServerTLS:
 class ClientTLS:
     """A connecting side (coordinator, or a worker reaching the next stage): trust a CA, or
     exactly the pinned fingerprints; present a certificate of its own for mutual TLS."""
+
     ca: Path | None = None
     pins: set[str] = field(default_factory=set)
     cert: Path | None = None
@@ -85,8 +88,9 @@ class ClientTLS:
         return ClientTLS(self.ca, set(self.pins) | ({pin} if pin else set()), self.cert, self.key)
 
 
-def generate_certificate(out_dir: Path, hosts: list[str], days: int = 3650,
-                         name: str = "shardwire") -> tuple[Path, Path, str]:
+def generate_certificate(
+    out_dir: Path, hosts: list[str], days: int = 3650, name: str = "shardwire"
+) -> tuple[Path, Path, str]:
     """A self-signed certificate and key for `hosts` (names and IP addresses);
     returns (cert path, key path, fingerprint)."""
     from cryptography import x509
@@ -103,16 +107,23 @@ def generate_certificate(out_dir: Path, hosts: list[str], days: int = 3650,
         except ValueError:
             alt.append(x509.DNSName(h))
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     cert_path, key_path = out_dir / f"{name}.crt", out_dir / f"{name}.key"
     key_path.touch(mode=0o600)
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path, fingerprint(cert.public_bytes(serialization.Encoding.DER))

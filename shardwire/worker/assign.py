@@ -1,12 +1,13 @@
 """An ASSIGN on a worker: check it against the model and this worker's devices and memory,
 build its stages from the weights found, and link them to the next stage's worker."""
+
 from __future__ import annotations
 
 from ..config import ModelConfig
 from ..devices import free_memory, parse_dtype, torch_device
 from ..formats import expected_shape, required_tensors
 from ..loading import build_stage
-from ..plan import gib, stage_cost
+from ..plan import PlanDevice, PlannedStage, gib, stage_cost
 from ..quant.codecs import stored_nbytes
 from ..quant.kernels import kernels_on
 from ..wire.conn import Connection, connect
@@ -30,15 +31,17 @@ def check_assign(assign: Assign, cfg: ModelConfig, devices: list[str], mem: int 
             raise PlanRejected(f"device {spec.device} is not one of this worker's ({', '.join(devices)})")
         if spec.end > cfg.n_layers or spec.first != (spec.start == 0) or spec.last != (spec.end == cfg.n_layers):
             raise PlanRejected(f"stage {spec.index} blocks [{spec.start}, {spec.end}) do not fit the model")
-        missing = set(required_tensors(cfg, spec.start, spec.end, spec.first, spec.last)) - {t.name for t in spec.tensors}
+        missing = set(required_tensors(cfg, spec.start, spec.end, spec.first, spec.last)) - {
+            t.name for t in spec.tensors
+        }
         if missing:
             raise PlanRejected(f"stage {spec.index} lacks tensor {sorted(missing)[0]}")
         for t in spec.tensors:
             _check_tensor(cfg, spec, t)
-        cost = stage_cost(cfg, {t.name: t for t in spec.tensors}, spec.start, spec.end, spec.first, spec.last,
-                          device_type=spec.device.split(":")[0], kernels=kernels_on(torch_device(spec.device)),
-                          dtype=spec.dtype, weights=spec.weights, n_slots=assign.n_slots, ctx=assign.ctx,
-                          chunk=assign.prefill_chunk)
+        here = PlanDevice("", spec.device, 0, spec.dtype, kernels_on(torch_device(spec.device)))
+        planned = PlannedStage(here, spec.start, spec.end, spec.first, spec.last)
+        tensors = {t.name: t for t in spec.tensors}
+        cost = stage_cost(cfg, tensors, planned, spec.weights, assign.n_slots, assign.ctx, assign.prefill_chunk)
         need[spec.device] = need.get(spec.device, 0) + cost.total_bytes
     for device, n in need.items():
         free = free_memory(device)
@@ -60,21 +63,48 @@ def _check_tensor(cfg: ModelConfig, spec: StageSpec, t: TensorSpec) -> None:
         raise PlanRejected(f"tensor {t.name}: {t.nbytes} bytes do not match {t.dtype} {t.shape}")
 
 
-def build_ring(assign: Assign, cfg: ModelConfig, found: FoundWeights, coordinator: Connection, *, worker_id: str,
-               token: str | None, limits: Limits, peer_tls: ClientTLS, idle_timeout: float) -> Ring:
+def build_ring(
+    assign: Assign,
+    cfg: ModelConfig,
+    found: FoundWeights,
+    coordinator: Connection,
+    *,
+    worker_id: str,
+    token: str | None,
+    limits: Limits,
+    peer_tls: ClientTLS,
+    idle_timeout: float,
+) -> Ring:
     """Load every stage of the plan and connect to the next stage's worker; raises OSError,
     ValueError or RuntimeError when that cannot be done."""
     runners = []
     for spec in assign.stages:
         tensors = {t.name: found.infos[t.hash] for t in spec.tensors}
-        stage = build_stage(cfg, spec.start, spec.end, spec.first, spec.last, tensors, found.reader.read,
-                            assign.qk_interleaved, torch_device(spec.device), parse_dtype(spec.dtype),
-                            weights=spec.weights)
+        stage = build_stage(
+            cfg,
+            spec.start,
+            spec.end,
+            spec.first,
+            spec.last,
+            tensors,
+            found.reader.read,
+            assign.qk_interleaved,
+            torch_device(spec.device),
+            parse_dtype(spec.dtype),
+            weights=spec.weights,
+        )
         stage.allocate_cache(assign.n_slots, assign.ctx)
         runners.append(StageRunner(spec, stage))
     next_conn = None
     if assign.next is not None:
         nxt = assign.next
-        next_conn, _ = connect(nxt.host, nxt.port, token=token, role="peer", limits=limits,
-                               tls=peer_tls if nxt.fingerprint else None, pin=nxt.fingerprint)
+        next_conn, _ = connect(
+            nxt.host,
+            nxt.port,
+            token=token,
+            role="peer",
+            limits=limits,
+            tls=peer_tls if nxt.fingerprint else None,
+            pin=nxt.fingerprint,
+        )
     return Ring(assign, cfg, runners, coordinator, next_conn, found, worker_id, idle_timeout)

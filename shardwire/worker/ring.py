@@ -5,6 +5,7 @@ the right size); the stage threads run it in turn and hand the result to the nex
 this process, over the peer connection to the next worker, or, after the last stage, sample
 and answer the coordinator with a RESULT.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,6 +32,7 @@ log = logging.getLogger("shardwire.worker")
 @dataclass
 class StageRunner:
     """One stage and the thread that runs it."""
+
     spec: StageSpec
     stage: Stage
     queue: "queue.Queue[tuple[Forward, torch.Tensor] | None]" = field(default_factory=queue.Queue)
@@ -38,8 +40,17 @@ class StageRunner:
 
 
 class Ring:
-    def __init__(self, assign: Assign, config: ModelConfig, runners: list[StageRunner], coordinator: Connection,
-                 next_conn: Connection | None, weights: FoundWeights, worker_id: str, idle_timeout: float):
+    def __init__(
+        self,
+        assign: Assign,
+        config: ModelConfig,
+        runners: list[StageRunner],
+        coordinator: Connection,
+        next_conn: Connection | None,
+        weights: FoundWeights,
+        worker_id: str,
+        idle_timeout: float,
+    ):
         self.id, self.coordinator_id = assign.plan, assign.coordinator
         self.config, self.n_slots, self.ctx = config, assign.n_slots, assign.ctx
         self.runners, self.coordinator, self.next_conn = runners, coordinator, next_conn
@@ -54,8 +65,9 @@ class Ring:
 
     def start(self) -> None:
         for i, runner in enumerate(self.runners):
-            runner.thread = threading.Thread(target=self._run_stage, args=(i,), daemon=True,
-                                             name=f"stage-{runner.spec.index}")
+            runner.thread = threading.Thread(
+                target=self._run_stage, args=(i,), daemon=True, name=f"stage-{runner.spec.index}"
+            )
             runner.thread.start()
         if self.next_conn is not None:
             threading.Thread(target=self._watch_next, daemon=True, name="next-hop").start()
@@ -79,8 +91,9 @@ class Ring:
             if start + n > self.ctx:
                 raise FrameError(f"FORWARD: positions up to {start + n} exceed the context of {self.ctx}")
             if start > self.filled[slot]:
-                raise FrameError(f"FORWARD: slot {slot} holds {self.filled[slot]} positions, "
-                                 f"a step cannot start at {start}")
+                raise FrameError(
+                    f"FORWARD: slot {slot} holds {self.filled[slot]} positions, a step cannot start at {start}"
+                )
         if self.runners[-1].spec.last:
             for s in msg.sampling:
                 if s is not None:
@@ -95,8 +108,9 @@ class Ring:
     def enqueue(self, conn: Connection, msg: Forward, x: torch.Tensor) -> None:
         if x.dtype == torch.int32 and x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab_size):
             # a well-formed frame with a bad request in it: refuse the step, keep the link
-            conn.send_error("step", f"worker {self.worker_id}: token ids must be in "
-                                    f"[0, {self.config.vocab_size})", request=msg.step)
+            conn.send_error(
+                "step", f"worker {self.worker_id}: token ids must be in [0, {self.config.vocab_size})", request=msg.step
+            )
             return
         self.runners[0].queue.put((msg, x))
 
@@ -139,8 +153,10 @@ class Ring:
         self.next_conn.send(wire, out.view(torch.uint8).numpy(), request=msg.step)
 
     def _send_result(self, msg: Forward, logits: torch.Tensor) -> None:
-        rows = [Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent)
-                for (slot, start, n), s, recent in zip(msg.rows, msg.sampling, msg.recent)]
+        rows = [
+            Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent)
+            for (slot, start, n), s, recent in zip(msg.rows, msg.sampling, msg.recent)
+        ]
         self.coordinator.send(Result.of_sampled(msg.step, sample_rows(logits, rows)), request=msg.step)
 
     def _watch_next(self) -> None:
@@ -154,6 +170,7 @@ class Ring:
                     conn.send(Ping(time.monotonic()))
                 except OSError:
                     return
+
         threading.Thread(target=ping, daemon=True, name="next-hop-ping").start()
         while True:
             try:

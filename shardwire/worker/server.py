@@ -3,6 +3,7 @@ failures, then one thread per connection reading its messages and dispatching th
 
 Nothing a peer sends can stop the worker: a bad frame closes that connection only.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -25,6 +26,7 @@ from ..wire.conn import AuthError, Connection, RemoteError, server_handshake, tu
 from ..wire.frames import FrameError, Limits, MessageType
 from ..wire.messages import (
     Assign,
+    Describe,
     DeviceInfo,
     Devices,
     Forward,
@@ -33,6 +35,7 @@ from ..wire.messages import (
     Ping,
     Pong,
     Ready,
+    Release,
     StageReport,
     parse_message,
 )
@@ -81,20 +84,37 @@ class AuthBackoff:
 
 
 class Worker:
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 50052, devices: list[str] | None = None,
-                 mem: int | None = None, cache_dir: Path | None = None, cache_max_bytes: int | None = None,
-                 model_dirs: list[Path] = (), token: str | None = None, threads: int | None = None,
-                 limits: Limits | None = None, max_connections: int = 64, handshake_timeout: float = 10.0,
-                 idle_timeout: float = 300.0, tls: ServerTLS | None = None, insecure: bool = False):
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 50052,
+        devices: list[str] | None = None,
+        mem: int | None = None,
+        cache_dir: Path | None = None,
+        cache_max_bytes: int | None = None,
+        model_dirs: list[Path] = (),
+        token: str | None = None,
+        threads: int | None = None,
+        limits: Limits | None = None,
+        max_connections: int = 64,
+        handshake_timeout: float = 10.0,
+        idle_timeout: float = 300.0,
+        tls: ServerTLS | None = None,
+        insecure: bool = False,
+    ):
         if not is_loopback(host) and token is None and not insecure:
             raise InsecureBind(
                 f"refusing to listen on {host} without authentication: anyone who can reach this port could "
                 "run code paths on this machine and read every prompt. Either set a shared token (env "
                 "SHARDWIRE_TOKEN, --token-file, or --token) on the workers and the coordinator, or pass "
-                "--insecure to accept the risk on a network you trust.")
+                "--insecure to accept the risk on a network you trust."
+            )
         if insecure and token is None and not is_loopback(host):
-            log.warning("listening on %s WITHOUT authentication (--insecure): anyone who reaches this port "
-                        "can use this worker", host)
+            log.warning(
+                "listening on %s WITHOUT authentication (--insecure): anyone who reaches this port can use this worker",
+                host,
+            )
         self.host, self.port = host, port
         self.tls = tls
         self._tls_context = tls.context() if tls is not None else None
@@ -145,8 +165,9 @@ class Worker:
                 log.warning("connection from %s refused: too many connections", addr[0])
                 sock.close()
                 continue
-            threading.Thread(target=self._serve_connection, args=(sock, addr), daemon=True,
-                             name=f"conn-{addr[0]}:{addr[1]}").start()
+            threading.Thread(
+                target=self._serve_connection, args=(sock, addr), daemon=True, name=f"conn-{addr[0]}:{addr[1]}"
+            ).start()
 
     def start(self) -> threading.Thread:
         if self._listener is None:
@@ -168,8 +189,15 @@ class Worker:
         devices = []
         for d in self.devices:
             free = free_memory(d)
-            devices.append(DeviceInfo(d, min(free, self.mem) if self.mem else free, self.mem or free,
-                                      default_dtype(d), kernels_on(torch_device(d))))
+            devices.append(
+                DeviceInfo(
+                    d,
+                    min(free, self.mem) if self.mem else free,
+                    self.mem or free,
+                    default_dtype(d),
+                    kernels_on(torch_device(d)),
+                )
+            )
         return Devices(self.worker_id, __version__, devices)
 
     # -- connections ---------------------------------------------------------------------
@@ -246,7 +274,7 @@ class Worker:
                 conn.send(Pong(msg.t), request=frame.request)
             elif role != "coordinator":
                 raise FrameError(f"a peer may not send {frame.type.name}")
-            elif frame.type == MessageType.DESCRIBE:
+            elif isinstance(msg, Describe):
                 conn.send(self.describe(), request=frame.request)
             elif isinstance(msg, Assign):
                 self._assign(conn, msg, frame.request)
@@ -255,7 +283,7 @@ class Worker:
                 # attends only to what it wrote. FREE travels outside the ring and may overtake
                 # the next sequence's first FORWARD, so it must not touch what the ring holds.
                 log.debug("slot %d is free", msg.slot)
-            elif frame.type == MessageType.RELEASE:
+            elif isinstance(msg, Release):
                 self._release(owner=conn)
                 conn.send(Ok(), request=frame.request)
             else:
@@ -272,16 +300,30 @@ class Worker:
             return
         with self._ring_lock:
             current = self._ring
-            if (current is not None and current.coordinator is not conn and not current.coordinator.closed
-                    and assign.coordinator != current.coordinator_id):
-                conn.send_error("busy", f"worker {self.worker_id} is serving another coordinator's plan",
-                                request=request)
+            if (
+                current is not None
+                and current.coordinator is not conn
+                and not current.coordinator.closed
+                and assign.coordinator != current.coordinator_id
+            ):
+                conn.send_error(
+                    "busy", f"worker {self.worker_id} is serving another coordinator's plan", request=request
+                )
                 return
             self._release()
         found = self.weights.gather(conn, assign, request)
         try:
-            ring = build_ring(assign, cfg, found, conn, worker_id=self.worker_id, token=self.token,
-                              limits=self.limits, peer_tls=self.peer_tls, idle_timeout=self.idle_timeout)
+            ring = build_ring(
+                assign,
+                cfg,
+                found,
+                conn,
+                worker_id=self.worker_id,
+                token=self.token,
+                limits=self.limits,
+                peer_tls=self.peer_tls,
+                idle_timeout=self.idle_timeout,
+            )
         except (OSError, ValueError, RuntimeError) as e:
             found.reader.close()
             conn.send_error("load", f"worker {self.worker_id} could not load its stages: {e}", request=request)
@@ -290,11 +332,18 @@ class Worker:
         with self._ring_lock:
             self._ring = ring
         self.cache.evict(keep={t.hash for s in assign.stages for t in s.tensors})
-        reports = [StageReport(r.spec.index, sum(p.nbytes for p in r.stage.parameters()), r.stage.cache.nbytes)
-                   for r in ring.runners]
+        reports = [
+            StageReport(r.spec.index, sum(p.nbytes for p in r.stage.parameters()), r.stage.cache.nbytes)
+            for r in ring.runners
+        ]
         conn.send(Ready(reports, found.bytes_by_source(assign)), request=request)
-        log.info("plan %s loaded: %s", ring.id, ", ".join(f"stage {r.spec.index} blocks {r.spec.start}-"
-                                                          f"{r.spec.end - 1} on {r.spec.device}" for r in ring.runners))
+        log.info(
+            "plan %s loaded: %s",
+            ring.id,
+            ", ".join(
+                f"stage {r.spec.index} blocks {r.spec.start}-{r.spec.end - 1} on {r.spec.device}" for r in ring.runners
+            ),
+        )
 
     def _release(self, owner: Connection | None = None) -> None:
         """Drop the plan (only if `owner` is the coordinator that assigned it, when given)."""

@@ -1,6 +1,7 @@
 """Where a worker finds the bytes of each tensor it is assigned: its own copy of the model file
 (same size, same content hash), its content-addressed cache, or streamed from the coordinator
 in WEIGHTS chunks and written to the cache."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from ..wire.messages import SOURCE_KINDS, Assign, Need, TensorSpec, Weights
 @dataclass
 class FoundWeights:
     """Every tensor of a plan, by hash: where it lies and which kind of source it came from."""
+
     infos: dict[str, TensorInfo] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
     reader: TensorReader = field(default_factory=TensorReader)

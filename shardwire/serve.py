@@ -1,0 +1,111 @@
+"""`shardwire serve`: the HTTP app listens at once, the model loads behind it on a thread of
+its own, Ctrl-C or SIGTERM stop both (workers release their stages)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from aiohttp import web
+
+from .coordinator.launch import build_pipeline
+from .devices import set_threads
+from .engine import Engine
+from .formats import open_model
+from .server import Backend, create_app
+from .tokenizer import load_tokenizer
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
+    model = open_model(args.model)
+    tokenizer = load_tokenizer(model)
+    name = args.alias or Path(args.model).name
+    cfg = model.config
+    backend = Backend(
+        name,
+        tokenizer,
+        {Path(args.model).name, Path(args.model).stem, str(args.model)},
+        {
+            "arch": cfg.arch,
+            "n_layers": cfg.n_layers,
+            "vocab_size": cfg.vocab_size,
+            "context_length": cfg.context_length,
+        },
+    )
+    return asyncio.run(_serve(args, model, backend))
+
+
+async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C raises KeyboardInterrupt instead
+            pass
+    runner = web.AppRunner(create_app(backend, args.api_key), handler_cancellation=True, shutdown_timeout=3)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+        host, port = runner.addresses[0][:2]
+        print(f"shardwire serve: listening on http://{host}:{port} (loading {backend.model_id})", flush=True)
+        loaded = _load_in_background(model, args, backend.tokenizer)
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not loaded.done():
+            print("\ninterrupted while loading", file=sys.stderr)
+            return 130
+        backend.attach(*loaded.result())
+        print(
+            f"shardwire serve: ready: {backend.model_id}, context {backend.ctx} tokens, {args.parallel} "
+            f"parallel sequences; OpenAI API at http://{host}:{port}/v1",
+            flush=True,
+        )
+        await stopping
+        print("\nshutting down", file=sys.stderr)
+        return 0
+    finally:
+        backend.closing = True
+        await loop.run_in_executor(None, backend.close)
+        await runner.cleanup()
+
+
+def _load_in_background(model, args: argparse.Namespace, tokenizer) -> asyncio.Future:
+    """Plan, assign and load on a daemon thread (a Ctrl-C while loading must not wait for it)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value, cleanup=None):
+        def apply():
+            if not future.done():
+                setter(value)
+            elif cleanup is not None:
+                cleanup()
+
+        try:
+            loop.call_soon_threadsafe(apply)
+        except RuntimeError:  # the server already stopped
+            if cleanup is not None:
+                cleanup()
+
+    def load():
+        try:
+            pipeline, cluster = build_pipeline(model, args, n_slots=args.parallel)
+            engine = Engine(pipeline, tokenizer)
+        except Exception as e:  # noqa: BLE001 -- handed to the event loop, which re-raises it
+            settle(future.set_exception, e)
+            return
+
+        def release():
+            engine.close()
+            pipeline.close()
+
+        settle(future.set_result, (pipeline, cluster, engine), release)
+
+    threading.Thread(target=load, name="shardwire-load", daemon=True).start()
+    return future
