@@ -68,6 +68,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from .devices import set_threads
     from .engine import Engine, Request
     from .formats import open_model
+    from .quant.measure import cpu_model
     from .sampling import GREEDY
 
     if args.repetitions < 1:
@@ -80,6 +81,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.ctx_size = max(args.n_prompt, args.n_gen) + 8
     streams = max(args.streams, 0)
     pipeline, cluster = build_pipeline(model, args, n_slots=max(1, streams), quiet=True)
+    formats = weight_formats(pipeline, cluster)
     load_s = time.perf_counter() - t0
     engine = Engine(pipeline, None)  # 512-token prefill chunks, as llama-bench's -ub 512
     wire_total = cluster.wire_bytes if cluster is not None else (lambda: 0)
@@ -148,6 +150,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "load_s": load_s,
         "peak_rss": peak_rss(),
+        "cpu": cpu_model(),
+        "formats": formats,
         "tests": results,
     }
     if args.output == "json":
@@ -157,10 +161,28 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def weight_formats(pipeline, cluster) -> list[str]:
+    """Per stage, how its weights are held (which kernels run them), so figures from different
+    machines or choices are never mixed up."""
+    if cluster is not None:
+        return [
+            f"{s.weights} ({' '.join(f'{t}:{f}' for t, f in sorted(s.formats.items()))})" for s in cluster.plan.stages
+        ]
+    from .model import Linear
+    from .quant.packed import PackedLinear
+
+    kinds = [
+        sorted({getattr(m, "fmt", "dense") for m in stage.modules() if isinstance(m, (Linear, PackedLinear))})
+        for stage in pipeline.stages
+    ]
+    return ["+".join(k) for k in kinds]
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"model: {report['model']}  workers: {len(report['workers']) or 'none (single process)'}  "
         f"load: {report['load_s']:.1f} s  coordinator peak RSS: {report['peak_rss'] / 2**20:.0f} MiB",
+        f"cpu: {report['cpu']}  weights: {', '.join(report['formats'])}",
         "",
         "| test | tokens/s | ms/token | time to first token | coordinator bytes/token |",
         "| --- | ---: | ---: | ---: | ---: |",

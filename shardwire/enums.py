@@ -12,6 +12,10 @@ PAYLOAD_DTYPES = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
 WEIGHT_MODES = ("auto", "fast", "dequant", "packed", "compact")
 STAGE_WEIGHT_MODES = ("fast", "dequant", "packed", "compact")
 
+# How a weight matrix lives on its device (quant/): dense in the compute dtype, PyTorch's packed
+# kernels' layouts, the stored blocks dequantized before use, or the stored blocks under ggml's kernels.
+WEIGHT_FORMATS = ("dense", "int4", "int8x2", "int8", "gguf", "ggml")
+
 # Tensor types as GGUF stores them.
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

@@ -53,12 +53,15 @@ def build_stage(
     dtype: torch.dtype,
     progress: Callable[[int], None] | None = None,
     weights: str = "dequant",
+    fastest: Mapping[str, str] | None = None,
 ) -> Stage:
     """`weights`: the stage's mode (quant/policy.py: fast | dequant | packed | compact), as the
-    plan resolved it."""
+    plan resolved it; `fastest`: the formats the device measured fastest, as the plan used them."""
     device = torch.device(device)
     large_allocations_unmapped()
-    formats = weight_formats(tensors, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device), dtype)
+    formats = weight_formats(
+        tensors, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device), fastest or {}
+    )
     built, embedding = {}, None
     for name, info in tensors.items():
         raw = read(info)
@@ -95,6 +98,7 @@ def load_stage(
     reader: TensorReader | None = None,
     progress: Callable[[int], None] | None = None,
     weights: str = "dequant",
+    fastest: Mapping[str, str] | None = None,
 ) -> Stage:
     """Blocks [start, end) of `model`, reading only the tensors that stage needs."""
     first = start == 0 if first is None else first
@@ -114,4 +118,5 @@ def load_stage(
         dtype,
         progress,
         weights,
+        fastest,
     )

@@ -31,6 +31,7 @@ class PlanDevice:
     free: int  # bytes available for this plan
     dtype: str = "float32"
     kernels: bool = False  # whether PyTorch's packed int4/int8 kernels run there, as its worker found
+    fastest: tuple[tuple[str, str], ...] = ()  # (stored type, format) that decodes fastest, as measured there
 
     @property
     def type(self) -> str:
@@ -188,7 +189,14 @@ def stage_cost(
     checking an ASSIGN against its memory both count with this."""
     device, dtype = stage.device, parse_dtype(stage.device.dtype)
     formats = weight_formats(
-        tensors, stage.first, stage.last, cfg.tied_embeddings, weights, device.type, device.kernels, dtype
+        tensors,
+        stage.first,
+        stage.last,
+        cfg.tied_embeddings,
+        weights,
+        device.type,
+        device.kernels,
+        dict(device.fastest),
     )
     by_type: dict[str, str] = {}
     for name, fmt in formats.items():
@@ -197,7 +205,7 @@ def stage_cost(
             kind = by_type.setdefault(info.dtype, fmt)
             if fmt not in kind.split("+"):
                 by_type[info.dtype] = kind + "+" + fmt
-    packed = any(f != "dense" for f in formats.values())
+    packed = any(f not in ("dense", "ggml") for f in formats.values())  # dequantizes chunks for a GEMM
     return StageCost(
         weight_nbytes(tensors, formats, dtype),
         KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype),

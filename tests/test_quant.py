@@ -2,6 +2,8 @@
 multiplies like its dequantized weights, Q/K rows are un-interleaved in packed form too, and the
 plan's memory accounting is what the built stage holds."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.plan import PlanDevice, make_plan
-from shardwire.quant import codecs, policy
+from shardwire.quant import codecs, ggml_cpu, measure, policy
 from shardwire.quant import packed as packing
 from shardwire.quant.policy import weight_formats, weight_nbytes
 from shardwire.sampling import GREEDY
@@ -48,14 +50,19 @@ def rms(t: torch.Tensor) -> float:
     return float(t.double().pow(2).mean().sqrt())
 
 
-@pytest.mark.parametrize("dtype,fmt", [(t, f) for t in TYPES for f in ("int4", "int8", "gguf")] + [("Q8_0", "int8x2")])
+GGML = ["ggml"] if ggml_cpu.available() else []
+
+
+@pytest.mark.parametrize(
+    "dtype,fmt", [(t, f) for t in TYPES for f in ("int4", "int8", "gguf", *GGML)] + [("Q8_0", "int8x2")]
+)
 def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
     w, raw, ref = matrix(dtype)
     module = packing.pack_matrix(raw, dtype, fmt, "cpu", torch.float32)
     packed = module.gather(torch.arange(w.shape[0]))
     own = rms(ref - torch.from_numpy(w))
     added = rms(packed - ref) / own
-    if fmt == "gguf":
+    if fmt in ("gguf", "ggml"):
         assert torch.equal(packed, ref)
     elif EXACT.get(dtype) == fmt:
         # only the bf16 rounding of scale and zero: no more than rounding the weights to bf16 does
@@ -68,10 +75,11 @@ def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
     for x in (torch.randn(1, 1, w.shape[1]), torch.randn(2, 9, w.shape[1])):  # kernel, then dense GEMM
         y = module(x)
         assert y.shape == (*x.shape[:-1], w.shape[0]) and y.dtype == x.dtype
-        xr = x.bfloat16().float() if fmt != "gguf" else x
+        xr = x.bfloat16().float() if fmt not in ("gguf", "ggml") else x
         expected = xr @ packed.t() + bias
         scale = float(expected.abs().max())
-        assert float((y - expected).abs().max()) <= 1e-2 * scale  # bf16 activations and outputs
+        # bf16 activations and outputs; ggml quantizes the activations to 8 bits, as llama.cpp does
+        assert float((y - expected).abs().max()) <= 1e-2 * scale
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8x2", "int8", "gguf"])
@@ -169,24 +177,26 @@ def test_plan_auto_packs_and_falls_back_to_compact():
     assert "fast (Q6_K:int8+gguf)" in table  # the matrices' format, and the embedding's
 
 
-def test_auto_keeps_q8_0_dense_on_a_bf16_cpu_while_it_fits():
-    """Q8_0's int8x2 planes are slower than the dense bf16 product on a CPU: auto holds Q8_0
-    dense when memory allows and packs it when it does not (compact here: on a model this small
-    the packed formats' dequantization workspace outweighs what they save); a float32 CPU keeps
-    the planes."""
+def test_fast_takes_what_the_device_measured_and_auto_falls_back_when_it_does_not_fit():
+    """fast holds each type as the device measured fastest for decode (dense Q8_0 here, as on a CPU
+    whose bf16 product wins); when that does not fit, auto packs it (compact here: on a model this
+    small the packed formats' dequantization workspace outweighs what they save). Without a
+    measurement (CUDA) fast packs with PyTorch's kernels."""
     model = open_model(model_path("llama", "Q8_0"))
 
-    def plan(free, dtype="bfloat16"):
-        return make_plan(
-            model, [PlanDevice("w:1", "cpu", free, dtype=dtype, kernels=True)], ctx=64, prefill_chunk=16, weights="auto"
-        ).stages[0]
+    def plan(free, fastest=(("Q8_0", "dense"),)):
+        device = PlanDevice("w:1", "cpu", free, dtype="bfloat16", kernels=True, fastest=fastest)
+        return make_plan(model, [device], ctx=64, prefill_chunk=16, weights="auto").stages[0]
 
     roomy = plan(1 << 40)
     assert roomy.weights == "fast" and roomy.formats["Q8_0"] == "dense"
     tight = plan(roomy.total_bytes - 1024)
     assert tight.weights in ("packed", "compact") and tight.formats["Q8_0"].startswith("int8x2")
-    assert plan(1 << 40, "float32").formats["Q8_0"].startswith("int8x2")
-    stage = load_stage(model, 0, model.config.n_layers, weights="fast", dtype=torch.bfloat16)
+    assert plan(1 << 40, ()).formats["Q8_0"].startswith("int8x2")
+    ggml = plan(1 << 40, (("Q8_0", "ggml"),))
+    assert ggml.formats["Q8_0"] == "ggml+gguf"  # the matrices, and the untied embedding's stored rows
+    assert ggml.weight_bytes < roomy.weight_bytes
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", dtype=torch.bfloat16, fastest={"Q8_0": "dense"})
     assert all(
         isinstance(p, torch.nn.Parameter) and p.dtype == torch.bfloat16
         for n, p in stage.named_parameters()
@@ -194,16 +204,19 @@ def test_auto_keeps_q8_0_dense_on_a_bf16_cpu_while_it_fits():
     )
 
 
-def test_greedy_tokens_through_a_worker_equal_the_local_packed_path(tmp_path):
-    """The mode travels in the plan: an in-process worker builds the same packed stages."""
+def test_greedy_tokens_through_a_worker_equal_the_local_path(tmp_path):
+    """The mode and the device's measured formats travel in the plan: an in-process worker builds
+    the stages a local load with the same choices builds."""
     path = model_path("llama", "Q4_K")
     model = open_model(path)
-    local = LocalPipeline([load_stage(model, 0, 4, weights="packed")], n_slots=1, ctx=128)
     cluster = Cluster([], local_devices=["cpu"], cache_dir=tmp_path, show_progress=False)
     try:
         cluster.connect(model)
         plan = cluster.make_plan(ctx=128, weights="auto", dtype="float32")
-        assert plan.stages[0].weights == "fast" and plan.stages[0].formats["Q4_K"].startswith("int4")
+        stage = plan.stages[0]
+        measured = dict(stage.device.fastest)
+        assert stage.weights == "fast" and stage.formats["Q4_K"].split("+")[0] == measured["Q4_K"]
+        local = LocalPipeline([load_stage(model, 0, 4, weights="fast", fastest=measured)], n_slots=1, ctx=128)
         remote = cluster.load(plan)
         tokens = []
         for pipeline in (local, remote):
@@ -215,3 +228,42 @@ def test_greedy_tokens_through_a_worker_equal_the_local_packed_path(tmp_path):
         assert tokens[0] == tokens[1]
     finally:
         cluster.close()
+
+
+def test_fastest_formats_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path))
+    monkeypatch.setattr(measure, "SHAPE", (256, 256))
+    monkeypatch.setattr(measure, "SECONDS", 0.002)
+    measure.fastest_formats.cache_clear()
+    try:
+        first = measure.fastest_formats("cpu", "float32")
+        assert set(first) == set(measure.MEASURED_TYPES)
+        assert all(f in ("dense", "ggml", policy.FAST.get(t)) for t, f in first.items())
+        saved = json.loads((tmp_path / "kernels.json").read_text())
+        ((key, entry),) = saved.items()
+        assert measure.cpu_model() in key and "float32" in key
+        for timings in entry.values():
+            assert timings["fastest"] == min(timings["seconds"], key=timings["seconds"].get)
+        entry["Q4_0"]["fastest"] = "dense"  # what is on disk is what a new process uses
+        (tmp_path / "kernels.json").write_text(json.dumps(saved))
+        measure.fastest_formats.cache_clear()
+        assert measure.fastest_formats("cpu", "float32")["Q4_0"] == "dense"
+        assert measure.fastest_formats("cuda:0", "bfloat16") == {}  # measured on CPUs only
+    finally:
+        measure.fastest_formats.cache_clear()
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.parametrize("weight_type", ["F16", "F32", "Q8_0", "Q4_K"])
+def test_a_stage_on_ggml_kernels_computes_like_the_dense_float32_stage(weight_type):
+    model = open_model(model_path("qwen3", weight_type))
+    ids = torch.tensor([PROMPT])
+    ref = load_stage(model, 0, 4, weights="dequant")
+    ref.allocate_cache(1, 64)
+    expected = ref(ids, [0], [0]).float()
+    stage = load_stage(model, 0, 4, weights="fast", fastest={weight_type: "ggml"})
+    assert any(isinstance(m, ggml_cpu.GGMLLinear) for m in stage.modules())
+    stage.allocate_cache(1, 64)
+    got = stage(ids, [0], [0]).float()
+    spread = float(expected.max() - expected.min())
+    assert float((got - expected).abs().max()) <= 0.03 * spread  # activations quantized inside the kernel

@@ -188,6 +188,7 @@ def test_assign_stages_must_be_consecutive():
         "last": False,
         "dtype": "float32",
         "weights": "dequant",
+        "fastest": {},
         "tensors": [tensor_spec()],
     }
     later = dict(stage, index=1, start=3, end=4, first=False)
@@ -225,7 +226,10 @@ EXAMPLES = [
     Devices(
         "host/1234",
         "0.1.0",
-        [DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True), DeviceInfo("cuda:0", 5, 9, "float16", False)],
+        [
+            DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True, {"Q4_K": "ggml", "F16": "dense"}),
+            DeviceInfo("cuda:0", 5, 9, "float16", False, {}),
+        ],
     ),
     Assign(
         "plan1",
@@ -236,8 +240,8 @@ EXAMPLES = [
         256,
         64,
         [
-            StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", [SPEC]),
-            StageSpec(1, "cpu:1", 1, 2, False, True, "bfloat16", "compact", []),
+            StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", {"Q4_K": "ggml"}, [SPEC]),
+            StageSpec(1, "cpu:1", 1, 2, False, True, "bfloat16", "compact", {}, []),
         ],
         NextHop("10.0.0.2", 50052, "sha256:" + "b" * 64),
     ),
@@ -348,10 +352,20 @@ def test_devices_carry_the_compute_dtype_and_kernels_each_device_does_best():
     base = {
         "worker_id": "w",
         "version": "1",
-        "devices": [{"name": "cpu", "free": 1, "total": 2, "dtype": "bfloat16", "kernels": True}],
+        "devices": [
+            {"name": "cpu", "free": 1, "total": 2, "dtype": "bfloat16", "kernels": True, "fastest": {"Q8_0": "ggml"}}
+        ],
     }
-    assert Devices.parse(base).devices[0] == DeviceInfo("cpu", 1, 2, "bfloat16", True)
-    for field, bad in [("dtype", "int4"), ("kernels", "yes"), ("dtype", None)]:
+    assert Devices.parse(base).devices[0] == DeviceInfo("cpu", 1, 2, "bfloat16", True, {"Q8_0": "ggml"})
+    bad_fields = [
+        ("dtype", "int4"),
+        ("kernels", "yes"),
+        ("dtype", None),
+        ("fastest", {"Q8_0": "pickle"}),
+        ("fastest", {"Q9": "ggml"}),
+        ("fastest", None),
+    ]
+    for field, bad in bad_fields:
         devices = [dict(base["devices"][0], **{field: bad})]
         with pytest.raises(FrameError, match=field):
             Devices.parse(dict(base, devices=devices))

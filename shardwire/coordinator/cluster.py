@@ -139,7 +139,9 @@ class Cluster:
         devices, cpu = [], None
         for link in self.links if links is None else links:
             for d in link.devices:
-                pd = PlanDevice(link.name, d.name, d.free, dtype or d.dtype, d.kernels)
+                pd = PlanDevice(
+                    link.name, d.name, d.free, dtype or d.dtype, d.kernels, tuple(sorted(d.fastest.items()))
+                )
                 if link.name == "local:cpu":
                     cpu = pd
                 else:

@@ -13,6 +13,7 @@ from ..loading import load_stage
 from ..pipeline import LocalPipeline, Pipeline
 from ..plan import PlanDevice, make_plan
 from ..quant.kernels import kernels_on
+from ..quant.measure import fastest_formats
 from ..security import add_client_tls_args, client_tls, resolve_token
 from .cluster import Cluster
 
@@ -79,7 +80,8 @@ def local_pipeline(
 ) -> LocalPipeline:
     """Every block in this process on one device, its weights held as the plan resolves `weights`
     for that device (auto: the first mode that fits its free memory), as a worker's would be."""
-    planned = PlanDevice("local", device, free_memory(device), dtype, kernels_on(torch_device(device)))
+    kernels, fastest = kernels_on(torch_device(device)), fastest_formats(device, dtype)
+    planned = PlanDevice("local", device, free_memory(device), dtype, kernels, tuple(sorted(fastest.items())))
     plan = make_plan(model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights)
     stage = plan.stages[0]
     return LocalPipeline(
@@ -91,6 +93,7 @@ def local_pipeline(
                 device=torch_device(device),
                 dtype=parse_dtype(dtype),
                 weights=stage.weights,
+                fastest=fastest,
             )
         ],
         n_slots=n_slots,

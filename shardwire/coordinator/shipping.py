@@ -42,6 +42,7 @@ def stage_specs(model: ModelFile, stages: list[tuple[int, PlannedStage]], hashes
                 stage.last,
                 stage.device.dtype,
                 stage.weights,
+                dict(stage.device.fastest),
                 tensors,
             )
         )

@@ -271,6 +271,10 @@ def pack_matrix(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.d
     raw = raw.to(device)
     if fmt == "gguf":
         return GGUFLinear(raw, stored, K, dtype)
+    if fmt == "ggml":
+        from .ggml_cpu import GGMLLinear  # it builds on GGUFLinear
+
+        return GGMLLinear(raw, stored, K, dtype)
     g = unpack(raw, stored)
     if fmt == "int8":
         qs, scales = [], []

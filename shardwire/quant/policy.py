@@ -32,11 +32,6 @@ FAST = {
 }
 COMPACT = {t: f if f in ("int4", "int8x2") and t not in ("Q2_K", "Q3_K") else "gguf" for t, f in FAST.items()}
 
-# fast: packed where its kernel beats a dense matrix-vector product on the device, else dense.
-# On a CPU computing in bf16, Q8_0's two int4 planes decode at 0.83x of the dense bf16 product
-# (benchmarks/bench_packed.py speed --types Q8_0), and a prompt's dense GEMM skips dequantizing chunks.
-DENSE_WHEN_FAST = {("cpu", torch.bfloat16): frozenset({"Q8_0"})}
-
 EMBEDDING = "token_embd.weight (embedding)"  # the token table, where a stage holds it apart from its head
 
 
@@ -55,17 +50,29 @@ def modes_for(requested: str, kernels: bool) -> list[str]:
 
 
 def matrix_format(
-    stored: str, shape: tuple[int, ...], mode: str, kernels: bool, device_type: str, dtype: torch.dtype
+    stored: str,
+    shape: tuple[int, ...],
+    mode: str,
+    kernels: bool,
+    fastest: Mapping[str, str],
 ) -> str:
-    """How a weight matrix stored as `stored` lives on a device: 'dense' or a packed format."""
+    """How a weight matrix stored as `stored` lives on a device: 'dense' or a packed format.
+    `fastest` is what the device measured for decode (quant/measure.py; empty where nothing was
+    measured): fast takes it, and compact runs its stored blocks through ggml where ggml won."""
     if mode not in STAGE_WEIGHT_MODES:
         raise WeightModeError(f"a stage is built with one of {', '.join(STAGE_WEIGHT_MODES)}, not {mode!r}")
-    if stored in PLAIN or len(shape) != 2 or mode == "dequant":
+    if len(shape) != 2 or mode == "dequant":
         return "dense"
-    if mode == "fast" and (not kernels or stored in DENSE_WHEN_FAST.get((device_type, dtype), ())):
+    if mode == "fast" and stored in fastest:
+        return fastest[stored]
+    if stored in PLAIN:
+        return "dense"
+    if mode == "fast" and not kernels:
         return "dense"
     fmt = (COMPACT if mode == "compact" else FAST)[stored]
-    return fmt if kernels or fmt == "gguf" else "gguf"
+    if fmt == "gguf" or not kernels:
+        return "ggml" if fastest.get(stored) == "ggml" else "gguf"
+    return fmt
 
 
 def format_nbytes(fmt: str, stored: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -73,7 +80,7 @@ def format_nbytes(fmt: str, stored: str, shape: tuple[int, ...], dtype: torch.dt
     n = math.prod(shape)
     if fmt == "dense":
         return n * torch.empty((), dtype=dtype).element_size()
-    if fmt == "gguf":
+    if fmt in ("gguf", "ggml"):
         return stored_nbytes(stored, shape)
     N, K = shape
     if fmt == "int8":
@@ -91,17 +98,18 @@ def weight_formats(
     mode: str,
     device_type: str,
     kernels: bool,
-    dtype: torch.dtype,
+    fastest: Mapping[str, str],
 ) -> dict[str, str]:
     """How each tensor of a stage (anything with .dtype and .shape, by name) lives on a device of
-    `device_type`, with or without the packed kernels, computing in `dtype`: 'dense' or a packed
-    format, plus EMBEDDING when the token table needs a copy of its own beside the head."""
+    `device_type`, with or without the packed kernels, with what it measured fastest: 'dense' or
+    a packed format, plus EMBEDDING when the token table needs a copy of its own beside the head."""
     tied_head = last and tied_embeddings
     out = {}
     for name, info in tensors.items():
-        fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels, device_type, dtype)
+        fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels, fastest)
         if name == "token_embd.weight" and not tied_head and fmt != "dense":
-            fmt = "gguf"  # an embedding only gathers rows: the stored blocks serve it as they are
+            # an embedding only gathers rows: the stored blocks serve it as they are
+            fmt = "dense" if info.dtype in PLAIN else "gguf"
         out[name] = fmt
     # a tied head serves as the table too, unless its rows cannot be read back (int4 on CUDA)
     head = out.get("token_embd.weight")

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, STAGE_WEIGHT_MODES, STORED_TYPES
+from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, STAGE_WEIGHT_MODES, STORED_TYPES, WEIGHT_FORMATS
 from ..sampling import Sampled
 from .frames import Frame, FrameError, MessageType
 
@@ -83,6 +83,14 @@ def _hash(h: dict, key: str, what: str) -> str:
     if len(digest) != HASH_LEN or any(c not in "0123456789abcdef" for c in digest):
         raise FrameError(f"{what}: {key} is not a sha256 hex digest")
     return digest
+
+
+def _formats(h: dict, key: str, what: str) -> dict[str, str]:
+    """A map of stored type -> weight format."""
+    d = _map(_get(h, key, dict, what), what)
+    if not all(k in STORED_TYPES and v in WEIGHT_FORMATS for k, v in d.items()):
+        raise FrameError(f"{what}: {key} must map stored types to weight formats")
+    return d
 
 
 def _nonce(h: dict, what: str) -> bytes:
@@ -242,6 +250,7 @@ class DeviceInfo:
     total: int
     dtype: str  # the compute dtype the worker's own hardware does best
     kernels: bool  # whether PyTorch's packed int4/int8 kernels run on it
+    fastest: dict[str, str]  # stored type -> the format that decodes fastest there, as measured
 
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
@@ -252,6 +261,7 @@ class DeviceInfo:
             _int(d, "total", what),
             _str(d, "dtype", what, 16, COMPUTE_DTYPES),
             _get(d, "kernels", bool, what),
+            _formats(d, "fastest", what),
         )
 
 
@@ -310,6 +320,7 @@ class StageSpec:
     last: bool
     dtype: str
     weights: str  # how quantized weights live on the device: fast | dequant | packed | compact
+    fastest: dict[str, str]  # the device's measured fastest formats, as the plan used them
     tensors: list[TensorSpec]
 
     @classmethod
@@ -325,6 +336,7 @@ class StageSpec:
             _get(d, "last", bool, what),
             _str(d, "dtype", what, 16, COMPUTE_DTYPES),
             _str(d, "weights", what, 16, STAGE_WEIGHT_MODES),
+            _formats(d, "fastest", what),
             tensors,
         )
         if stage.start > stage.end:

@@ -38,7 +38,8 @@ def check_assign(assign: Assign, cfg: ModelConfig, devices: list[str], mem: int 
             raise PlanRejected(f"stage {spec.index} lacks tensor {sorted(missing)[0]}")
         for t in spec.tensors:
             _check_tensor(cfg, spec, t)
-        here = PlanDevice("", spec.device, 0, spec.dtype, kernels_on(torch_device(spec.device)))
+        fastest = tuple(sorted(spec.fastest.items()))
+        here = PlanDevice("", spec.device, 0, spec.dtype, kernels_on(torch_device(spec.device)), fastest)
         planned = PlannedStage(here, spec.start, spec.end, spec.first, spec.last)
         tensors = {t.name: t for t in spec.tensors}
         cost = stage_cost(cfg, tensors, planned, spec.weights, assign.n_slots, assign.ctx, assign.prefill_chunk)
@@ -92,6 +93,7 @@ def build_ring(
             torch_device(spec.device),
             parse_dtype(spec.dtype),
             weights=spec.weights,
+            fastest=spec.fastest,
         )
         stage.allocate_cache(assign.n_slots, assign.ctx)
         runners.append(StageRunner(spec, stage))

@@ -22,6 +22,7 @@ from ..cache import WeightCache, default_cache_dir
 from ..config import ConfigError, ModelConfig
 from ..devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
 from ..quant.kernels import kernels_on
+from ..quant.measure import fastest_formats
 from ..wire.conn import AuthError, Connection, RemoteError, server_handshake, tune
 from ..wire.frames import FrameError, Limits, MessageType
 from ..wire.messages import (
@@ -188,14 +189,15 @@ class Worker:
     def describe(self) -> Devices:
         devices = []
         for d in self.devices:
-            free = free_memory(d)
+            free, dtype = free_memory(d), default_dtype(d)
             devices.append(
                 DeviceInfo(
                     d,
                     min(free, self.mem) if self.mem else free,
                     self.mem or free,
-                    default_dtype(d),
+                    dtype,
                     kernels_on(torch_device(d)),
+                    fastest_formats(d, dtype),
                 )
             )
         return Devices(self.worker_id, __version__, devices)

@@ -1,0 +1,115 @@
+"""Which format multiplies one row of activations fastest on this machine, for each stored type:
+measured once per CPU model, compute dtype, thread count and library versions, and kept on disk.
+
+Decode reads every weight once per token, so the format that streams a matrix fastest decides
+decode speed; which one that is differs by CPU (PyTorch's bf16 matrix-vector product is fast on
+one and slow on another), so it is timed, never inferred from a CPU vendor or feature flag.
+The candidates: the dense matrix in the compute dtype, PyTorch's packed kernel for the type, and
+ggml's kernel on the stored blocks. Values do not change these kernels' speed, so the matrices
+hold zero blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..devices import TORCH_DTYPES
+from ..enums import QUANT_TYPES
+from ..model import Linear
+from . import ggml_cpu
+from .codecs import stored_nbytes
+from .kernels import kernels_on
+from .packed import pack_matrix
+from .policy import FAST
+
+log = logging.getLogger("shardwire.kernels")
+
+MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
+SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
+SECONDS = 0.05  # per candidate
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _key(dtype: str) -> str:
+    versions = f"torch {torch.__version__}, ggml {'yes' if ggml_cpu.available() else 'no'}"
+    return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions}"
+
+
+def _seconds_per_row(module: torch.nn.Module, dtype: torch.dtype) -> float:
+    x = torch.zeros(1, SHAPE[1], dtype=dtype)
+    module(x)
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < SECONDS or calls < 3:
+        module(x)
+        calls += 1
+    return elapsed / calls
+
+
+def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    raw = torch.zeros(SHAPE[0], stored_nbytes(stored, SHAPE) // SHAPE[0], dtype=torch.uint8)
+    out = {"dense": Linear(torch.zeros(SHAPE, dtype=dtype))}
+    if stored in FAST and kernels_on("cpu"):
+        out[FAST[stored]] = pack_matrix(raw, stored, FAST[stored], "cpu", dtype)
+    if ggml_cpu.available():
+        out["ggml"] = pack_matrix(raw, stored, "ggml", "cpu", dtype)
+    return out
+
+
+def measure(dtype: str) -> dict[str, dict]:
+    """For each stored type: every candidate's seconds per row, and the fastest."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    out = {}
+    for stored in MEASURED_TYPES:
+        times = {fmt: _seconds_per_row(m, torch_dtype) for fmt, m in _candidates(stored, torch_dtype).items()}
+        out[stored] = {"seconds": times, "fastest": min(times, key=times.get)}
+    return out
+
+
+def _cache_file() -> Path:
+    from ..cache import default_cache_dir
+
+    return default_cache_dir() / "kernels.json"
+
+
+@lru_cache(maxsize=None)
+def fastest_formats(device: str, dtype: str) -> dict[str, str]:
+    """Stored type -> the format that decodes fastest on `device` computing in `dtype`. Measured on
+    CPUs (a few seconds the first time on a machine, then read from the cache); other devices
+    have no measurement and get {}: the policy's defaults apply there."""
+    if not device.startswith("cpu"):
+        return {}
+    if not ggml_cpu.available():
+        log.warning(
+            "ggml-python is not installed: CPU weights use PyTorch's kernels only, often several times "
+            "slower to decode; pip install 'shardwire[cpu]' (needs cmake and a C compiler)"
+        )
+    path, key = _cache_file(), _key(dtype)
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = measure(dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    return {stored: entry["fastest"] for stored, entry in known[key].items()}
