@@ -205,7 +205,7 @@ def stage_cost(
             kind = by_type.setdefault(info.dtype, fmt)
             if fmt not in kind.split("+"):
                 by_type[info.dtype] = kind + "+" + fmt
-    packed = any(f not in ("dense", "ggml") for f in formats.values())  # dequantizes chunks for a GEMM
+    packed = any(f != "dense" for f in formats.values())  # a prompt chunk dequantizes rows into a GEMM
     return StageCost(
         weight_nbytes(tensors, formats, dtype),
         KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype),

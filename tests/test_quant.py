@@ -267,3 +267,35 @@ def test_a_stage_on_ggml_kernels_computes_like_the_dense_float32_stage(weight_ty
     got = stage(ids, [0], [0]).float()
     spread = float(expected.max() - expected.min())
     assert float((got - expected).abs().max()) <= 0.03 * spread  # activations quantized inside the kernel
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.parametrize("dtype", ["Q4_K", "Q8_0"])
+def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
+    w, raw, ref = matrix(dtype)
+    module = packing.pack_matrix(raw, dtype, "ggml", "cpu", torch.float32)
+    assert module.gemm_rows == measure.gemm_rows(dtype, torch.float32)
+    x = torch.randn(40, w.shape[1])
+    module.gemm_rows = None
+    by_ggml = module(x)
+    module.gemm_rows = 10
+    by_gemm = module(x)  # 40 rows >= 10: dequantized chunks into a float32 GEMM
+    assert torch.allclose(by_gemm, x @ ref.t(), rtol=1e-4, atol=1e-4)
+    assert float((by_ggml - by_gemm).abs().max()) <= 1e-2 * float(by_gemm.abs().max())
+
+
+def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path))
+    monkeypatch.setattr(measure, "SHAPE", (128, 256))
+    monkeypatch.setattr(measure, "SECONDS", 0.002)
+    measure.gemm_rows.cache_clear()
+    try:
+        if not ggml_cpu.available():
+            pytest.skip("ggml-python is not installed")
+        rows = measure.gemm_rows("Q4_0", torch.float32)
+        (entry,) = [v for k, v in json.loads((tmp_path / "kernels.json").read_text()).items() if "gemm rows Q4_0" in k]
+        times = entry["seconds"]
+        wins = [int(n) for n in times if times[n]["gemm"] < times[n]["ggml"]]
+        assert rows == entry["rows"] == (min(wins) if wins else None)
+    finally:
+        measure.gemm_rows.cache_clear()

@@ -67,10 +67,14 @@ class GGMLLinear(GGUFLinear):
 
     fmt = "ggml"
 
-    def __init__(self, raw: torch.Tensor, stored: str, in_features: int, dtype: torch.dtype):
+    def __init__(
+        self, raw: torch.Tensor, stored: str, in_features: int, dtype: torch.dtype, gemm_rows: int | None = None
+    ):
         super().__init__(raw, stored, in_features, dtype)
         self._qtype = int(GGMLQuantizationType[stored])
         self._products: OrderedDict[tuple[int, int], _Product] = OrderedDict()
+        # from this many rows (a prompt chunk) on, dequantize chunks into a GEMM instead (measured)
+        self.gemm_rows = gemm_rows
 
     def _product(self, n: int) -> _Product:
         key = (n, torch.get_num_threads())
@@ -82,12 +86,18 @@ class GGMLLinear(GGUFLinear):
         self._products[key] = product
         return product
 
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float32).contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        self._product(x.shape[0]).run(self.raw.data_ptr(), x.data_ptr(), y.data_ptr())
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.gemm_rows is not None and rows >= self.gemm_rows:
+            return super().forward(x)  # dequantized chunks into a GEMM (PackedLinear.forward)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        self._product(x2.shape[0]).run(self.raw.data_ptr(), x2.data_ptr(), y.data_ptr())
-        y = y.to(x.dtype)
+        y = self.kernel(x.reshape(-1, self.in_features)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)

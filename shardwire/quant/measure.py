@@ -53,14 +53,18 @@ def _key(dtype: str) -> str:
     return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions}"
 
 
-def _seconds_per_row(module: torch.nn.Module, dtype: torch.dtype) -> float:
-    x = torch.zeros(1, SHAPE[1], dtype=dtype)
-    module(x)
+def _seconds(call) -> float:
+    call()
     calls, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < SECONDS or calls < 3:
-        module(x)
+        call()
         calls += 1
     return elapsed / calls
+
+
+def _seconds_per_row(module: torch.nn.Module, dtype: torch.dtype) -> float:
+    x = torch.zeros(1, SHAPE[1], dtype=dtype)
+    return _seconds(lambda: module(x))
 
 
 def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
@@ -69,7 +73,7 @@ def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     if stored in FAST and kernels_on("cpu"):
         out[FAST[stored]] = pack_matrix(raw, stored, FAST[stored], "cpu", dtype)
     if ggml_cpu.available():
-        out["ggml"] = pack_matrix(raw, stored, "ggml", "cpu", dtype)
+        out["ggml"] = ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype)
     return out
 
 
@@ -89,6 +93,22 @@ def _cache_file() -> Path:
     return default_cache_dir() / "kernels.json"
 
 
+def _remembered(key: str, compute) -> dict:
+    """known[key] from the cache file, computed and written there when missing."""
+    path = _cache_file()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    return known[key]
+
+
 @lru_cache(maxsize=None)
 def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     """Stored type -> the format that decodes fastest on `device` computing in `dtype`. Measured on
@@ -101,15 +121,34 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
             "ggml-python is not installed: CPU weights use PyTorch's kernels only, often several times "
             "slower to decode; pip install 'shardwire[cpu]' (needs cmake and a C compiler)"
         )
-    path, key = _cache_file(), _key(dtype)
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        known[key] = measure(dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, path)
-    return {stored: entry["fastest"] for stored, entry in known[key].items()}
+    measured = _remembered(_key(dtype), lambda: measure(dtype))
+    return {stored: entry["fastest"] for stored, entry in measured.items()}
+
+
+GEMM_ROWS = (16, 64, 256)  # the row counts at which ggml and dequantize-then-GEMM are compared
+
+
+def _gemm_rows(stored: str, dtype: torch.dtype) -> dict:
+    shape = (SHAPE[0] // 2, SHAPE[1])
+    raw = torch.zeros(shape[0], stored_nbytes(stored, shape) // shape[0], dtype=torch.uint8)
+    module = ggml_cpu.GGMLLinear(raw, stored, shape[1], dtype)
+    times = {}
+    for n in GEMM_ROWS:
+        x = torch.zeros(n, shape[1], dtype=dtype)
+        module.gemm_rows = None
+        ggml_s = _seconds(lambda: module(x))
+        module.gemm_rows = 0
+        gemm_s = _seconds(lambda: module(x))
+        times[n] = {"ggml": ggml_s, "gemm": gemm_s}
+    rows = next((n for n in GEMM_ROWS if times[n]["gemm"] < times[n]["ggml"]), None)
+    return {"seconds": times, "rows": rows}
+
+
+@lru_cache(maxsize=None)
+def gemm_rows(stored: str, dtype: torch.dtype) -> int | None:
+    """From how many rows of activations a matrix of `stored` on ggml is faster dequantized a chunk
+    at a time into a GEMM in `dtype` (ggml's kernels on blocks that are not repacked are made for
+    few rows); None: never, up to the largest count measured. Measured on first use per stored
+    type, then read from the cache."""
+    name = str(dtype).removeprefix("torch.")
+    return _remembered(f"{_key(name)} | gemm rows {stored}", lambda: _gemm_rows(stored, dtype))["rows"]

@@ -273,8 +273,9 @@ def pack_matrix(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.d
         return GGUFLinear(raw, stored, K, dtype)
     if fmt == "ggml":
         from .ggml_cpu import GGMLLinear  # it builds on GGUFLinear
+        from .measure import gemm_rows  # it times this function's modules
 
-        return GGMLLinear(raw, stored, K, dtype)
+        return GGMLLinear(raw, stored, K, dtype, gemm_rows(stored, dtype) if device.type == "cpu" else None)
     g = unpack(raw, stored)
     if fmt == "int8":
         qs, scales = [], []
