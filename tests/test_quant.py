@@ -82,7 +82,7 @@ def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
         assert float((y - expected).abs().max()) <= 1e-2 * scale
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8x2", "int8", "gguf"])
+@pytest.mark.parametrize("fmt", ["int4", "int8x2", "int8", "gguf", *GGML])
 def test_rows_and_row_chunks_agree(fmt, monkeypatch):
     """gather (embedding lookups), dequantize(a, b) by chunks, and the dense-GEMM path read the
     same weights, across layout blocks and the padded tail."""
@@ -96,7 +96,9 @@ def test_rows_and_row_chunks_agree(fmt, monkeypatch):
     ids = torch.tensor([[199, 0, 64, 127], [128, 191, 192, 5]])
     assert torch.equal(module.rows(ids), exact[ids])
     x = torch.randn(12, 64)
-    assert torch.allclose(module(x), x.to(module.compute_dtype).float() @ whole.float().t(), rtol=2e-2, atol=2e-2)
+    expected = x.to(module.compute_dtype).float() @ whole.float().t()
+    # ggml quantizes the activations to 8 bits inside its kernel, as llama.cpp does
+    assert float((module(x) - expected).abs().max()) <= 1e-2 * float(expected.abs().max())
 
 
 def dense_weight(attn, name: str) -> torch.Tensor:

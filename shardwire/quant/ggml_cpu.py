@@ -9,6 +9,8 @@ PyTorch formats serve instead.
 from __future__ import annotations
 
 import ctypes
+import math
+import threading
 from collections import OrderedDict
 from functools import lru_cache
 
@@ -36,16 +38,21 @@ def available() -> bool:
     return True
 
 
-class _Product:
-    """A built ggml graph y = W x for a fixed number of rows of x: a call only points its
-    tensors at the data and computes."""
+class _Graph:
+    """A built ggml graph of one operation on a weight W and one other tensor x, giving y: a call
+    only points the three at data and computes."""
 
-    def __init__(self, qtype: int, K: int, N: int, n: int, threads: int):
+    OPS = {
+        "mul_mat": lambda ctx, w, x: ggml.ggml_mul_mat(ctx, w, x),
+        "copy": lambda ctx, w, x: ggml.ggml_cpy(ctx, w, x),
+    }
+
+    def __init__(self, op: str, qtype: int, K: int, N: int, n: int, threads: int):
         mem = ggml.ggml_tensor_overhead() * 4 + ggml.ggml_graph_overhead() + 1024
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         self.w = ggml.ggml_new_tensor_2d(self.ctx, qtype, K, N)
         self.x = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_F32, K, n)
-        self.y = ggml.ggml_mul_mat(self.ctx, self.w, self.x)
+        self.y = self.OPS[op](self.ctx, self.w, self.x)
         self.graph = ggml.ggml_new_graph(self.ctx)
         ggml.ggml_build_forward_expand(self.graph, self.y)
         self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
@@ -55,11 +62,25 @@ class _Product:
     def run(self, w: int, x: int, y: int) -> None:
         self.w.contents.data, self.x.contents.data, self.y.contents.data = w, x, y
         if ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
-            raise RuntimeError("ggml could not compute a matrix product")
+            raise RuntimeError("ggml could not compute")
 
     def __del__(self):
         if ggml is not None and getattr(self, "ctx", None):
             ggml.ggml_free(self.ctx)
+
+
+_local = threading.local()
+
+
+def _scratch(slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reusable buffer number `slot`: a prompt chunk's dequantized rows land in the
+    same memory for every matrix, instead of fresh allocations the OS must fault in each time."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = buffers.get(slot)
+    if buffer is None or buffer.numel() < n:
+        buffer = buffers[slot] = torch.empty(n, dtype=torch.uint8)
+    return buffer[:n].view(dtype).view(shape)
 
 
 class GGMLLinear(GGUFLinear):
@@ -72,24 +93,26 @@ class GGMLLinear(GGUFLinear):
     ):
         super().__init__(raw, stored, in_features, dtype)
         self._qtype = int(GGMLQuantizationType[stored])
-        self._products: OrderedDict[tuple[int, int], _Product] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._row_bytes = raw.shape[1]
         # from this many rows (a prompt chunk) on, dequantize chunks into a GEMM instead (measured)
         self.gemm_rows = gemm_rows
 
-    def _product(self, n: int) -> _Product:
-        key = (n, torch.get_num_threads())
-        product = self._products.pop(key, None)
-        if product is None:
-            product = _Product(self._qtype, self.in_features, self.out_features, n, key[1])
-            if len(self._products) >= GRAPHS_KEPT:
-                self._products.popitem(last=False)
-        self._products[key] = product
-        return product
+    def _graph(self, op: str, rows: int, n: int) -> _Graph:
+        """The built graph of `op` on `rows` rows of W and `n` rows of x (LRU-kept)."""
+        key = (op, rows, n, torch.get_num_threads())
+        graph = self._graphs.pop(key, None)
+        if graph is None:
+            graph = _Graph(op, self._qtype, self.in_features, rows, n, key[3])
+            if len(self._graphs) >= GRAPHS_KEPT:
+                self._graphs.popitem(last=False)
+        self._graphs[key] = graph
+        return graph
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        self._product(x.shape[0]).run(self.raw.data_ptr(), x.data_ptr(), y.data_ptr())
+        self._graph("mul_mat", self.out_features, x.shape[0]).run(self.raw.data_ptr(), x.data_ptr(), y.data_ptr())
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +131,21 @@ class GGMLLinear(GGUFLinear):
         return super().gather(index)
 
     def dequantize(self, a=0, b=None):
-        return self._rows(slice(a, b)).to(self.compute_dtype)
+        return self._chunk(a, self.out_features if b is None else b).clone()
+
+    def _chunk(self, a: int, b: int) -> torch.Tensor:
+        """Rows a..b of W in the compute dtype, decoded by ggml's own (vectorized) dequantizers into
+        this thread's scratch buffer: valid until the next chunk."""
+        if self.stored in PLAIN:
+            return _scratch(1, (b - a, self.in_features), self.compute_dtype).copy_(
+                self.raw[a:b].view(PLAIN[self.stored])
+            )
+        out = _scratch(0, (b - a, self.in_features), torch.float32)
+        graph = self._graph("copy", b - a, b - a)  # W[a:b] copied into x, float32
+        graph.run(self.raw.data_ptr() + a * self._row_bytes, out.data_ptr(), out.data_ptr())
+        if self.compute_dtype == torch.float32:
+            return out
+        return _scratch(1, out.shape, self.compute_dtype).copy_(out)
 
     def gather(self, index):
         return self._rows(index)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..devices import TORCH_DTYPES
+from ..devices import TORCH_DTYPES, large_allocations_unmapped
 from ..enums import QUANT_TYPES
 from ..model import Linear
 from . import ggml_cpu
@@ -129,6 +129,7 @@ GEMM_ROWS = (16, 64, 256)  # the row counts at which ggml and dequantize-then-GE
 
 
 def _gemm_rows(stored: str, dtype: torch.dtype) -> dict:
+    large_allocations_unmapped()  # as when stages are built: each dequantized chunk is mapped afresh
     shape = (SHAPE[0] // 2, SHAPE[1])
     raw = torch.zeros(shape[0], stored_nbytes(stored, shape) // shape[0], dtype=torch.uint8)
     module = ggml_cpu.GGMLLinear(raw, stored, shape[1], dtype)
@@ -151,4 +152,6 @@ def gemm_rows(stored: str, dtype: torch.dtype) -> int | None:
     few rows); None: never, up to the largest count measured. Measured on first use per stored
     type, then read from the cache."""
     name = str(dtype).removeprefix("torch.")
-    return _remembered(f"{_key(name)} | gemm rows {stored}", lambda: _gemm_rows(stored, dtype))["rows"]
+    return _remembered(
+        f"{_key(name)} | gemm rows {stored} (ggml dequantizes into scratch, v2)", lambda: _gemm_rows(stored, dtype)
+    )["rows"]

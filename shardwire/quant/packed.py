@@ -76,6 +76,10 @@ class PackedLinear(nn.Module):
     def gather(self, index: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _chunk(self, a: int, b: int) -> torch.Tensor:
+        """Rows a..b for one GEMM of forward(), used before the next chunk is asked for."""
+        return self.dequantize(a, b)
+
     @property
     def can_dequantize(self) -> bool:
         return True
@@ -93,7 +97,7 @@ class PackedLinear(nn.Module):
         if y is None:
             x2 = x2.to(self.compute_dtype)
             N, step = self.out_features, rows_per_chunk(self.in_features)
-            y = torch.cat([F.linear(x2, self.dequantize(a, min(a + step, N))) for a in range(0, N, step)], -1)
+            y = torch.cat([F.linear(x2, self._chunk(a, min(a + step, N))) for a in range(0, N, step)], -1)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
