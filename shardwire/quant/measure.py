@@ -34,7 +34,7 @@ log = logging.getLogger("shardwire.kernels")
 
 MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
-SECONDS = 0.05  # per candidate
+SECONDS = 0.1  # per candidate, at least 5 runs
 
 
 def cpu_model() -> str:
@@ -50,16 +50,37 @@ def cpu_model() -> str:
 
 def _key(dtype: str) -> str:
     versions = f"torch {torch.__version__}, ggml {'yes' if ggml_cpu.available() else 'no'}"
-    return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions}"
+    return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions} | caches emptied"
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache, as sysfs lists it (64 MiB where it does not)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0))
+        except (OSError, ValueError):
+            pass
+    return max(sizes, default=64 << 20)
+
+
+@lru_cache(maxsize=None)
+def _eviction_buffer() -> torch.Tensor:
+    return torch.zeros(2 * last_level_cache_bytes(), dtype=torch.uint8)
 
 
 def _seconds(call) -> float:
+    """Median seconds of `call` with the caches emptied before each run, as when a model much
+    larger than the caches streams its weights: a matrix that stays cached would time the cache."""
     call()
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < SECONDS or calls < 3:
+    evict, times, start = _eviction_buffer(), [], time.perf_counter()
+    while time.perf_counter() - start < SECONDS or len(times) < 5:
+        evict.add_(1)
+        t = time.perf_counter()
         call()
-        calls += 1
-    return elapsed / calls
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def _seconds_per_row(module: torch.nn.Module, dtype: torch.dtype) -> float:
