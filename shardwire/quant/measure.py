@@ -34,7 +34,7 @@ log = logging.getLogger("shardwire.kernels")
 
 MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
-SECONDS = 0.1  # per candidate, at least 5 runs
+SECONDS = 0.03  # per candidate, at least 3 runs
 
 
 def cpu_model() -> str:
@@ -75,7 +75,7 @@ def _seconds(call) -> float:
     larger than the caches streams its weights: a matrix that stays cached would time the cache."""
     call()
     evict, times, start = _eviction_buffer(), [], time.perf_counter()
-    while time.perf_counter() - start < SECONDS or len(times) < 5:
+    while time.perf_counter() - start < SECONDS or len(times) < 3:
         evict.add_(1)
         t = time.perf_counter()
         call()
