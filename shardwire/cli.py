@@ -205,6 +205,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .quant import ggml_cpu
+    from .quant.measure import NO_GGML
     from .wire.frames import Limits
     from .worker import Worker
 
@@ -234,6 +236,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     for d in desc.devices:
         print(f"  {d.name}: {d.free / 2**30:.1f} GiB available", flush=True)
+    if any(d.name.startswith("cpu") for d in desc.devices) and not ggml_cpu.available():
+        print(f"  note: {NO_GGML}", flush=True)
     try:
         worker.serve_forever()
     finally:

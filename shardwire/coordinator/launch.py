@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -12,10 +13,13 @@ from ..formats import ModelFile
 from ..loading import load_stage
 from ..pipeline import LocalPipeline, Pipeline
 from ..plan import PlanDevice, make_plan
+from ..quant import ggml_cpu
 from ..quant.kernels import kernels_on
-from ..quant.measure import fastest_formats
+from ..quant.measure import NO_GGML, fastest_formats
 from ..security import add_client_tls_args, client_tls, resolve_token
 from .cluster import Cluster
+
+log = logging.getLogger("shardwire.launch")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +85,8 @@ def local_pipeline(
     """Every block in this process on one device, its weights held as the plan resolves `weights`
     for that device (auto: the first mode that fits its free memory), as a worker's would be."""
     kernels, fastest = kernels_on(torch_device(device)), fastest_formats(device, dtype)
+    if device.startswith("cpu") and not ggml_cpu.available():
+        log.warning("%s", NO_GGML)
     planned = PlanDevice("local", device, free_memory(device), dtype, kernels, tuple(sorted(fastest.items())))
     plan = make_plan(model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights)
     stage = plan.stages[0]

@@ -12,7 +12,6 @@ hold zero blocks.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import platform
 import time
@@ -29,8 +28,6 @@ from .codecs import stored_nbytes
 from .kernels import kernels_on
 from .packed import pack_matrix
 from .policy import FAST
-
-log = logging.getLogger("shardwire.kernels")
 
 MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
@@ -130,6 +127,12 @@ def _remembered(key: str, compute) -> dict:
     return known[key]
 
 
+NO_GGML = (
+    "ggml-python is not installed: CPU weights use PyTorch's kernels only, often several times slower "
+    "to decode; pip install 'shardwire[cpu]' (needs cmake and a C compiler)"
+)
+
+
 @lru_cache(maxsize=None)
 def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     """Stored type -> the format that decodes fastest on `device` computing in `dtype`. Measured on
@@ -137,11 +140,6 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     have no measurement and get {}: the policy's defaults apply there."""
     if not device.startswith("cpu"):
         return {}
-    if not ggml_cpu.available():
-        log.warning(
-            "ggml-python is not installed: CPU weights use PyTorch's kernels only, often several times "
-            "slower to decode; pip install 'shardwire[cpu]' (needs cmake and a C compiler)"
-        )
     measured = _remembered(_key(dtype), lambda: measure(dtype))
     return {stored: entry["fastest"] for stored, entry in measured.items()}
 
