@@ -46,9 +46,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=WEIGHT_MODES,
         help="quantized GGUF weights on the devices: dequant (to the compute dtype), packed (int4/int8 "
         "kernels), compact (packed only where that costs no more than ~1.1x the file; the rest "
-        "dequantized just before use), fast (packed where its kernel beats the dense product on "
-        "the device, else dequantized: Q8_0 on a bf16 CPU); auto = the first of fast, packed, "
-        "compact that fits (default: %(default)s)",
+        "dequantized just before use; through ggml's kernels where those measured fastest), fast (each "
+        "type in the format its device measured fastest to decode: dense, PyTorch's packed kernel or "
+        "ggml's); auto = the first of fast, packed, compact that fits (default: %(default)s)",
     )
     p.add_argument(
         "-c",

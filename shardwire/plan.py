@@ -33,6 +33,10 @@ class PlanDevice:
     kernels: bool = False  # whether PyTorch's packed int4/int8 kernels run there, as its worker found
     fastest: tuple[tuple[str, str], ...] = ()  # (stored type, format) that decodes fastest, as measured there
 
+    def __post_init__(self):
+        # given as a map or as pairs; kept as sorted pairs so the device stays hashable
+        object.__setattr__(self, "fastest", tuple(sorted(dict(self.fastest).items())))
+
     @property
     def type(self) -> str:
         return self.name.split(":")[0]
@@ -65,6 +69,7 @@ class Plan:
     stages: list[PlannedStage]
     n_slots: int
     ctx: int
+    prefill_chunk: int = 512  # the most tokens per row of a step, which each stage's workspace is sized for
     notes: list[str] = field(default_factory=list)
 
     def shortfalls(self) -> list[tuple[PlannedStage, int]]:
@@ -283,7 +288,7 @@ def make_plan(
         stages.append(PlannedStage(device, start, start + count, first=start == 0, last=start + count == n))
         start += count
     _choose_weights(model, stages, weights, n_slots, ctx, prefill_chunk)
-    plan = Plan(stages, n_slots, ctx)
+    plan = Plan(stages, n_slots, ctx, prefill_chunk)
     workers = [s.device.worker for s in stages]
     for i, w in enumerate(workers):
         if w in workers[:i] and workers[i - 1] != w:

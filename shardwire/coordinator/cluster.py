@@ -139,9 +139,7 @@ class Cluster:
         devices, cpu = [], None
         for link in self.links if links is None else links:
             for d in link.devices:
-                pd = PlanDevice(
-                    link.name, d.name, d.free, dtype or d.dtype, d.kernels, tuple(sorted(d.fastest.items()))
-                )
+                pd = PlanDevice(link.name, d.name, d.free, dtype or d.dtype, d.kernels, d.fastest)
                 if link.name == "local:cpu":
                     cpu = pd
                 else:
@@ -212,7 +210,7 @@ class Cluster:
                     model.qk_interleaved,
                     plan.n_slots,
                     plan.ctx,
-                    self._plan_options.get("prefill_chunk", 512),
+                    plan.prefill_chunk,
                     stage_specs(model, stages, hashes),
                     next_hop(groups[i + 1][0] if i + 1 < len(groups) else None),
                 )

@@ -87,7 +87,7 @@ def local_pipeline(
     kernels, fastest = kernels_on(torch_device(device)), fastest_formats(device, dtype)
     if device.startswith("cpu") and not ggml_cpu.available():
         log.warning("%s", NO_GGML)
-    planned = PlanDevice("local", device, free_memory(device), dtype, kernels, tuple(sorted(fastest.items())))
+    planned = PlanDevice("local", device, free_memory(device), dtype, kernels, fastest)
     plan = make_plan(model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights)
     stage = plan.stages[0]
     return LocalPipeline(

@@ -38,8 +38,7 @@ def check_assign(assign: Assign, cfg: ModelConfig, devices: list[str], mem: int 
             raise PlanRejected(f"stage {spec.index} lacks tensor {sorted(missing)[0]}")
         for t in spec.tensors:
             _check_tensor(cfg, spec, t)
-        fastest = tuple(sorted(spec.fastest.items()))
-        here = PlanDevice("", spec.device, 0, spec.dtype, kernels_on(torch_device(spec.device)), fastest)
+        here = PlanDevice("", spec.device, 0, spec.dtype, kernels_on(torch_device(spec.device)), spec.fastest)
         planned = PlannedStage(here, spec.start, spec.end, spec.first, spec.last)
         tensors = {t.name: t for t in spec.tensors}
         cost = stage_cost(cfg, tensors, planned, spec.weights, assign.n_slots, assign.ctx, assign.prefill_chunk)
