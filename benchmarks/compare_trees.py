@@ -4,8 +4,8 @@ the same model files and the same machine, interleaved A B B A so drift hits bot
     git worktree add /tmp/before HEAD~3
     python benchmarks/compare_trees.py /tmp/before model.gguf [more.gguf ...] --workers 2 -p 64 -n 32
 
-Each round starts `--workers` worker processes from one tree (one thread each, worker i pinned to
-core i mod cores), runs that tree's `shardwire bench` over them, and stops them; with
+Each round starts `--workers` worker processes from one tree (one thread each, pinned as run.py
+pins them), runs that tree's `shardwire bench` over them, and stops them; with
 `--workers 0` the bench runs the model in one process. Prints tokens/s per tree and the ratio
 this / other for each model and test.
 """
@@ -15,52 +15,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE / "benchmarks"))
+
+import run  # noqa: E402
 
 
 def _env(tree: Path) -> dict:
     return dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _start_workers(tree: Path, n: int) -> list[tuple[subprocess.Popen, str]]:
+def _start_workers(tree: Path, n: int, log: Path) -> list[run.Server]:
+    """`n` workers from `tree`'s code (run from inside it, so its own package is the one imported)."""
+    _, cores = run.cores_for(n, 1)
+    cmd = [sys.executable, "-m", "shardwire", "worker", "--port", "0", "--device", "cpu", "--threads", "1"]
     workers = []
     for i in range(n):
-        cmd = [
-            "taskset",
-            "-c",
-            str(i % os.cpu_count()),
-            sys.executable,
-            "-m",
-            "shardwire",
-            "worker",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--threads",
-            "1",
-        ]
-        proc = subprocess.Popen(
-            cmd, cwd=tree, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for line in proc.stdout:
-            m = re.search(r"listening on (\S+):(\d+)", line)
-            if m:
-                workers.append((proc, f"127.0.0.1:{m[2]}"))
-                break
-        else:
-            raise RuntimeError(f"a worker from {tree} did not start")
+        worker = run.Server(f"worker{i}", cmd, cores[i], _env(tree), log, cwd=tree)
+        workers.append(worker)
+        worker.address = f"127.0.0.1:{worker.wait_for(run.LISTENING, 120)[2]}"
     return workers
 
 
-def bench(tree: Path, model: Path, args) -> dict[str, float]:
-    workers = _start_workers(tree, args.workers)
+def bench(tree: Path, model: Path, args, log: Path) -> dict[str, float]:
+    workers = _start_workers(tree, args.workers, log)
     try:
         cmd = [
             sys.executable,
@@ -80,15 +64,14 @@ def bench(tree: Path, model: Path, args) -> dict[str, float]:
             "json",
         ]
         if workers:
-            cmd += ["--rpc", ",".join(address for _, address in workers)]
+            cmd += ["--rpc", ",".join(w.address for w in workers)]
         out = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=args.timeout)
         if out.returncode != 0:
             raise RuntimeError(f"bench in {tree} failed:\n{out.stderr[-2000:]}")
         return {t["test"]: t["avg_ts"] for t in json.loads(out.stdout)["tests"]}
     finally:
-        for proc, _ in workers:
-            proc.terminate()
-            proc.wait(10)
+        for worker in workers:
+            worker.stop()
 
 
 def main() -> int:
@@ -105,11 +88,13 @@ def main() -> int:
     trees = {"this": HERE, "other": args.other.resolve()}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"CPU: {cpu}; {args.workers} worker(s), 1 thread each; this = {trees['this']}, other = {trees['other']}")
+    log = Path(tempfile.mkdtemp(prefix="shardwire-compare-")) / "workers.log"
+    print(f"workers' output: {log}")
     for model in args.models:
         runs: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
         for r in range(args.rounds):
             for name in ("this", "other") if r % 2 == 0 else ("other", "this"):
-                for test, tps in bench(trees[name], model, args).items():
+                for test, tps in bench(trees[name], model, args, log).items():
                     runs[name].setdefault(test, []).append(tps)
         print(f"\n{model.name}")
         print(f"{'test':<8} {'this tok/s':>12} {'other tok/s':>12} {'this/other':>11}  runs")

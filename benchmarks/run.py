@@ -133,10 +133,11 @@ def vm_hwm(pid: int) -> int | None:
 class Server:
     """A long-running worker process (ggml-rpc-server or shardwire worker), pinned."""
 
-    def __init__(self, name: str, cmd: list[str], core: str, env: dict, log: Path):
+    def __init__(self, name: str, cmd: list[str], core: str, env: dict, log: Path, cwd: Path | None = None):
         self.name, self.log_path = name, log
         self.proc = subprocess.Popen(
             ["taskset", "-c", core, *cmd],
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
