@@ -1,11 +1,14 @@
-"""ModelConfig: the shape of a Llama-family model, read from GGUF metadata or an HF config.json."""
+"""ModelConfig: the shape of a Llama-family model (dense or mixture-of-experts), read from GGUF
+metadata or an HF config.json."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3moe")
+# Hugging Face model_type -> our architecture name (GGUF's, where llama.cpp has one)
+_HF_ARCHS = {a: a for a in SUPPORTED_ARCHS if a != "qwen3moe"} | {"qwen3_moe": "qwen3moe"}
 
 
 class ConfigError(ValueError):
@@ -27,8 +30,16 @@ class ModelConfig:
     context_length: int
     tied_embeddings: bool
     rope_scaling: dict[str, Any] | None = field(default=None)
+    # Mixture of experts (n_experts 0: every block has a dense FFN). Routing: softmax over all
+    # experts, the top n_experts_used, their weights renormalized to sum to 1 when expert_norm.
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    expert_norm: bool = True
+    dense_blocks: tuple[int, ...] = ()  # blocks with a dense FFN in a mixture-of-experts model
 
     def __post_init__(self):
+        object.__setattr__(self, "dense_blocks", tuple(self.dense_blocks))
         for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "context_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -43,10 +54,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model config: head_dim {self.head_dim} must be even for RoPE")
+        if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn_dim > 0):
+            raise ConfigError(
+                f"model config: {self.n_experts} experts need 1 to {self.n_experts} used per token and an expert "
+                f"FFN size, got {self.n_experts_used} used and size {self.expert_ffn_dim}"
+            )
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ("linear", "llama3"):
             raise ConfigError(
                 f"model config: unsupported rope scaling {self.rope_scaling!r} (supported: linear, llama3)"
             )
+
+    def sparse(self, block: int) -> bool:
+        """Whether `block`'s feed-forward is a mixture of experts."""
+        return self.n_experts > 0 and block not in self.dense_blocks
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +130,7 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
         raise ConfigError(
             f"{where}: unsupported rope scaling '{scaling_type}' (supported: linear, llama3 through rope_freqs.weight)"
         )
+    n_experts = int(key("expert_count", 0))
     # Llama 3.1-style scaling arrives as per-frequency factors in the tensor rope_freqs.weight.
     return ModelConfig(
         arch=arch,
@@ -125,6 +146,13 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
         context_length=int(key("context_length")),
         tied_embeddings="output.weight" not in tensor_names,
         rope_scaling=scaling,
+        n_experts=n_experts,
+        n_experts_used=int(key("expert_used_count", 0)) if n_experts else 0,
+        # Mixtral's converter writes the experts' size as the feed-forward length
+        expert_ffn_dim=int(key("expert_feed_forward_length", key("feed_forward_length"))) if n_experts else 0,
+        # llama.cpp renormalizes the chosen experts' weights for these architectures
+        expert_norm=bool(key("expert_weights_norm", True)),
+        dense_blocks=tuple(range(int(key("leading_dense_block_count", 0)))) if n_experts else (),
     )
 
 
@@ -150,8 +178,32 @@ def _hf_rope(cfg: dict, where: str) -> tuple[float, dict | None]:
     raise ConfigError(f"{where}: unsupported rope scaling '{kind}' (supported: linear, llama3)")
 
 
+def _hf_experts(cfg: dict, arch: str, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config.json."""
+    if arch == "mixtral":
+        n = int(_require(cfg, "num_local_experts", where))
+        ffn = int(_require(cfg, "intermediate_size", where))
+        return dict(n_experts=n, n_experts_used=int(_require(cfg, "num_experts_per_tok", where)), expert_ffn_dim=ffn)
+    if arch == "qwen3moe":
+        n_layers, step = int(_require(cfg, "num_hidden_layers", where)), int(cfg.get("decoder_sparse_step", 1))
+        only_mlp = set(cfg.get("mlp_only_layers") or ())
+        return dict(
+            n_experts=int(_require(cfg, "num_experts", where)),
+            n_experts_used=int(_require(cfg, "num_experts_per_tok", where)),
+            expert_ffn_dim=int(_require(cfg, "moe_intermediate_size", where)),
+            expert_norm=bool(cfg.get("norm_topk_prob", False)),
+            dense_blocks=tuple(i for i in range(n_layers) if i in only_mlp or step <= 0 or (i + 1) % step),
+        )
+    return {}
+
+
 def from_hf_config(cfg: dict, where: str) -> ModelConfig:
-    arch = _architecture(cfg, "model_type", where)
+    model_type = _require(cfg, "model_type", where)
+    if model_type not in _HF_ARCHS:
+        raise ConfigError(
+            f"{where}: unsupported architecture '{model_type}' (supported: {', '.join(sorted(_HF_ARCHS))})"
+        )
+    arch = _HF_ARCHS[model_type]
     dim = int(_require(cfg, "hidden_size", where))
     n_heads = int(_require(cfg, "num_attention_heads", where))
     theta, scaling = _hf_rope(cfg, where)
@@ -169,4 +221,5 @@ def from_hf_config(cfg: dict, where: str) -> ModelConfig:
         context_length=int(_require(cfg, "max_position_embeddings", where)),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        **_hf_experts(cfg, arch, where),
     )

@@ -1,4 +1,5 @@
-"""Llama-family decoder blocks and the Stage: blocks [start, end) of one model on one device.
+"""Llama-family decoder blocks (dense or mixture-of-experts feed-forward) and the Stage: blocks
+[start, end) of one model on one device.
 
 One forward pass runs B sequences with T new tokens each; every sequence owns a KV cache slot
 and brings its own start position, so a batch mixes sequences at different lengths.
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .formats.names import EXPERT_MATRICES
 from .kvcache import KVCache
 
 
@@ -161,12 +163,12 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w: Mapping[str, Weight]):
+    def __init__(self, gate: Weight, up: Weight, down: Weight):
         super().__init__()
-        self.gate_up = fused([w["ffn_gate.weight"], w["ffn_up.weight"]], [None, None])
+        self.gate_up = fused([gate, up], [None, None])
         if self.gate_up is None:
-            self.gate, self.up = linear(w["ffn_gate.weight"]), linear(w["ffn_up.weight"])
-        self.down = linear(w["ffn_down.weight"])
+            self.gate, self.up = linear(gate), linear(up)
+        self.down = linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -176,13 +178,63 @@ class FeedForward(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class MixtureOfExperts(nn.Module):
+    """A sparse feed-forward: the router scores every expert for each token (softmax), the top
+    n_experts_used run on it, and their outputs are summed with those scores as weights
+    (renormalized to sum to 1 where the model says so). Experts no token chose never run."""
+
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
+        super().__init__()
+        self.router = linear(w["ffn_gate_inp.weight"])
+        self.experts = nn.ModuleList(
+            FeedForward(*(w[f"{m}.{e}.weight"] for m in EXPERT_MATRICES)) for e in range(cfg.n_experts)
+        )
+        self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's chosen experts [rows, k] and their weights [rows, k] in x's dtype."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        chosen, weights = self.route(x)
+        if x.shape[0] == 1:  # decode of one sequence: k small products, no gathering
+            out = None
+            for e, w in zip(chosen[0].tolist(), weights[0]):
+                y = self.experts[e](x) * w
+                out = y if out is None else out + y
+            return out.view(shape)
+        # Several rows: group them by expert, one product per expert that has rows.
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows_of = order // self.k
+        row_weights = weights.flatten()[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = rows_of[start : start + n]
+                out.index_add_(0, rows, self.experts[e](x[rows]) * row_weights[start : start + n])
+                start += n
+        return out.view(shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
         super().__init__()
         self.attn_norm = RMSNorm(w["attn_norm.weight"], cfg.norm_eps)
         self.attn = Attention(cfg, w)
         self.ffn_norm = RMSNorm(w["ffn_norm.weight"], cfg.norm_eps)
-        self.ffn = FeedForward(w)
+        if "ffn_gate_inp.weight" in w:
+            self.ffn = MixtureOfExperts(cfg, w)
+        else:
+            self.ffn = FeedForward(w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache, layer, ctx)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from shardwire.config import ModelConfig
+from shardwire.formats.names import expert_name
 
 SHARED_VOCAB = Path(os.environ.get("SHARDWIRE_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "vocab"
 
@@ -257,8 +258,8 @@ def load_vocab(name: str) -> Vocab:
 # ---------------------------------------------------------------------------------------------
 # Random weights
 
-_DEFAULT_THETA = {"llama": 10000.0, "mistral": 1e6, "qwen2": 1e6, "qwen3": 1e6}
-_DEFAULT_EPS = {"llama": 1e-5, "mistral": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6}
+_DEFAULT_THETA = {"llama": 10000.0, "mistral": 1e6, "mixtral": 1e6, "qwen2": 1e6, "qwen3": 1e6, "qwen3moe": 1e6}
+_DEFAULT_EPS = {"llama": 1e-5, "mistral": 1e-5, "mixtral": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3moe": 1e-6}
 
 
 def random_model(
@@ -276,6 +277,9 @@ def random_model(
     rope_scaling: dict | None = None,
     rope_theta: float | None = None,
     norm_eps: float | None = None,
+    n_experts: int = 0,
+    n_experts_used: int = 0,
+    expert_ffn_dim: int | None = None,
     seed: int = 0,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """A config and float32 tensors (canonical names, Hugging Face order) with random weights.
@@ -301,6 +305,9 @@ def random_model(
         context_length=context_length,
         tied_embeddings=tied,
         rope_scaling=dict(rope_scaling) if rope_scaling else None,
+        n_experts=n_experts,
+        n_experts_used=n_experts_used,
+        expert_ffn_dim=(expert_ffn_dim or dim) if n_experts else 0,
     )
     rng = np.random.default_rng(seed)
 
@@ -323,13 +330,22 @@ def random_model(
             t[p + "attn_q.bias"] = normal(q, 0.3)
             t[p + "attn_k.bias"] = normal(kv, 0.3)
             t[p + "attn_v.bias"] = normal(kv, 0.1)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             t[p + "attn_q_norm.weight"] = norm(head_dim)
             t[p + "attn_k_norm.weight"] = norm(head_dim)
         t[p + "ffn_norm.weight"] = norm(dim)
-        t[p + "ffn_gate.weight"] = normal((f, dim), 1 / np.sqrt(dim))
-        t[p + "ffn_up.weight"] = normal((f, dim), 1 / np.sqrt(dim))
-        t[p + "ffn_down.weight"] = normal((dim, f), 1 / np.sqrt(f))
+        if cfg.sparse(i):
+            # router scores spread over a few units, so each token's choice of experts is clear-cut
+            t[p + "ffn_gate_inp.weight"] = normal((n_experts, dim), 2 / np.sqrt(dim))
+            fe = cfg.expert_ffn_dim
+            for e in range(n_experts):
+                t[expert_name(i, "ffn_gate_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
+                t[expert_name(i, "ffn_up_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
+                t[expert_name(i, "ffn_down_exps", e)] = normal((dim, fe), 1 / np.sqrt(fe))
+        else:
+            t[p + "ffn_gate.weight"] = normal((f, dim), 1 / np.sqrt(dim))
+            t[p + "ffn_up.weight"] = normal((f, dim), 1 / np.sqrt(dim))
+            t[p + "ffn_down.weight"] = normal((dim, f), 1 / np.sqrt(f))
     # Random signs on the final norm: with all-positive gains a tied model's logits favour the
     # token just read (its own embedding), and greedy decoding gets stuck repeating it.
     t["output_norm.weight"] = norm(dim) * rng.choice(np.float32([-1, 1]), dim)
@@ -373,6 +389,29 @@ TEST_MODELS = {
         ModelSpec("qwen2", "qwen2", dict(arch="qwen2", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, tied=True)),
         ModelSpec(
             "qwen3", "qwen2", dict(arch="qwen3", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, head_dim=128, tied=True)
+        ),
+        # Mixtures of experts: 8 experts, 2 per token, as Mixtral 8x7B routes
+        ModelSpec(
+            "mixtral",
+            "llama-spm",
+            dict(
+                arch="mixtral", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=64, n_experts=8, n_experts_used=2
+            ),
+        ),
+        ModelSpec(
+            "qwen3moe",
+            "qwen2",
+            dict(
+                arch="qwen3moe",
+                n_layers=4,
+                dim=64,
+                n_heads=4,
+                n_kv_heads=2,
+                head_dim=32,
+                n_experts=16,
+                n_experts_used=4,
+                expert_ffn_dim=32,
+            ),
         ),
     ]
 }

@@ -34,11 +34,21 @@ from gguf import (
 from gguf import quants as gguf_quants
 
 from shardwire.config import ModelConfig
+from shardwire.formats.names import EXPERT_MATRICES, expert_name
 from shardwire.formats.safetensors import hf_name
 
 # llama.cpp's converter writes Mistral (and every other LlamaForCausalLM look-alike) as arch "llama".
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-PERMUTED_ARCHS = ("llama", "mistral")
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3moe",
+}
+PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
+# Tensors the converter keeps in float32 whatever the file type (llama-quantize skips them too)
+KEPT_F32 = ("ffn_gate_inp.weight",)
 
 _FILE_TYPES = {
     "F32": LlamaFileType.ALL_F32,
@@ -104,6 +114,7 @@ def gguf_config(cfg: ModelConfig) -> ModelConfig:
         {
             **cfg.to_dict(),
             "arch": GGUF_ARCH[cfg.arch],
+            "expert_norm": True,  # llama.cpp renormalizes the chosen experts' weights of these architectures
             "rope_scaling": scaling,
             "norm_eps": f32(cfg.norm_eps),
             "rope_theta": f32(cfg.rope_theta),
@@ -310,11 +321,27 @@ def _stored_names(cfg: ModelConfig, tensors: dict) -> list[str]:
     return [n for n in sorted(tensors, key=order) if not (n == "output.weight" and cfg.tied_embeddings)]
 
 
+def _stacked_experts(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One matrix per expert (blk.N.ffn_gate_exps.E.weight) -> the converter's 3-D tensor per block."""
+    out = {}
+    for name, w in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 5 and parts[2] in EXPERT_MATRICES:
+            if parts[3] == "0":
+                block, matrix = int(parts[1]), parts[2]
+                stacked = [tensors[expert_name(block, matrix, e)] for e in range(cfg.n_experts)]
+                out[f"blk.{block}.{matrix}.weight"] = np.stack(stacked)
+        else:
+            out[name] = w
+    return out
+
+
 def _gguf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Canonical HF-order tensors -> what the converter stores, in its order."""
     out: dict[str, np.ndarray] = {}
     if cfg.rope_scaling and cfg.rope_scaling.get("type") == "llama3":
         out["rope_freqs.weight"] = llama3_rope_factors(cfg)
+    tensors = _stacked_experts(cfg, tensors)
     for name in _stored_names(cfg, tensors):
         w = np.asarray(tensors[name], dtype=np.float32)
         if cfg.arch in PERMUTED_ARCHS and name.endswith((".attn_q.weight", ".attn_q.bias")):
@@ -374,12 +401,17 @@ def _add_model_metadata(writer: GGUFWriter, cfg: ModelConfig, name: str, weight_
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     # The converter writes these whenever config.json has head_dim, which Qwen3's always has.
-    if cfg.head_dim * cfg.n_heads != cfg.dim or cfg.arch == "qwen3":
+    if cfg.head_dim * cfg.n_heads != cfg.dim or cfg.arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     writer.add_file_type(_FILE_TYPES[weight_type])
     writer.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
     writer.add_rope_dimension_count(cfg.head_dim)
+    if cfg.n_experts:
+        writer.add_expert_count(cfg.n_experts)
+        writer.add_expert_used_count(cfg.n_experts_used)
+        if arch != "llama":  # Mixtral's size of an expert is its feed-forward length
+            writer.add_expert_feed_forward_length(cfg.expert_ffn_dim)
     if cfg.rope_scaling and cfg.rope_scaling.get("type") == "linear":
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
@@ -420,7 +452,7 @@ def write_gguf(
         for key, value in tokenizer_metadata.items():
             _add_metadata_value(writer, key, value)
         for tensor_name, w in writer_tensors.items():
-            if w.ndim < 2:
+            if w.ndim < 2 or tensor_name.endswith(KEPT_F32):
                 writer.add_tensor(tensor_name, w)
                 continue
             wanted = _check_type(type_for(tensor_name, w.shape) if type_for else weight_type)
@@ -445,9 +477,12 @@ def write_gguf(
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+_HF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 
 
 def _token_ids(tokenizer_json: str | None, *tokens) -> list[int | None]:
@@ -479,7 +514,7 @@ def hf_config(
         rope_scaling = {"rope_type": kind, **{k: v for k, v in cfg.rope_scaling.items() if k != "type"}}
     out = {
         "architectures": [_HF_CLASSES[cfg.arch]],
-        "model_type": cfg.arch,
+        "model_type": _HF_MODEL_TYPES.get(cfg.arch, cfg.arch),
         "attention_dropout": 0.0,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
@@ -501,14 +536,26 @@ def hf_config(
     }
     if cfg.arch != "qwen2":
         out["head_dim"] = cfg.head_dim
-    if cfg.arch in ("llama", "qwen3"):
+    if cfg.arch in ("llama", "qwen3", "qwen3moe"):
         out["attention_bias"] = any(n.endswith(".attn_q.bias") for n in tensors or ())
     if cfg.arch == "llama":
         out.update(mlp_bias=False, pretraining_tp=1)
-    if cfg.arch == "mistral":
+    if cfg.arch in ("mistral", "mixtral"):
         out["sliding_window"] = None
-    if cfg.arch in ("qwen2", "qwen3"):
+    if cfg.arch in ("qwen2", "qwen3", "qwen3moe"):
         out.update(max_window_layers=cfg.n_layers, sliding_window=None, use_sliding_window=False)
+    if cfg.arch == "mixtral":
+        out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_used)
+        out["intermediate_size"] = cfg.expert_ffn_dim
+    if cfg.arch == "qwen3moe":
+        out.update(
+            num_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.n_experts_used,
+            moe_intermediate_size=cfg.expert_ffn_dim,
+            norm_topk_prob=cfg.expert_norm,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(cfg.dense_blocks),
+        )
     return dict(sorted(out.items()))
 
 
@@ -537,7 +584,7 @@ def write_hf(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     hf = {
-        hf_name(n): torch.from_numpy(np.asarray(tensors[n], dtype=np.float32)).to(torch_dtype).contiguous()
+        hf_name(n, cfg.arch): torch.from_numpy(np.asarray(tensors[n], dtype=np.float32)).to(torch_dtype).contiguous()
         for n in _stored_names(cfg, tensors)
     }
 

@@ -211,3 +211,13 @@ def test_concurrent_sequences_share_decode_steps(worker_pool, tmp_path):
     assert together == alone
     decode_rows = sum(widths)
     assert max(widths) >= 2 and len(widths) <= decode_rows / 1.5, widths
+
+
+@pytest.mark.parametrize("name,form", [("mixtral", "F32"), ("qwen3moe", "hf"), ("qwen3moe", "Q8_0")])
+def test_mixture_of_experts_split_over_two_workers(worker_pool, tmp_path, name, form):
+    """Expert tensors ship, cache and load like any other; the plan counts them per block."""
+    path = hf_path(name) if form == "hf" else model_path(name, form)
+    workers = worker_pool(2)
+    got, plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord")
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4)]
+    assert_same(single_process(path), got)

@@ -154,12 +154,12 @@ def test_gguf_holds_the_hf_weights(converted):
     tensors = GGUFReader(gguf).tensors
     assert {t.name for t in tensors} == {n for n in open_model(hf).tensors}
     for t in tensors:
-        w = dequantize(t.data, t.tensor_type).reshape(stored[hf_name(t.name)].shape)
+        w = dequantize(t.data, t.tensor_type).reshape(stored[hf_name(t.name, "llama")].shape)
         if ".attn_q." in t.name:
             w = undo_qk_interleave(w, cfg.n_heads)
         elif ".attn_k." in t.name:
             w = undo_qk_interleave(w, cfg.n_kv_heads)
-        assert np.array_equal(w, stored[hf_name(t.name)].astype(np.float32)), t.name
+        assert np.array_equal(w, stored[hf_name(t.name, "llama")].astype(np.float32)), t.name
         assert t.tensor_type.name == ("F32" if w.ndim == 1 else "F16")
 
 

@@ -374,7 +374,7 @@ def test_transformers_loads_hf_folder(hf_folder, name):
     model = load_hf(folder)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     for canonical, w in tensors.items():
-        assert np.array_equal(state[hf_name(canonical)], w), canonical
+        assert np.array_equal(state[hf_name(canonical, cfg.arch)], w), canonical
     if cfg.tied_embeddings:
         assert np.array_equal(state["lm_head.weight"], tensors["token_embd.weight"])
     c = model.config
@@ -405,7 +405,7 @@ def test_transformers_loads_gguf(gguf_file, hf_folder, name, weight_type):
         if t.name in tensors
     }
     for canonical, w in ours.items():
-        assert np.array_equal(state[hf_name(canonical)], w), canonical
+        assert np.array_equal(state[hf_name(canonical, cfg.arch)], w), canonical
         if weight_type == "F32":
             assert np.array_equal(w, tensors[canonical])
     if weight_type == "F32" and not cfg.rope_scaling:  # transformers ignores rope_freqs.weight
@@ -423,14 +423,14 @@ def test_write_hf_sharded_and_half_precision(tmp_path, dtype):
     files = sorted(set(index["weight_map"].values()))
     count = -(-len(tensors) // 10)
     assert files == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-    assert set(index["weight_map"]) == {hf_name(n) for n in tensors}
+    assert set(index["weight_map"]) == {hf_name(n, cfg.arch) for n in tensors}
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == dtype
     assert set(open_model(folder).tensors) == set(tensors)
 
     state = load_hf(folder).state_dict()
     torch_dtype = getattr(torch, dtype)
     for canonical, w in tensors.items():
-        assert torch.equal(state[hf_name(canonical)], torch.from_numpy(w).to(torch_dtype).float()), canonical
+        assert torch.equal(state[hf_name(canonical, cfg.arch)], torch.from_numpy(w).to(torch_dtype).float()), canonical
 
 
 # --------------------------------------------------------------------------------------------

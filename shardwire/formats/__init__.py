@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, from_gguf_metadata, from_hf_config
 from .gguf import GGUFError, read_gguf_model
+from .names import EXPERT_MATRICES, expert_name
 from .safetensors import SafetensorsError, read_hf_folder
 from .tensors import TensorInfo, TensorReader
 
@@ -17,6 +18,7 @@ __all__ = [
     "TensorInfo",
     "TensorReader",
     "block_of",
+    "expert_name",
     "expected_shape",
     "open_model",
     "required_tensors",
@@ -25,17 +27,16 @@ __all__ = [
 ModelError = (ConfigError, GGUFError, SafetensorsError, FileNotFoundError)
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-_REQUIRED_BLOCK = (
+_EXPERT = re.compile(r"^(ffn_(?:gate|up|down)_exps)\.(\d+)\.weight$")
+_REQUIRED_ATTENTION = (
     "attn_norm.weight",
     "attn_q.weight",
     "attn_k.weight",
     "attn_v.weight",
     "attn_output.weight",
     "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
 )
+_REQUIRED_DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 
 
 def block_of(name: str) -> int | None:
@@ -83,12 +84,27 @@ def open_model(path: str | Path) -> ModelFile:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such model file or folder")
         metadata, tensors = read_gguf_model(path)
+        tensors = _experts_apart(tensors)
         cfg = from_gguf_metadata(metadata, set(tensors), str(path))
         model = ModelFile(path, "gguf", cfg, tensors, metadata, qk_interleaved=cfg.arch in ("llama", "mistral"))
     else:
         raise FileNotFoundError(f"{path}: no such model file or folder")
     _check_tensors(model)
     return model
+
+
+def _experts_apart(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """GGUF's 3-D expert tensors as one 2-D matrix per expert (each a contiguous part of the file)."""
+    out = {}
+    for name, info in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[2] in EXPERT_MATRICES and len(info.shape) == 3:
+            block, matrix = int(parts[1]), parts[2]
+            for e, part in enumerate(info.split(info.shape[0])):
+                out[expert_name(block, matrix, e)] = part.renamed(expert_name(block, matrix, e))
+        else:
+            out[name] = info
+    return out
 
 
 def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
@@ -101,7 +117,15 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
             "output_norm.weight": (cfg.dim,),
             "rope_freqs.weight": (cfg.head_dim // 2,),
         }.get(name)
+    short = name.split(".", 2)[2]
+    expert = _EXPERT.match(short)
+    if expert:
+        if int(expert[2]) >= cfg.n_experts:
+            return None
+        f = cfg.expert_ffn_dim
+        return (cfg.dim, f) if expert[1] == "ffn_down_exps" else (f, cfg.dim)
     return {
+        "ffn_gate_inp.weight": (cfg.n_experts, cfg.dim) if cfg.n_experts else None,
         "attn_norm.weight": (cfg.dim,),
         "ffn_norm.weight": (cfg.dim,),
         "attn_q.weight": (q, cfg.dim),
@@ -117,16 +141,21 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
         "ffn_gate.weight": (cfg.ffn_dim, cfg.dim),
         "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
         "ffn_down.weight": (cfg.dim, cfg.ffn_dim),
-    }.get(name.split(".", 2)[2])
+    }.get(short)
 
 
 def required_tensors(cfg: ModelConfig, start: int, end: int, first: bool, last: bool) -> list[str]:
     """Tensors a stage holding blocks [start, end) cannot do without."""
     names = ["token_embd.weight"] if first else []
     for i in range(start, end):
-        names += [f"blk.{i}.{s}" for s in _REQUIRED_BLOCK]
-        if cfg.arch == "qwen3":
+        names += [f"blk.{i}.{s}" for s in _REQUIRED_ATTENTION]
+        if cfg.arch in ("qwen3", "qwen3moe"):
             names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+        if cfg.sparse(i):
+            names.append(f"blk.{i}.ffn_gate_inp.weight")
+            names += [expert_name(i, m, e) for e in range(cfg.n_experts) for m in EXPERT_MATRICES]
+        else:
+            names += [f"blk.{i}.{s}" for s in _REQUIRED_DENSE_FFN]
     if last:
         names += ["output_norm.weight", "token_embd.weight" if cfg.tied_embeddings else "output.weight"]
     return list(dict.fromkeys(names))

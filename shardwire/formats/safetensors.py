@@ -7,6 +7,7 @@ import re
 import struct
 from pathlib import Path
 
+from .names import expert_name
 from .tensors import TensorInfo
 
 _DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -30,8 +31,23 @@ _BLOCK_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router (Qwen3-MoE)
+    "block_sparse_moe.gate": "ffn_gate_inp",  # (Mixtral)
 }
 _BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# One matrix per expert, as transformers saves Qwen3-MoE and Mixtral checkpoints
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+}
+# All experts in one tensor, as transformers 5 holds them in memory: [experts, 2 * ffn, dim] with
+# each expert's gate rows before its up rows, and [experts, dim, ffn]
+_FUSED_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 class SafetensorsError(ValueError):
@@ -45,16 +61,44 @@ def canonical_name(hf_name: str) -> str | None:
     m = _BLOCK_RE.match(hf_name)
     if m and m[2] in _BLOCK_NAMES:
         return f"blk.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    m = _EXPERT_RE.match(hf_name)
+    if m and m[4] in _EXPERT_NAMES:
+        return expert_name(int(m[1]), _EXPERT_NAMES[m[4]], int(m[3]))
     return None
 
 
-def hf_name(canonical: str) -> str:
-    """Inverse of canonical_name, for writing Hugging Face files."""
+def canonical_tensors(info: TensorInfo) -> dict[str, TensorInfo]:
+    """The canonical tensors a Hugging Face tensor holds: none, itself renamed, or (fused experts)
+    one matrix per expert."""
+    m = _FUSED_EXPERTS_RE.match(info.name)
+    if m is None:
+        name = canonical_name(info.name)
+        return {} if name is None else {name: info.renamed(name)}
+    block, experts = int(m[1]), info.split(info.shape[0])
+    if m[2] == "down_proj":
+        parts = {expert_name(block, "ffn_down_exps", e): t for e, t in enumerate(experts)}
+    else:
+        parts = {}
+        for e, t in enumerate(experts):
+            gate, up = t.split(2)
+            parts[expert_name(block, "ffn_gate_exps", e)] = gate
+            parts[expert_name(block, "ffn_up_exps", e)] = up
+    return {name: t.renamed(name) for name, t in parts.items()}
+
+
+def hf_name(canonical: str, arch: str) -> str:
+    """Inverse of canonical_name, for writing Hugging Face files of `arch`."""
     for hf, name in _GLOBAL_NAMES.items():
         if name == canonical:
             return hf
-    _, layer, short, kind = canonical.split(".")
-    hf_short = {v: k for k, v in _BLOCK_NAMES.items()}[short]
+    parts = canonical.split(".")
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    if len(parts) == 5:  # blk.N.ffn_gate_exps.E.weight
+        kinds = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        kind = dict(zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), kinds))[parts[2]]
+        return f"model.layers.{parts[1]}.{moe}.experts.{parts[3]}.{kind}.weight"
+    _, layer, short, kind = parts
+    hf_short = f"{moe}.gate" if short == "ffn_gate_inp" else {v: k for k, v in _BLOCK_NAMES.items()}[short]
     return f"model.layers.{layer}.{hf_short}.{kind}"
 
 
@@ -114,8 +158,9 @@ def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{file}: shard listed in {index_path.name} is missing")
-        for name, info in read_safetensors_header(file).items():
-            canon = canonical_name(name)
-            if canon is not None:
-                tensors[canon] = TensorInfo(canon, info.dtype, info.shape, info.path, info.offset, info.nbytes)
+        for info in read_safetensors_header(file).values():
+            try:
+                tensors.update(canonical_tensors(info))
+            except ValueError as e:
+                raise SafetensorsError(str(e)) from None
     return config, tensors

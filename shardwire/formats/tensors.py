@@ -19,6 +19,19 @@ class TensorInfo:
     offset: int  # absolute byte offset of the data in `path`
     nbytes: int
 
+    def split(self, n: int) -> list["TensorInfo"]:
+        """The tensor as `n` equal consecutive parts along its first dimension."""
+        part = self.nbytes // n
+        shape = (self.shape[0] // n, *self.shape[1:]) if len(self.shape) > 1 and self.shape[0] % n == 0 else None
+        if shape is None or part * n != self.nbytes:
+            raise ValueError(f"{self.path}: tensor '{self.name}' of shape {list(self.shape)} has no {n} equal parts")
+        if len(self.shape) == 3 and shape[0] == 1:
+            shape = shape[1:]
+        return [TensorInfo(self.name, self.dtype, shape, self.path, self.offset + i * part, part) for i in range(n)]
+
+    def renamed(self, name: str) -> "TensorInfo":
+        return TensorInfo(name, self.dtype, self.shape, self.path, self.offset, self.nbytes)
+
 
 class TensorReader:
     """Reads tensors by memory map, one file mapping each, and counts the bytes it hands out."""

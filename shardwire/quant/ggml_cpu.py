@@ -26,7 +26,8 @@ try:
 except ImportError:  # the `cpu` extra is not installed
     ggml = None
 
-GRAPHS_KEPT = 8  # row counts whose graphs a matrix keeps built (decode's one row, the prefill chunk, ...)
+GRAPHS_KEPT = 64  # graphs a thread keeps built: per op, type and shape (decode's one row, prompt chunks, ...)
+GRAPH_NODES = 4  # one operation on two inputs
 
 
 @lru_cache(maxsize=None)
@@ -48,12 +49,12 @@ class _Graph:
     }
 
     def __init__(self, op: str, qtype: int, K: int, N: int, n: int, threads: int):
-        mem = ggml.ggml_tensor_overhead() * 4 + ggml.ggml_graph_overhead() + 1024
+        mem = ggml.ggml_tensor_overhead() * 4 + ggml.ggml_graph_overhead_custom(GRAPH_NODES, False) + 1024
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         self.w = ggml.ggml_new_tensor_2d(self.ctx, qtype, K, N)
         self.x = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_F32, K, n)
         self.y = self.OPS[op](self.ctx, self.w, self.x)
-        self.graph = ggml.ggml_new_graph(self.ctx)
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, GRAPH_NODES, False)
         ggml.ggml_build_forward_expand(self.graph, self.y)
         self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
         self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
@@ -70,6 +71,20 @@ class _Graph:
 
 
 _local = threading.local()
+
+
+def _graph(op: str, qtype: int, K: int, N: int, n: int) -> _Graph:
+    """This thread's built graph of `op` on a [N, K] weight of `qtype` and `n` rows of x: shared
+    by every matrix of that type and shape (a call points it at its own data), LRU-kept."""
+    graphs = _local.__dict__.setdefault("graphs", OrderedDict())
+    key = (op, qtype, K, N, n, torch.get_num_threads())
+    graph = graphs.pop(key, None)
+    if graph is None:
+        graph = _Graph(op, qtype, K, N, n, key[-1])
+        if len(graphs) >= GRAPHS_KEPT:
+            graphs.popitem(last=False)
+    graphs[key] = graph
+    return graph
 
 
 def _scratch(slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -93,21 +108,13 @@ class GGMLLinear(GGUFLinear):
     ):
         super().__init__(raw, stored, in_features, dtype)
         self._qtype = int(GGMLQuantizationType[stored])
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._row_bytes = raw.shape[1]
         # from this many rows (a prompt chunk) on, dequantize chunks into a GEMM instead (measured)
         self.gemm_rows = gemm_rows
 
     def _graph(self, op: str, rows: int, n: int) -> _Graph:
-        """The built graph of `op` on `rows` rows of W and `n` rows of x (LRU-kept)."""
-        key = (op, rows, n, torch.get_num_threads())
-        graph = self._graphs.pop(key, None)
-        if graph is None:
-            graph = _Graph(op, self._qtype, self.in_features, rows, n, key[3])
-            if len(self._graphs) >= GRAPHS_KEPT:
-                self._graphs.popitem(last=False)
-        self._graphs[key] = graph
-        return graph
+        """The built graph of `op` on `rows` rows of W and `n` rows of x."""
+        return _graph(op, self._qtype, self.in_features, rows, n)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()

@@ -1,0 +1,155 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE): files as the converters write them, routing,
+and experts that run only for the tokens that chose them. Agreement with transformers is in
+test_model.py (both families are in its model set), across workers in test_distributed.py."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from shardwire.config import ConfigError, ModelConfig
+from shardwire.formats import ModelError, TensorReader, expert_name, open_model
+from shardwire.loading import load_stage
+from shardwire.model import MixtureOfExperts
+from shardwire.quant.packed import PackedLinear
+from shardwire_kit.writer import write_gguf
+
+from models import PROMPT, hf_path, model_path, model_source
+
+
+def logits(stage, ids):
+    stage.allocate_cache(1, 128)
+    return stage(torch.tensor([ids]), [0], [0], all_logits=True)[0]
+
+
+def whole(path, **kw):
+    model = open_model(path)
+    return load_stage(model, 0, model.config.n_layers, **kw)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
+def test_gguf_holds_experts_as_llama_cpps_converter_writes_them(name):
+    """One 3-D tensor per block and matrix, the router kept float32, the expert keys; read back
+    as one matrix per expert, each a slice of the file."""
+    cfg, tensors, _ = model_source(name)
+    path = model_path(name, "Q8_0")
+    stored = {t.name: t for t in GGUFReader(path).tensors}
+    arch = "llama" if name == "mixtral" else name
+    gate = stored["blk.1.ffn_gate_exps.weight"]
+    assert [int(d) for d in gate.shape] == [cfg.dim, cfg.expert_ffn_dim, cfg.n_experts]  # ggml order
+    assert gate.tensor_type.name == "Q8_0"
+    assert stored["blk.1.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    meta = open_model(path).metadata
+    assert meta[f"{arch}.expert_count"] == cfg.n_experts
+    assert meta[f"{arch}.expert_used_count"] == cfg.n_experts_used
+    assert (f"{arch}.expert_feed_forward_length" in meta) == (name == "qwen3moe")
+
+    model = open_model(path)
+    assert (model.config.n_experts, model.config.n_experts_used) == (cfg.n_experts, cfg.n_experts_used)
+    assert "blk.1.ffn_gate_exps.weight" not in model.tensors
+    reader = TensorReader()
+    parts = [reader.read(model.tensors[expert_name(1, "ffn_gate_exps", e)]) for e in range(cfg.n_experts)]
+    assert np.array_equal(np.concatenate(parts), np.asarray(gate.data).reshape(-1))
+
+
+def test_transformers_fused_expert_tensors_read_like_one_matrix_per_expert(tmp_path):
+    """transformers 5 holds a block's experts as gate_up_proj [experts, 2 * ffn, dim] and
+    down_proj [experts, dim, ffn]; a folder saved from its state dict as it is gives the same model."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    source = hf_path("qwen3moe")
+    ref = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("config.json", "tokenizer.json"):
+        (folder / f).write_bytes((source / f).read_bytes())
+    fused, per_expert = open_model(folder), open_model(source)
+    assert set(fused.tensors) == set(per_expert.tensors)
+    torch.testing.assert_close(logits(whole(folder), PROMPT), logits(whole(source), PROMPT), rtol=0, atol=0)
+
+
+def test_a_token_runs_only_the_experts_it_chose():
+    """Decode of one token: k experts per block run, the others never; a prompt runs each
+    expert at most once per block, on exactly the rows that chose it."""
+    stage = whole(model_path("qwen3moe", "F32"))
+    cfg = stage.cfg
+    calls: list[tuple[int, int, int]] = []  # (block, expert, rows)
+    for b, block in enumerate(stage.blocks):
+        assert isinstance(block.ffn, MixtureOfExperts)
+        for e, expert in enumerate(block.ffn.experts):
+            expert.register_forward_hook(lambda m, args, out, b=b, e=e: calls.append((b, e, args[0].shape[0])))
+    stage.allocate_cache(1, 128)
+    stage(torch.tensor([PROMPT]), [0], [0])
+    per_block = {b: [(e, n) for bb, e, n in calls if bb == b] for b in range(cfg.n_layers)}
+    for b, runs in per_block.items():
+        experts = [e for e, _ in runs]
+        assert len(experts) == len(set(experts))  # one product per expert
+        assert sum(n for _, n in runs) == len(PROMPT) * cfg.n_experts_used  # each row in k of them
+        assert len(experts) < cfg.n_experts or len(PROMPT) * cfg.n_experts_used >= cfg.n_experts
+    calls.clear()
+    stage(torch.tensor([[PROMPT[0]]]), [0], [len(PROMPT)])
+    assert len(calls) == cfg.n_layers * cfg.n_experts_used
+    assert all(n == 1 for _, _, n in calls)
+
+
+def test_grouped_experts_equal_every_token_on_its_own():
+    """The prompt path (rows grouped by expert) and the one-row path give the same outputs."""
+    stage = whole(model_path("mixtral", "F32"))
+    moe = stage.blocks[0].ffn
+    x = torch.randn(1, 9, stage.cfg.dim)
+    grouped = moe(x)
+    one_by_one = torch.cat([moe(x[:, i : i + 1]) for i in range(x.shape[1])], dim=1)
+    torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-5)
+    # and both equal the definition: softmax over every expert, top k, renormalized, weighted sum
+    flat = x.reshape(-1, stage.cfg.dim)
+    probs = torch.softmax(moe.router(flat), dim=-1)
+    top, chosen = probs.topk(stage.cfg.n_experts_used)
+    top = top / top.sum(-1, keepdim=True)
+    every = torch.stack([expert(flat) for expert in moe.experts], dim=1)  # [rows, experts, dim]
+    expected = (every.gather(1, chosen[..., None].expand(-1, -1, flat.shape[1])) * top[..., None]).sum(1)
+    torch.testing.assert_close(grouped.reshape(-1, stage.cfg.dim), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["compact", "packed", "fast"])
+def test_quantized_experts_stay_in_their_stored_form(weights):
+    """Experts take the same --weights policy as dense matrices: packed modules, never
+    dequantized as a whole, with the dequantized model's logits."""
+    path = model_path("qwen3moe", "Q8_0")
+    packed = whole(path, weights=weights)
+    expert = packed.blocks[0].ffn.experts[3]
+    if weights != "fast":  # fast may measure dense fastest on this machine
+        assert isinstance(expert.down, PackedLinear)
+    reference = logits(whole(path, weights="dequant"), PROMPT)
+    ours = logits(packed, PROMPT)
+    spread = float(reference.max() - reference.min())
+    assert float((ours - reference).abs().max()) <= 0.02 * spread
+
+
+def test_missing_experts_are_named(tmp_path):
+    cfg, tensors, vocab = model_source("mixtral")
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("blk.2.ffn_up_exps.")}
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, vocab.gguf_metadata)[0]
+    with pytest.raises(ModelError, match=r"missing tensor 'blk\.2\.ffn_up_exps\.0\.weight' \(and 7 more\)"):
+        open_model(path)
+
+
+def test_bad_expert_counts_are_refused(tmp_path):
+    cfg, _, _ = model_source("qwen3moe")
+    with pytest.raises(ConfigError, match="experts need 1 to 16 used per token"):
+        ModelConfig.from_dict({**cfg.to_dict(), "n_experts_used": 17})
+    folder = tmp_path / "hf"
+    source = hf_path("qwen3moe")
+    folder.mkdir()
+    for f in source.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    del config["moe_intermediate_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="missing required key 'moe_intermediate_size'"):
+        open_model(folder)
