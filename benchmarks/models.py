@@ -30,6 +30,18 @@ class Layout:
     vocab: str = "llama-spm"  # a llama.cpp vocabulary in ../shared/vocab (32000 tokens for Llama 2)
 
 
+_MOE = dict(
+    arch="qwen3moe",
+    n_layers=16,
+    dim=1024,
+    n_heads=16,
+    n_kv_heads=4,
+    head_dim=64,
+    ffn_dim=3072,
+    n_experts=32,
+    expert_ffn_dim=512,
+    context_length=2048,
+)
 LAYOUTS = {
     # A model small enough that the network, not the arithmetic, dominates decode.
     "small": Layout(
@@ -39,6 +51,9 @@ LAYOUTS = {
     "1b": Layout(
         "1b", dict(arch="llama", n_layers=22, dim=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632, context_length=2048)
     ),
+    # A 1B-class mixture of experts shaped like Qwen3-MoE: 32 experts, 4 per token (with the same
+    # weights routed to 2 and to 8, so a step's cost can be set against the experts it runs).
+    **{name: Layout(name, dict(_MOE, n_experts_used=k)) for name, k in (("moe", 4), ("moe-top2", 2), ("moe-top8", 8))},
 }
 
 
@@ -60,6 +75,10 @@ WORKLOADS = {
         Workload("1b-q8_0", "1b", "Q8_0"),
         Workload("1b-q4_0", "1b", "Q4_0"),
         Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
+        Workload("moe-q4_0", "moe", "Q4_0"),
+        Workload("moe-q8_0", "moe", "Q8_0"),
+        Workload("moe-top2-q4_0", "moe-top2", "Q4_0"),
+        Workload("moe-top8-q4_0", "moe-top8", "Q4_0"),
     ]
 }
 
@@ -156,6 +175,11 @@ def describe(path: Path) -> dict:
             "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.n_kv_heads,
             "vocab_size": cfg.vocab_size,
+            **(
+                {"experts": cfg.n_experts, "experts_used": cfg.n_experts_used, "expert_ffn_dim": cfg.expert_ffn_dim}
+                if cfg.n_experts
+                else {}
+            ),
         },
     }
 

@@ -156,6 +156,24 @@ def split_blocks_evenly(n_blocks: int, weights: list[float]) -> list[int]:
     return counts
 
 
+def split_blocks_by_bytes(block_bytes: list[int], weights: list[float]) -> list[int]:
+    """Consecutive blocks per device, each device's share of the blocks' bytes following `weights`:
+    a block goes where the middle of its bytes falls. Blocks of one size (every block of most
+    models, dense or mixture-of-experts) are divided by count as split_blocks_evenly does."""
+    if len(set(block_bytes)) <= 1:
+        return split_blocks_evenly(len(block_bytes), weights)
+    total, bounds, acc = sum(block_bytes), [], 0.0
+    for w in weights:
+        acc += w / sum(weights)
+        bounds.append(acc)
+    counts, done = [0] * len(weights), 0
+    for size in block_bytes:
+        middle = (done + size / 2) / total
+        counts[next((i for i, b in enumerate(bounds) if middle < b - 1e-12), len(bounds) - 1)] += 1
+        done += size
+    return counts
+
+
 # Bytes per value of a chunk of packed rows being dequantized for a GEMM (the unpacked
 # integers, float32 weights and their bf16 copy, with the allocator's slack).
 DEQUANT_BYTES_PER_VALUE = 16
@@ -278,7 +296,8 @@ def make_plan(
         counts = split_blocks(offloaded, list(tensor_split) + [0.0] * (len(devices) - len(tensor_split)))
     elif devices:
         free = [float(d.free) for d in devices]
-        counts = split_blocks_evenly(offloaded, free if sum(free) > 0 else [1.0] * len(devices))
+        sizes = model.block_nbytes()[n - offloaded :]
+        counts = split_blocks_by_bytes(sizes, free if sum(free) > 0 else [1.0] * len(devices))
     placements: list[tuple[PlanDevice, int]] = []
     if offloaded < n:
         placements.append((cpu, n - offloaded))
@@ -289,6 +308,13 @@ def make_plan(
         start += count
     _choose_weights(model, stages, weights, n_slots, ctx, prefill_chunk)
     plan = Plan(stages, n_slots, ctx, prefill_chunk)
+    cfg = model.config
+    if cfg.n_experts:
+        experts = sum(t.nbytes for name, t in model.tensors.items() if "_exps." in name)
+        plan.notes.append(
+            f"mixture of experts: {cfg.n_experts} experts per block, {cfg.n_experts_used} run per token; "
+            f"expert tensors are {gib(experts)} of the file's {gib(sum(model.block_nbytes()))} in blocks"
+        )
     workers = [s.device.worker for s in stages]
     for i, w in enumerate(workers):
         if w in workers[:i] and workers[i - 1] != w:

@@ -12,6 +12,7 @@ from shardwire.plan import (
     PlannedStage,
     make_plan,
     split_blocks,
+    split_blocks_by_bytes,
     split_blocks_evenly,
     stage_cost,
 )
@@ -115,3 +116,12 @@ def test_auto_takes_the_first_mode_that_fits_each_device():
     ).stages[0]
     assert weights(compact.total_bytes).weights == "compact"
     assert weights(1 << 40, kernels=False).weights == "dequant"
+
+
+def test_blocks_of_different_sizes_split_by_their_bytes():
+    """A mixture of experts with dense leading blocks: devices get bytes, not block counts, in
+    proportion to their memory; blocks of one size still split by count."""
+    assert split_blocks_by_bytes([10] * 4, [1.0, 1.0]) == split_blocks_evenly(4, [1.0, 1.0]) == [2, 2]
+    assert split_blocks_by_bytes([1, 1, 1, 10, 10, 10], [1.0, 1.0]) == [4, 2]
+    assert split_blocks_by_bytes([1, 1, 1, 10, 10, 10], [3.0, 1.0]) == [5, 1]
+    assert split_blocks_by_bytes([2, 10, 10, 10, 10], [1.0, 1.0]) == [3, 2]

@@ -13,6 +13,7 @@ from shardwire.sampling import SamplingParams
 from shardwire_kit.synthetic import write_random_llama
 
 from freezable_relay import FreezableRelay
+from models import model_path
 from test_distributed import single_process
 from workers import WorkerProcess
 
@@ -206,3 +207,20 @@ def test_a_restarted_worker_is_admitted_back_into_the_plan(setup, reference):
         s.engine.submit(Request(PROMPT, GREEDY, max_tokens=2)).result()
         time.sleep(0.3)
     assert collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40)))[0] == reference()
+
+
+def test_a_mixture_of_experts_recovers_like_a_dense_model(tmp_path):
+    """Replay rebuilds the lost blocks' cache through the new plan's experts: both sequences
+    continue with the tokens an uninterrupted run gives."""
+    path = model_path("qwen3moe", "Q8_0")
+    s = Setup(tmp_path, path)
+    try:
+        greedy = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=30))
+        seeded = s.engine.submit(Request(PROMPT[:9], SEEDED, max_tokens=30))
+        wait_for_tokens(greedy, 6)
+        s.workers[1].kill()
+        assert collect(greedy)[0] == single_process(path, n=30, prompt=PROMPT)[0]
+        assert collect(seeded)[0] == single_process(path, n=30, sampling=SEEDED, prompt=PROMPT[:9])[0]
+        assert s.cluster.events[-1]["recovered"]
+    finally:
+        s.close()

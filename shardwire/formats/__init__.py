@@ -58,6 +58,15 @@ class ModelFile:
         prefix = f"blk.{index}."
         return {n: t for n, t in self.tensors.items() if n.startswith(prefix)}
 
+    def block_nbytes(self) -> list[int]:
+        """Stored bytes of each block's tensors."""
+        sizes = [0] * self.config.n_layers
+        for name, info in self.tensors.items():
+            block = block_of(name)
+            if block is not None:
+                sizes[block] += info.nbytes
+        return sizes
+
     def stage_tensors(self, start: int, end: int, first: bool, last: bool) -> dict[str, TensorInfo]:
         """Every tensor a stage holding blocks [start, end) needs."""
         names = [n for n, _ in self.tensors.items() if (b := block_of(n)) is not None and start <= b < end]
