@@ -11,8 +11,10 @@ import torch
 from .config import ModelConfig
 from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
+from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
 from .model import Stage
 from .quant.codecs import raw_rows, to_torch
+from .quant.ggml_cpu import GGMLExperts
 from .quant.kernels import kernels_on
 from .quant.packed import pack_matrix
 from .quant.policy import EMBEDDING, weight_formats
@@ -63,10 +65,14 @@ def build_stage(
         tensors, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device), fastest or {}
     )
     built, embedding = {}, None
+    stacks: dict[tuple[int, str], tuple[torch.Tensor, str]] = {}
     for name, info in tensors.items():
         raw = read(info)
         fmt = formats[name]
-        if fmt == "dense":
+        expert = expert_of(name)
+        if fmt == "ggml" and expert is not None:
+            _stack(stacks, expert, raw, info, cfg.n_experts)
+        elif fmt == "dense":
             t = decode_tensor(cfg, info, raw, qk_interleaved)
             # rope frequency factors keep full precision; everything else runs in the stage dtype.
             built[name] = t.to(device=device, dtype=torch.float32 if name == "rope_freqs.weight" else dtype)
@@ -82,8 +88,38 @@ def build_stage(
             del rows
         if progress is not None:
             progress(info.nbytes)
+    built.update(_experts_from_stacks(stacks, device, dtype))
     release_memory()
     return Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
+
+
+def _stack(stacks: dict, expert: tuple[int, str, int], raw: np.ndarray, info: TensorInfo, n_experts: int) -> None:
+    """Copy one expert's stored matrix into its block's buffer [experts, rows, bytes per row]."""
+    block, matrix, e = expert
+    rows = info.shape[0]
+    if (block, matrix) not in stacks:
+        stacks[block, matrix] = torch.empty((n_experts, rows, info.nbytes // rows), dtype=torch.uint8), info.dtype
+    buffer, stored = stacks[block, matrix]
+    if stored != info.dtype or raw.size != buffer[e].numel():
+        raise ValueError(f"tensor '{info.name}' is {info.dtype} {list(info.shape)}, unlike its block's other experts")
+    np.copyto(buffer[e].numpy(), raw.reshape(rows, -1))
+
+
+def _experts_from_stacks(stacks: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """A block whose three expert matrices all run on ggml gets one module for all its experts;
+    otherwise each expert's matrix is a module of its own."""
+    out = {}
+    for block in sorted({b for b, _ in stacks}):
+        if all((block, m) in stacks for m in EXPERT_MATRICES):
+            buffers, stored = zip(*(stacks[block, m] for m in EXPERT_MATRICES))
+            out[f"blk.{block}.{GROUPED_EXPERTS}"] = GGMLExperts(*buffers, stored)
+            continue
+        for m in EXPERT_MATRICES:
+            if (block, m) in stacks:
+                buffer, stored = stacks[block, m]
+                for e in range(buffer.shape[0]):
+                    out[expert_name(block, m, e)] = pack_matrix(buffer[e], stored, "ggml", device, dtype)
+    return out
 
 
 def load_stage(

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .formats.names import EXPERT_MATRICES
+from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import KVCache
 
 
@@ -186,9 +186,13 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
         super().__init__()
         self.router = linear(w["ffn_gate_inp.weight"])
-        self.experts = nn.ModuleList(
-            FeedForward(*(w[f"{m}.{e}.weight"] for m in EXPERT_MATRICES)) for e in range(cfg.n_experts)
-        )
+        # all experts in one module that runs each row's chosen ones (quant/ggml_cpu.GGMLExperts),
+        # or one FeedForward per expert
+        self.grouped = w.get(GROUPED_EXPERTS)
+        if self.grouped is None:
+            self.experts = nn.ModuleList(
+                FeedForward(*(w[f"{m}.{e}.weight"] for m in EXPERT_MATRICES)) for e in range(cfg.n_experts)
+            )
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +207,8 @@ class MixtureOfExperts(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights = self.route(x)
+        if self.grouped is not None:
+            return self.grouped(x, chosen, weights).view(shape)
         if x.shape[0] == 1:  # decode of one sequence: k small products, no gathering
             out = None
             for e, w in zip(chosen[0].tolist(), weights[0]):

@@ -13,6 +13,7 @@ from shardwire.config import ConfigError, ModelConfig
 from shardwire.formats import ModelError, TensorReader, expert_name, open_model
 from shardwire.loading import load_stage
 from shardwire.model import MixtureOfExperts
+from shardwire.quant import ggml_cpu
 from shardwire.quant.packed import PackedLinear
 from shardwire_kit.writer import write_gguf
 
@@ -122,9 +123,11 @@ def test_quantized_experts_stay_in_their_stored_form(weights):
     dequantized as a whole, with the dequantized model's logits."""
     path = model_path("qwen3moe", "Q8_0")
     packed = whole(path, weights=weights)
-    expert = packed.blocks[0].ffn.experts[3]
-    if weights != "fast":  # fast may measure dense fastest on this machine
-        assert isinstance(expert.down, PackedLinear)
+    moe = packed.blocks[0].ffn
+    if moe.grouped is not None:  # ggml runs them, from one buffer per matrix
+        assert moe.grouped.down.dtype == torch.uint8 and moe.grouped.stored == ("Q8_0",) * 3
+    elif weights != "fast":  # fast may measure dense fastest on this machine
+        assert isinstance(moe.experts[3].down, PackedLinear)
     reference = logits(whole(path, weights="dequant"), PROMPT)
     ours = logits(packed, PROMPT)
     spread = float(reference.max() - reference.min())
@@ -153,3 +156,17 @@ def test_bad_expert_counts_are_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="missing required key 'moe_intermediate_size'"):
         open_model(folder)
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+def test_ggml_runs_a_blocks_chosen_experts_in_one_call_with_the_per_expert_products():
+    """GGMLExperts (mul_mat_id over the stored buffers) gives what the dequantized experts give,
+    one by one, for one row and for a prompt's rows (within ggml's 8-bit activations)."""
+    model = open_model(model_path("qwen3moe", "Q8_0"))
+    grouped = whole(model.path, weights="fast", fastest={"Q8_0": "ggml"}).blocks[1].ffn
+    alone = whole(model.path, weights="dequant").blocks[1].ffn
+    assert isinstance(grouped.grouped, ggml_cpu.GGMLExperts) and alone.grouped is None
+    for rows in (1, 5, 40):
+        x = torch.randn(1, rows, model.config.dim)
+        expected = alone(x)
+        torch.testing.assert_close(grouped(x), expected, rtol=0, atol=0.02 * float(expected.abs().max()))

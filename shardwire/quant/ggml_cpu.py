@@ -1,6 +1,7 @@
 """ggml's CPU kernels on the stored blocks, through ggml-python: llama.cpp's own products for every
 GGUF type, weights used as stored, float32 activations (quantized inside the kernel where ggml
-does it, as llama.cpp's CPU backend does).
+does it, as llama.cpp's CPU backend does). A block's experts run as one graph over all of them
+(mul_mat_id), as llama.cpp runs them.
 
 Optional: without the `ggml-python` package (the `cpu` extra), `available()` is False and the
 PyTorch formats serve instead.
@@ -17,6 +18,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from torch import nn
 
 from .codecs import PLAIN
 from .packed import GGUFLinear
@@ -73,14 +75,14 @@ class _Graph:
 _local = threading.local()
 
 
-def _graph(op: str, qtype: int, K: int, N: int, n: int) -> _Graph:
-    """This thread's built graph of `op` on a [N, K] weight of `qtype` and `n` rows of x: shared
-    by every matrix of that type and shape (a call points it at its own data), LRU-kept."""
+def _kept(cls, *shape):
+    """This thread's built graph `cls(*shape, threads)`: shared by every weight of that type and
+    shape (a call points it at its own data), LRU-kept."""
     graphs = _local.__dict__.setdefault("graphs", OrderedDict())
-    key = (op, qtype, K, N, n, torch.get_num_threads())
+    key = (cls, *shape, torch.get_num_threads())
     graph = graphs.pop(key, None)
     if graph is None:
-        graph = _Graph(op, qtype, K, N, n, key[-1])
+        graph = cls(*shape, key[-1])
         if len(graphs) >= GRAPHS_KEPT:
             graphs.popitem(last=False)
     graphs[key] = graph
@@ -114,7 +116,7 @@ class GGMLLinear(GGUFLinear):
 
     def _graph(self, op: str, rows: int, n: int) -> _Graph:
         """The built graph of `op` on `rows` rows of W and `n` rows of x."""
-        return _graph(op, self._qtype, self.in_features, rows, n)
+        return _kept(_Graph, op, self._qtype, self.in_features, rows, n)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
@@ -156,3 +158,69 @@ class GGMLLinear(GGUFLinear):
 
     def gather(self, index):
         return self._rows(index)
+
+
+class _ExpertsGraph:
+    """A block's experts in one ggml graph: for each row, its chosen experts' gate and up (ggml's
+    mul_mat_id, which groups the rows by expert), SwiGLU, then down; the k outputs per row come
+    back unsummed. A call points the graph at the weights, x, ids and y and computes."""
+
+    NODES = 16
+
+    def __init__(self, types: tuple[int, int, int], D: int, F: int, E: int, k: int, n: int, threads: int):
+        mem = ggml.ggml_tensor_overhead() * self.NODES + ggml.ggml_graph_overhead_custom(self.NODES, False) + 1024
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        self.gate = ggml.ggml_new_tensor_3d(self.ctx, types[0], D, F, E)
+        self.up = ggml.ggml_new_tensor_3d(self.ctx, types[1], D, F, E)
+        self.down = ggml.ggml_new_tensor_3d(self.ctx, types[2], F, D, E)
+        self.x = ggml.ggml_new_tensor_3d(self.ctx, ggml.GGML_TYPE_F32, D, 1, n)
+        self.ids = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_I32, k, n)
+        g = ggml.ggml_mul_mat_id(self.ctx, self.gate, self.x, self.ids)  # [F, k, n]
+        u = ggml.ggml_mul_mat_id(self.ctx, self.up, self.x, self.ids)
+        h = ggml.ggml_swiglu_split(self.ctx, g, u)  # silu(g) * u
+        self.y = ggml.ggml_mul_mat_id(self.ctx, self.down, h, self.ids)  # [D, k, n]
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, self.NODES, False)
+        ggml.ggml_build_forward_expand(self.graph, self.y)
+        # the intermediates live in a buffer of this graph's own
+        self.between = np.empty(3 * F * k * n + 64, dtype=np.float32)
+        base = self.between.ctypes.data
+        for i, t in enumerate((g, u, h)):
+            t.contents.data = base + i * F * k * n * 4
+        self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
+        self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
+        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+    def run(self, weights: tuple[int, int, int], x: int, ids: int, y: int) -> None:
+        self.gate.contents.data, self.up.contents.data, self.down.contents.data = weights
+        self.x.contents.data, self.ids.contents.data, self.y.contents.data = x, ids, y
+        if ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
+            raise RuntimeError("ggml could not compute")
+
+    def __del__(self):
+        if ggml is not None and getattr(self, "ctx", None):
+            ggml.ggml_free(self.ctx)
+
+
+class GGMLExperts(nn.Module):
+    """Every expert of a block as stored: gate, up and down each one uint8 buffer [experts, rows,
+    bytes per row] in its GGUF type, run by ggml for the experts each row chose and nothing else."""
+
+    fmt = "ggml"
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, stored: tuple[str, str, str]):
+        super().__init__()
+        self.gate, self.up, self.down, self.stored = gate, up, down, stored
+        self._types = tuple(int(GGMLQuantizationType[s]) for s in stored)
+        self.n_experts, self.ffn_dim = gate.shape[0], gate.shape[1]
+        self.dim = down.shape[1]
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [rows, dim], each row's chosen experts [rows, k] and their weights -> [rows, dim]."""
+        n, k = chosen.shape
+        x32 = x.to(torch.float32).contiguous()
+        ids = chosen.to(torch.int32).contiguous()
+        y = torch.empty(n, k, self.dim, dtype=torch.float32)
+        graph = _kept(_ExpertsGraph, self._types, self.dim, self.ffn_dim, self.n_experts, k, n)
+        pointers = (self.gate.data_ptr(), self.up.data_ptr(), self.down.data_ptr())
+        graph.run(pointers, x32.data_ptr(), ids.data_ptr(), y.data_ptr())
+        return torch.einsum("nkd,nk->nd", y, weights.to(torch.float32)).to(x.dtype)
