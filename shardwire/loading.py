@@ -3,16 +3,19 @@ Q/K order."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
 import torch
+from torch import nn
 
 from .config import ModelConfig
 from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
-from .model import Stage
+from .model import Elsewhere, Linear, Stage
+from .plan import placed_apart
 from .quant.codecs import raw_rows, to_torch
 from .quant.ggml_cpu import GGMLExperts
 from .quant.kernels import kernels_on
@@ -42,6 +45,20 @@ def decode_tensor(cfg: ModelConfig, info: TensorInfo, raw: np.ndarray, qk_interl
     return model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape), qk_interleaved)
 
 
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """-ot: the block matrices `pattern` matches live on `device`, computing in `dtype` with that
+    device's measured `fastest` formats."""
+
+    pattern: str
+    device: torch.device
+    dtype: torch.dtype
+    fastest: Mapping[str, str]
+
+    def hold(self, module: nn.Module) -> nn.Module:
+        return Elsewhere(module, self.device, self.dtype)
+
+
 def build_stage(
     cfg: ModelConfig,
     start: int,
@@ -56,33 +73,44 @@ def build_stage(
     progress: Callable[[int], None] | None = None,
     weights: str = "dequant",
     fastest: Mapping[str, str] | None = None,
+    overrides: list[Placement] = (),
 ) -> Stage:
     """`weights`: the stage's mode (quant/policy.py: fast | dequant | packed | compact), as the
-    plan resolved it; `fastest`: the formats the device measured fastest, as the plan used them."""
+    plan resolved it; `fastest`: the formats the device measured fastest, as the plan used them;
+    `overrides`: where -ot keeps some block matrices instead (the first pattern that matches)."""
     device = torch.device(device)
     large_allocations_unmapped()
+    apart = placed_apart(tensors, [(o.pattern, o) for o in overrides])
+    here = {n: t for n, t in tensors.items() if n not in apart}
     formats = weight_formats(
-        tensors, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device), fastest or {}
+        here, first, last, cfg.tied_embeddings, weights, device.type, kernels_on(device), fastest or {}
     )
+    for o in dict.fromkeys(apart.values()):
+        group = {n: tensors[n] for n, p in apart.items() if p is o}
+        formats.update(
+            weight_formats(group, False, False, False, weights, o.device.type, kernels_on(o.device), o.fastest)
+        )
     built, embedding = {}, None
-    stacks: dict[tuple[int, str], tuple[torch.Tensor, str]] = {}
+    stacks: dict[tuple[int, str], tuple[torch.Tensor, str, Placement | None]] = {}
     for name, info in tensors.items():
         raw = read(info)
-        fmt = formats[name]
+        fmt, where = formats[name], apart.get(name)
+        on, dt = (where.device, where.dtype) if where else (device, dtype)
         expert = expert_of(name)
         if fmt == "ggml" and expert is not None:
-            _stack(stacks, expert, raw, info, cfg.n_experts)
+            _stack(stacks, expert, raw, info, cfg.n_experts, where)
         elif fmt == "dense":
             t = decode_tensor(cfg, info, raw, qk_interleaved)
             # rope frequency factors keep full precision; everything else runs in the stage dtype.
-            built[name] = t.to(device=device, dtype=torch.float32 if name == "rope_freqs.weight" else dtype)
+            t = t.to(device=on, dtype=torch.float32 if name == "rope_freqs.weight" else dt)
+            built[name] = where.hold(Linear(t)) if where else t
         else:
             rows = model_rows(cfg, name, raw_rows(raw, info.dtype, tuple(info.shape)), qk_interleaved)
-            module = pack_matrix(rows, info.dtype, fmt, device, dtype)
+            module = pack_matrix(rows, info.dtype, fmt, on, dt)
             if name == "token_embd.weight" and not (last and cfg.tied_embeddings):
                 embedding = module
             else:
-                built[name] = module
+                built[name] = where.hold(module) if where else module
             if name == "token_embd.weight" and EMBEDDING in formats:
                 embedding = pack_matrix(rows, info.dtype, formats[EMBEDDING], device, dtype)
             del rows
@@ -93,14 +121,17 @@ def build_stage(
     return Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
 
 
-def _stack(stacks: dict, expert: tuple[int, str, int], raw: np.ndarray, info: TensorInfo, n_experts: int) -> None:
+def _stack(
+    stacks: dict, expert: tuple[int, str, int], raw: np.ndarray, info: TensorInfo, n_experts: int, where
+) -> None:
     """Copy one expert's stored matrix into its block's buffer [experts, rows, bytes per row]."""
     block, matrix, e = expert
     rows = info.shape[0]
     if (block, matrix) not in stacks:
-        stacks[block, matrix] = torch.empty((n_experts, rows, info.nbytes // rows), dtype=torch.uint8), info.dtype
-    buffer, stored = stacks[block, matrix]
-    if stored != info.dtype or raw.size != buffer[e].numel():
+        buffer = torch.empty((n_experts, rows, info.nbytes // rows), dtype=torch.uint8)
+        stacks[block, matrix] = buffer, info.dtype, where
+    buffer, stored, placed = stacks[block, matrix]
+    if stored != info.dtype or raw.size != buffer[e].numel() or placed is not where:
         raise ValueError(f"tensor '{info.name}' is {info.dtype} {list(info.shape)}, unlike its block's other experts")
     np.copyto(buffer[e].numpy(), raw.reshape(rows, -1))
 
@@ -110,15 +141,19 @@ def _experts_from_stacks(stacks: dict, device: torch.device, dtype: torch.dtype)
     otherwise each expert's matrix is a module of its own."""
     out = {}
     for block in sorted({b for b, _ in stacks}):
-        if all((block, m) in stacks for m in EXPERT_MATRICES):
-            buffers, stored = zip(*(stacks[block, m] for m in EXPERT_MATRICES))
-            out[f"blk.{block}.{GROUPED_EXPERTS}"] = GGMLExperts(*buffers, stored)
+        parts = [stacks.get((block, m)) for m in EXPERT_MATRICES]
+        if all(parts) and len({id(where) for _, _, where in parts}) == 1:
+            buffers, stored, where = [b for b, _, _ in parts], tuple(s for _, s, _ in parts), parts[0][2]
+            module = GGMLExperts(*buffers, stored)
+            out[f"blk.{block}.{GROUPED_EXPERTS}"] = where.hold(module) if where else module
             continue
-        for m in EXPERT_MATRICES:
-            if (block, m) in stacks:
-                buffer, stored = stacks[block, m]
+        for m, part in zip(EXPERT_MATRICES, parts):
+            if part is not None:
+                buffer, stored, where = part
+                on = where.device if where else device
                 for e in range(buffer.shape[0]):
-                    out[expert_name(block, m, e)] = pack_matrix(buffer[e], stored, "ggml", device, dtype)
+                    module = pack_matrix(buffer[e], stored, "ggml", on, dtype)
+                    out[expert_name(block, m, e)] = where.hold(module) if where else module
     return out
 
 
@@ -135,6 +170,7 @@ def load_stage(
     progress: Callable[[int], None] | None = None,
     weights: str = "dequant",
     fastest: Mapping[str, str] | None = None,
+    overrides: list[Placement] = (),
 ) -> Stage:
     """Blocks [start, end) of `model`, reading only the tensors that stage needs."""
     first = start == 0 if first is None else first
@@ -155,4 +191,5 @@ def load_stage(
         progress,
         weights,
         fastest,
+        overrides,
     )

@@ -79,6 +79,22 @@ def fused(weights: list[Weight], biases: list[torch.Tensor | None]) -> nn.Module
     return Linear(torch.cat(weights), bias)
 
 
+class Elsewhere(nn.Module):
+    """A weight module kept on another device than its stage's (-ot): its inputs go there, in the
+    dtype that device computes in, and its output comes back. Moving the stage leaves it be."""
+
+    def __init__(self, inner: nn.Module, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.where, self.where_dtype = inner, torch.device(device), dtype
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x.to(self.where, self.where_dtype), *(r.to(self.where) for r in rest))
+        return y.to(x.device, x.dtype)
+
+    def _apply(self, fn, recurse=True):
+        return self
+
+
 class Embedding(nn.Module):
     """Token ids -> rows of a table: a dense tensor, or any module with rows(ids) (a packed
     table, or the tied output head itself)."""

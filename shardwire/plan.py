@@ -8,6 +8,7 @@ divides them, or to each device's free memory when no split is given.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -58,10 +59,51 @@ class PlannedStage:
     workspace_bytes: int = 0
     weights: str = "dequant"  # fast | dequant | packed | compact: how its weights live on the device
     formats: dict[str, str] = field(default_factory=dict)  # stored type -> on-device format(s)
+    # -ot: (pattern, device of this stage's worker) for block matrices kept apart from `device`,
+    # and what they take there
+    overrides: tuple[tuple[str, PlanDevice], ...] = ()
+    elsewhere: dict[PlanDevice, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes + self.workspace_bytes
+
+
+class OverrideError(ValueError):
+    pass
+
+
+def parse_overrides(specs: list[str] | None) -> list[tuple[str, str]]:
+    """llama.cpp's -ot values, `REGEX=DEVICE[,REGEX=DEVICE...]`, as (pattern, device) pairs."""
+    out = []
+    for spec in specs or ():
+        for item in spec.split(","):
+            pattern, sep, device = item.strip().rpartition("=")
+            if not sep or not pattern or not device:
+                raise OverrideError(f"--override-tensor '{item}' is not REGEX=DEVICE")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise OverrideError(f"--override-tensor '{item}': bad regular expression ({e})") from None
+            out.append((pattern, device.strip().lower()))
+    return out
+
+
+def placed_apart(tensors: dict, overrides) -> dict[str, object]:
+    """Block matrices the first matching -ot pattern (searched in the name, as llama.cpp does)
+    keeps on another device: name -> that pattern's target. Norms, the embedding and the head
+    stay with their stage."""
+    if not overrides:
+        return {}
+    compiled = [(re.compile(p), target) for p, target in overrides]
+    out = {}
+    for name, info in tensors.items():
+        if not name.startswith("blk.") or len(info.shape) < 2:
+            continue
+        target = next((t for rx, t in compiled if rx.search(name)), None)
+        if target is not None:
+            out[name] = target
+    return out
 
 
 @dataclass
@@ -72,11 +114,15 @@ class Plan:
     prefill_chunk: int = 512  # the most tokens per row of a step, which each stage's workspace is sized for
     notes: list[str] = field(default_factory=list)
 
-    def shortfalls(self) -> list[tuple[PlannedStage, int]]:
+    def shortfalls(self) -> list[tuple[PlannedStage, PlanDevice, int]]:
+        """(stage, device, bytes short) for each stage whose device, or a device holding its -ot
+        matrices, needs more than it has free."""
         need: dict[PlanDevice, int] = {}
         for s in self.stages:
             need[s.device] = need.get(s.device, 0) + s.total_bytes
-        return [(s, need[s.device] - s.device.free) for s in self.stages if need[s.device] > s.device.free]
+            for device, n in s.elsewhere.items():
+                need[device] = need.get(device, 0) + n
+        return [(s, d, need[d] - d.free) for s in self.stages for d in (s.device, *s.elsewhere) if need[d] > d.free]
 
     def check_fits(self) -> None:
         short = self.shortfalls()
@@ -85,13 +131,16 @@ class Plan:
                 f"{s.device.label} needs {gib(s.total_bytes)} (weights {gib(s.weight_bytes)}, "
                 f"KV cache {gib(s.kv_bytes)}, workspace {gib(s.workspace_bytes)}) but has "
                 f"{gib(s.device.free)} free: short by {gib(by)}"
-                for s, by in short
+                if d == s.device
+                else f"{d.label} needs {gib(s.elsewhere[d])} for the matrices -ot keeps there from blocks "
+                f"{s.start}-{s.end - 1} but has {gib(d.free)} free: short by {gib(by)}"
+                for s, d, by in short
             ]
             raise PlanError("the model does not fit: " + "; ".join(lines))
 
     def table(self) -> str:
         rows = [("stage", "device", "blocks", "weights", "KV cache", "workspace", "free", "fits", "weight formats")]
-        short = {id(s) for s, _ in self.shortfalls()}
+        short = {id(s) for s, d, _ in self.shortfalls() if d == s.device}
         for i, s in enumerate(self.stages):
             blocks = f"{s.start}-{s.end - 1}" if s.end > s.start else "-"
             extra = ("+embd" if s.first else "") + ("+head" if s.last else "")
@@ -109,9 +158,12 @@ class Plan:
                     f"{s.weights} ({formats})",
                 )
             )
+            for pattern, device in s.overrides:
+                held = s.elsewhere.get(device, 0)
+                rows.append(("", f"-> {device.label}", f"/{pattern}/", gib(held), "", "", gib(device.free), "", ""))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-        total = sum(s.weight_bytes for s in self.stages)
+        total = sum(s.weight_bytes + sum(s.elsewhere.values()) for s in self.stages)
         lines.append(
             f"{len(self.stages)} stage(s), {self.n_slots} sequence slot(s) x {self.ctx} tokens, "
             f"weights {gib(total)} in all"
@@ -198,10 +250,15 @@ class StageCost:
     kv_bytes: int
     workspace_bytes: int
     formats: dict[str, str]  # stored type -> its on-device format(s), "+"-joined
+    elsewhere: dict = field(default_factory=dict)  # -ot target device -> bytes of the matrices it holds
 
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes + self.workspace_bytes
+
+
+def _formats_on(device: PlanDevice, tensors: dict, first: bool, last: bool, tied: bool, weights: str) -> dict:
+    return weight_formats(tensors, first, last, tied, weights, device.type, device.kernels, dict(device.fastest))
 
 
 def stage_cost(
@@ -210,17 +267,16 @@ def stage_cost(
     """What `stage` needs on its device with its `tensors` (anything with .dtype and .shape, by
     name) held as `weights` says (fast | dequant | packed | compact). The planner and a worker
     checking an ASSIGN against its memory both count with this."""
-    device, dtype = stage.device, parse_dtype(stage.device.dtype)
-    formats = weight_formats(
-        tensors,
-        stage.first,
-        stage.last,
-        cfg.tied_embeddings,
-        weights,
-        device.type,
-        device.kernels,
-        dict(device.fastest),
-    )
+    dtype = parse_dtype(stage.device.dtype)
+    apart = placed_apart(tensors, stage.overrides)
+    here = {n: t for n, t in tensors.items() if n not in apart}
+    formats = _formats_on(stage.device, here, stage.first, stage.last, cfg.tied_embeddings, weights)
+    elsewhere: dict = {}
+    for device in dict.fromkeys(apart.values()):
+        group = {n: tensors[n] for n, d in apart.items() if d == device}
+        on_device = _formats_on(device, group, False, False, cfg.tied_embeddings, weights)
+        elsewhere[device] = weight_nbytes(group, on_device, parse_dtype(device.dtype))
+        formats.update(on_device)
     by_type: dict[str, str] = {}
     for name, fmt in formats.items():
         info = tensors["token_embd.weight" if name == EMBEDDING else name]
@@ -230,10 +286,11 @@ def stage_cost(
                 by_type[info.dtype] = kind + "+" + fmt
     packed = any(f != "dense" for f in formats.values())  # a prompt chunk dequantizes rows into a GEMM
     return StageCost(
-        weight_nbytes(tensors, formats, dtype),
+        weight_nbytes(here, {n: f for n, f in formats.items() if n not in apart}, dtype),
         KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype),
         workspace_bytes(cfg, chunk, stage.last, dtype, packed=packed),
         by_type,
+        elsewhere,
     )
 
 
@@ -241,7 +298,7 @@ def cost_stage(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, ch
     """Fill in what a planned stage needs with its weights held as `weights` says."""
     tensors = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
     cost = stage_cost(model.config, tensors, stage, weights, n_slots, ctx, chunk)
-    stage.weights, stage.formats = weights, cost.formats
+    stage.weights, stage.formats, stage.elsewhere = weights, cost.formats, cost.elsewhere
     stage.weight_bytes, stage.kv_bytes, stage.workspace_bytes = cost.weight_bytes, cost.kv_bytes, cost.workspace_bytes
 
 
@@ -264,6 +321,23 @@ def _choose_weights(
                 break
 
 
+def _targets(stage: PlannedStage, overrides, every: list[PlanDevice]) -> tuple[tuple[str, PlanDevice], ...]:
+    """The stage's -ot patterns with the devices of its own worker they name."""
+    out = []
+    for pattern, name in overrides:
+        if name == stage.device.name:
+            continue  # already there
+        found = [d for d in every if d.worker == stage.device.worker and d.name == name]
+        if not found:
+            have = ", ".join(d.name for d in every if d.worker == stage.device.worker)
+            raise PlanError(
+                f"--override-tensor {pattern}={name}: {stage.device.worker} has no device {name} (it has {have}); "
+                f"start that worker with --device listing it"
+            )
+        out.append((pattern, found[0]))
+    return tuple(out)
+
+
 def make_plan(
     model: ModelFile,
     devices: list[PlanDevice],
@@ -275,11 +349,19 @@ def make_plan(
     ctx: int = 4096,
     prefill_chunk: int = 512,
     weights: str = "dequant",
+    overrides: list[tuple[str, str]] = (),
 ) -> Plan:
     """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
     blocks that are not offloaded. `weights` (auto | fast | dequant | packed | compact) says how
-    quantized weights live on the devices; auto picks, per device, the fastest that fits."""
+    quantized weights live on the devices; auto picks, per device, the fastest that fits.
+    `overrides` (-ot): (pattern, device name) pairs; the block matrices a pattern matches live on
+    that device of their stage's worker, which holds only such matrices and no blocks of its own."""
     n = model.config.n_layers
+    every = devices + ([cpu] if cpu is not None else [])
+    targets = {name for _, name in overrides}
+    # a worker's -ot targets hold only what the patterns send them, where it has other devices
+    takers = {d.worker for d in devices if d.name not in targets}
+    devices = [d for d in devices if d.name not in targets or d.worker not in takers]
     ctx = min(ctx, model.config.context_length)
     offloaded = n if n_gpu_layers is None else max(0, min(n_gpu_layers, n))
     if offloaded and not devices:
@@ -304,7 +386,9 @@ def make_plan(
     placements += [(d, c) for d, c in zip(devices, counts) if c > 0]
     stages, start = [], 0
     for device, count in placements:
-        stages.append(PlannedStage(device, start, start + count, first=start == 0, last=start + count == n))
+        stage = PlannedStage(device, start, start + count, first=start == 0, last=start + count == n)
+        stage.overrides = _targets(stage, overrides, every)
+        stages.append(stage)
         start += count
     _choose_weights(model, stages, weights, n_slots, ctx, prefill_chunk)
     plan = Plan(stages, n_slots, ctx, prefill_chunk)

@@ -1,6 +1,7 @@
 """One model split across real worker processes on loopback gives the single-process tokens."""
 
 import pytest
+from test_cli import run
 
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
@@ -221,3 +222,27 @@ def test_mixture_of_experts_split_over_two_workers(worker_pool, tmp_path, name, 
     got, plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord")
     assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4)]
     assert_same(single_process(path), got)
+
+
+def test_override_tensor_keeps_experts_on_a_second_device_of_the_worker(worker_pool, tmp_path):
+    """-ot 'ffn_.*_exps=cpu:1': the worker's cpu:0 takes every block, its cpu:1 the experts
+    (ASSIGN carries the pattern; the worker builds them there and counts them against it)."""
+    path = model_path("qwen3moe", "Q8_0")
+    two = worker_pool(1, devices="cpu:0,cpu:1")[0]
+    model = open_model(path)
+    cluster = Cluster([two.address], cache_dir=tmp_path / "coord", show_progress=False)
+    try:
+        cluster.connect(model)
+        plan = cluster.make_plan(ctx=256, dtype="float32", overrides=[("ffn_.*_exps", "cpu:1")])
+        assert [(s.device.name, s.start, s.end) for s in plan.stages] == [("cpu:0", 0, 4)]
+        assert [d.name for d in plan.stages[0].elsewhere] == ["cpu:1"]
+        got = generate(cluster.load(plan))
+    finally:
+        cluster.close()
+    assert_same(single_process(path), got)
+
+    shown = run("plan", str(path), "--rpc", two.address, "-ot", "ffn_.*_exps=cpu:1", "--cache-dir", str(tmp_path / "c"))
+    assert shown.returncode == 0, shown.stderr
+    assert f"-> {two.address}/cpu:1" in shown.stdout and "/ffn_.*_exps/" in shown.stdout
+    missing = run("plan", str(path), "--rpc", two.address, "-ot", "exps=cuda:3", "--cache-dir", str(tmp_path / "c"))
+    assert missing.returncode == 1 and "has no device cuda:3 (it has cpu:0, cpu:1)" in missing.stderr

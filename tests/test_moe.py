@@ -11,8 +11,9 @@ from gguf import GGUFReader
 
 from shardwire.config import ConfigError, ModelConfig
 from shardwire.formats import ModelError, TensorReader, expert_name, open_model
-from shardwire.loading import load_stage
-from shardwire.model import MixtureOfExperts
+from shardwire.loading import Placement, load_stage
+from shardwire.model import Elsewhere, MixtureOfExperts
+from shardwire.plan import PlanDevice, PlanError, make_plan, parse_overrides
 from shardwire.quant import ggml_cpu
 from shardwire.quant.packed import PackedLinear
 from shardwire_kit.writer import write_gguf
@@ -170,3 +171,47 @@ def test_ggml_runs_a_blocks_chosen_experts_in_one_call_with_the_per_expert_produ
         x = torch.randn(1, rows, model.config.dim)
         expected = alone(x)
         torch.testing.assert_close(grouped(x), expected, rtol=0, atol=0.02 * float(expected.abs().max()))
+
+
+# -ot, --override-tensor
+
+
+def test_override_tensor_keeps_experts_on_another_device_of_the_same_worker():
+    """The plan puts the blocks on cpu:0 and what the pattern matches on cpu:1 of the same worker,
+    counts those bytes against cpu:1, and shows them; cpu:1 takes no blocks of its own."""
+    model = open_model(model_path("qwen3moe", "Q8_0"))
+    ggml = {"Q8_0": "ggml"}
+    devices = [PlanDevice("w0", "cpu:0", 1 << 40, fastest=ggml), PlanDevice("w0", "cpu:1", 1 << 40, fastest=ggml)]
+    plan = make_plan(model, devices, ctx=256, weights="fast", overrides=parse_overrides(["ffn_.*_exps=cpu:1"]))
+    (stage,) = plan.stages
+    assert (stage.device.name, stage.start, stage.end) == ("cpu:0", 0, model.config.n_layers)
+    experts = sum(t.nbytes for n, t in model.tensors.items() if "_exps." in n)
+    assert stage.elsewhere == {devices[1]: experts}  # held as stored, for ggml
+    assert "-> w0/cpu:1" in plan.table() and "/ffn_.*_exps/" in plan.table()
+    whole_plan = make_plan(model, devices[:1], ctx=256, weights="fast")
+    assert stage.weight_bytes + experts == whole_plan.stages[0].weight_bytes
+
+    tight = [devices[0], PlanDevice("w0", "cpu:1", experts // 2, fastest=ggml)]
+    with pytest.raises(PlanError, match="cpu:1 needs"):
+        make_plan(model, tight, ctx=256, weights="fast", overrides=[("_exps", "cpu:1")]).check_fits()
+    with pytest.raises(PlanError, match="w0 has no device cuda:0 .it has cpu:0, cpu:1."):
+        make_plan(model, devices, ctx=256, overrides=[("_exps", "cuda:0")])
+    with pytest.raises(ValueError, match="not REGEX=DEVICE"):
+        parse_overrides(["ffn_exps"])
+    with pytest.raises(ValueError, match="bad regular expression"):
+        parse_overrides(["ffn_(=cpu"])
+
+
+def test_matrices_kept_elsewhere_compute_there_and_give_the_same_logits():
+    model = open_model(model_path("mixtral", "Q8_0"))
+    ggml = {"Q8_0": "ggml"}
+    apart = [Placement("ffn_.*_exps", torch.device("cpu"), torch.float32, ggml)]
+
+    def stage(**kw):
+        return load_stage(model, 0, model.config.n_layers, dtype=torch.float32, weights="fast", fastest=ggml, **kw)
+
+    moved = stage(overrides=apart)
+    held = moved.blocks[0].ffn.grouped
+    assert isinstance(held, Elsewhere) and isinstance(held.inner, ggml_cpu.GGMLExperts)
+    assert not isinstance(moved.blocks[0].attn.wo, Elsewhere)
+    torch.testing.assert_close(logits(moved, PROMPT), logits(stage(), PROMPT), rtol=0, atol=0)

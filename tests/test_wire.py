@@ -36,6 +36,7 @@ from shardwire.wire.messages import (
     Need,
     NextHop,
     Ok,
+    OverrideSpec,
     Ping,
     Pong,
     Ready,
@@ -190,6 +191,7 @@ def test_assign_stages_must_be_consecutive():
         "weights": "dequant",
         "fastest": {},
         "tensors": [tensor_spec()],
+        "overrides": [],
     }
     later = dict(stage, index=1, start=3, end=4, first=False)
     h = {
@@ -240,8 +242,20 @@ EXAMPLES = [
         256,
         64,
         [
-            StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", {"Q4_K": "ggml"}, [SPEC]),
-            StageSpec(1, "cpu:1", 1, 2, False, True, "bfloat16", "compact", {}, []),
+            StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", {"Q4_K": "ggml"}, [SPEC], []),
+            StageSpec(
+                1,
+                "cpu:1",
+                1,
+                2,
+                False,
+                True,
+                "bfloat16",
+                "compact",
+                {},
+                [],
+                [OverrideSpec("_exps", "cpu", "float32", {})],
+            ),
         ],
         NextHop("10.0.0.2", 50052, "sha256:" + "b" * 64),
     ),
@@ -369,3 +383,14 @@ def test_devices_carry_the_compute_dtype_and_kernels_each_device_does_best():
         devices = [dict(base["devices"][0], **{field: bad})]
         with pytest.raises(FrameError, match=field):
             Devices.parse(dict(base, devices=devices))
+
+
+def test_assign_override_patterns_are_checked():
+    stage = dict(
+        index=0, device="cpu", start=0, end=1, first=True, last=True, dtype="float32", weights="dequant", fastest={}
+    )
+    override = {"pattern": "ffn_(", "device": "cpu", "dtype": "float32", "fastest": {}}
+    with pytest.raises(FrameError, match="not a regular expression"):
+        StageSpec.parse(dict(stage, tensors=[], overrides=[override]))
+    with pytest.raises(FrameError, match="'overrides' has more than 64"):
+        StageSpec.parse(dict(stage, tensors=[], overrides=[dict(override, pattern="x")] * 65))

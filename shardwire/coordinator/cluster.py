@@ -156,8 +156,10 @@ class Cluster:
         dtype: str | None = None,
         prefill_chunk: int = 512,
         weights: str = "dequant",
+        overrides: list[tuple[str, str]] = (),
     ) -> Plan:
         self._plan_options = dict(
+            overrides=list(overrides),
             tensor_split=tensor_split,
             n_gpu_layers=n_gpu_layers,
             n_slots=n_slots,
@@ -186,6 +188,7 @@ class Cluster:
             ctx=o["ctx"],
             prefill_chunk=o["prefill_chunk"],
             weights=o["weights"],
+            overrides=o["overrides"],
         )
 
     # -- loading -------------------------------------------------------------------------

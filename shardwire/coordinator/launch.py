@@ -12,7 +12,7 @@ from ..devices import check_device, default_devices, default_dtype, free_memory,
 from ..formats import ModelFile
 from ..loading import load_stage
 from ..pipeline import LocalPipeline, Pipeline
-from ..plan import PlanDevice, make_plan
+from ..plan import PlanDevice, make_plan, parse_overrides
 from ..quant import ggml_cpu
 from ..quant.kernels import kernels_on
 from ..quant.measure import NO_GGML, fastest_formats
@@ -41,6 +41,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="blocks placed on devices; the first n_layers - N stay on this machine's CPU (default: all)",
+    )
+    g.add_argument(
+        "-ot",
+        "--override-tensor",
+        action="append",
+        default=[],
+        metavar="REGEX=DEVICE",
+        help="keep the block matrices whose names match REGEX on DEVICE of the same worker (e.g. "
+        "'ffn_.*_exps=cpu': a mixture of experts' experts in a GPU worker's CPU memory); that device "
+        "holds no blocks of its own (repeatable, or comma-separated)",
     )
     g.add_argument(
         "-sm", "--split-mode", default="layer", choices=["layer"], help="how to split the model (default: %(default)s)"
@@ -122,6 +132,15 @@ def _cluster(
     )
 
 
+def _local_devices(args: argparse.Namespace, accelerators: list[str], overrides: list[tuple[str, str]]) -> list[str]:
+    """This machine's devices that take stages (--device, else `accelerators`), plus the devices
+    -ot names, which hold what it keeps apart."""
+    local = [check_device(d) for d in args.device.split(",")] if args.device else accelerators
+    if not local:
+        return []
+    return local + [check_device(name) for _, name in overrides if name not in local]
+
+
 def _workers(args: argparse.Namespace) -> list[str]:
     return [a for a in (args.rpc or "").split(",") if a.strip()]
 
@@ -134,14 +153,13 @@ def build_pipeline(
     ctx = min(args.ctx_size, model.config.context_length)
     workers = _workers(args)
     ngl = args.n_gpu_layers
-    if not workers and (ngl is None or ngl >= model.config.n_layers):
+    overrides = parse_overrides(args.override_tensor)
+    if not workers and (ngl is None or ngl >= model.config.n_layers) and not overrides:
         device = check_device(args.device or default_devices()[0])
         return local_pipeline(model, device, args.dtype or default_dtype(device), args.weights, n_slots, ctx), None
-    local = (
-        [check_device(d) for d in args.device.split(",")]
-        if args.device
-        else ([d for d in default_devices() if d != "cpu"])
-    )
+    accelerators = [d for d in default_devices() if d != "cpu"]
+    # one process with -ot: its device takes the blocks, the -ot devices what the patterns name
+    local = _local_devices(args, accelerators or ([] if workers or not overrides else ["cpu"]), overrides)
     cluster = _cluster(model, args, workers, local, show_progress=not quiet)
     cluster.heartbeat.dead_after, cluster.heartbeat.stall_timeout = args.dead_after, args.stall_timeout
     cluster.recovery_timeout = args.recovery_timeout
@@ -154,6 +172,7 @@ def build_pipeline(
             ctx=ctx,
             dtype=args.dtype,
             weights=args.weights,
+            overrides=overrides,
         )
         if not quiet:
             print(plan.table(), file=sys.stderr)
@@ -167,11 +186,9 @@ def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
     """The plan table for `shardwire plan`: workers are asked for their devices, nothing is loaded."""
     ctx = min(args.ctx_size, model.config.context_length)
     workers = _workers(args)
-    local = (
-        [check_device(d) for d in args.device.split(",")]
-        if args.device
-        else ([d for d in default_devices() if d != "cpu"] if workers else ["cpu"])
-    )
+    overrides = parse_overrides(args.override_tensor)
+    accelerators = [d for d in default_devices() if d != "cpu"]
+    local = _local_devices(args, accelerators if workers else ["cpu"], overrides)
     cluster = _cluster(model, args, workers, local, show_progress=False)
     try:
         cluster.connect(model)
@@ -182,6 +199,7 @@ def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
             ctx=ctx,
             dtype=args.dtype,
             weights=args.weights,
+            overrides=overrides,
         )
     finally:
         cluster.close()

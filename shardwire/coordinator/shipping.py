@@ -10,7 +10,7 @@ from ..pipeline import PipelineError
 from ..plan import PlannedStage
 from ..wire.conn import RemoteError
 from ..wire.frames import FrameError
-from ..wire.messages import Assign, Need, NextHop, Ready, StageSpec, TensorSpec, Weights
+from ..wire.messages import Assign, Need, NextHop, OverrideSpec, Ready, StageSpec, TensorSpec, Weights
 from .links import WorkerLink
 
 WEIGHT_CHUNK = 8 << 20
@@ -44,6 +44,7 @@ def stage_specs(model: ModelFile, stages: list[tuple[int, PlannedStage]], hashes
                 stage.weights,
                 dict(stage.device.fastest),
                 tensors,
+                [OverrideSpec(p, d.name, d.dtype, dict(d.fastest)) for p, d in stage.overrides],
             )
         )
     return specs

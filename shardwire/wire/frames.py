@@ -23,7 +23,7 @@ from enum import IntEnum
 import msgpack
 
 MAGIC = b"SHWR"
-PROTOCOL_VERSION = 2  # 2: DEVICES reports kernels, ASSIGN carries prefill_chunk
+PROTOCOL_VERSION = 3  # 2: DEVICES reports kernels, ASSIGN carries prefill_chunk; 3: ASSIGN stages carry -ot overrides
 _FIXED = struct.Struct("<4sHHHHQIQ")
 FIXED_SIZE = _FIXED.size
 

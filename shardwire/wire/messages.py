@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -311,6 +312,27 @@ class TensorSpec:
 
 
 @dataclass
+class OverrideSpec:
+    """-ot: the block matrices `pattern` matches live on `device` of this worker, computing in
+    `dtype` with that device's measured `fastest` formats, instead of on their stage's device."""
+
+    pattern: str
+    device: str
+    dtype: str
+    fastest: dict[str, str]
+
+    @classmethod
+    def parse(cls, d) -> "OverrideSpec":
+        d, what = _map(d, "ASSIGN override"), "ASSIGN override"
+        return cls(
+            _str(d, "pattern", what, 1024),
+            _str(d, "device", what, 32),
+            _str(d, "dtype", what, 16, COMPUTE_DTYPES),
+            _formats(d, "fastest", what),
+        )
+
+
+@dataclass
 class StageSpec:
     index: int
     device: str
@@ -322,11 +344,13 @@ class StageSpec:
     weights: str  # how quantized weights live on the device: fast | dequant | packed | compact
     fastest: dict[str, str]  # the device's measured fastest formats, as the plan used them
     tensors: list[TensorSpec]
+    overrides: list[OverrideSpec]
 
     @classmethod
     def parse(cls, d) -> "StageSpec":
         d, what = _map(d, "ASSIGN stage"), "ASSIGN stage"
-        tensors = [TensorSpec.parse(t) for t in _list(d, "tensors", what, 1 << 16)]
+        # a mixture of experts holds a matrix per expert: 128 experts x 3 x 94 blocks and more
+        tensors = [TensorSpec.parse(t) for t in _list(d, "tensors", what, 1 << 20)]
         stage = cls(
             _int(d, "index", what, 0, 1 << 16),
             _str(d, "device", what, 32),
@@ -338,7 +362,13 @@ class StageSpec:
             _str(d, "weights", what, 16, STAGE_WEIGHT_MODES),
             _formats(d, "fastest", what),
             tensors,
+            [OverrideSpec.parse(o) for o in _list(d, "overrides", what, 64)],
         )
+        for o in stage.overrides:
+            try:
+                re.compile(o.pattern)
+            except re.error:
+                raise FrameError(f"{what}: override pattern {o.pattern!r} is not a regular expression") from None
         if stage.start > stage.end:
             raise FrameError(f"{what}: start {stage.start} > end {stage.end}")
         return stage

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from ..devices import free_memory, parse_dtype, torch_device
 from ..formats import expected_shape, required_tensors
-from ..loading import build_stage
+from ..loading import Placement, build_stage
 from ..plan import PlanDevice, PlannedStage, gib, stage_cost
 from ..quant.codecs import stored_nbytes
 from ..quant.kernels import kernels_on
@@ -38,16 +38,29 @@ def check_assign(assign: Assign, cfg: ModelConfig, devices: list[str], mem: int 
             raise PlanRejected(f"stage {spec.index} lacks tensor {sorted(missing)[0]}")
         for t in spec.tensors:
             _check_tensor(cfg, spec, t)
-        here = PlanDevice("", spec.device, 0, spec.dtype, kernels_on(torch_device(spec.device)), spec.fastest)
-        planned = PlannedStage(here, spec.start, spec.end, spec.first, spec.last)
+        for o in spec.overrides:
+            if o.device not in devices:
+                raise PlanRejected(
+                    f"--override-tensor device {o.device} is not one of this worker's ({', '.join(devices)})"
+                )
+        planned = PlannedStage(
+            _plan_device(spec.device, spec.dtype, spec.fastest), spec.start, spec.end, spec.first, spec.last
+        )
+        planned.overrides = tuple((o.pattern, _plan_device(o.device, o.dtype, o.fastest)) for o in spec.overrides)
         tensors = {t.name: t for t in spec.tensors}
         cost = stage_cost(cfg, tensors, planned, spec.weights, assign.n_slots, assign.ctx, assign.prefill_chunk)
         need[spec.device] = need.get(spec.device, 0) + cost.total_bytes
+        for device, n in cost.elsewhere.items():
+            need[device.name] = need.get(device.name, 0) + n
     for device, n in need.items():
         free = free_memory(device)
         have = min(free, mem) if mem else free
         if n > have:
             raise PlanRejected(f"{device} needs {gib(n)} for its stages, has {gib(have)}")
+
+
+def _plan_device(name: str, dtype: str, fastest: dict[str, str]) -> PlanDevice:
+    return PlanDevice("", name, 0, dtype, kernels_on(torch_device(name)), fastest)
 
 
 def _check_tensor(cfg: ModelConfig, spec: StageSpec, t: TensorSpec) -> None:
@@ -93,6 +106,9 @@ def build_ring(
             parse_dtype(spec.dtype),
             weights=spec.weights,
             fastest=spec.fastest,
+            overrides=[
+                Placement(o.pattern, torch_device(o.device), parse_dtype(o.dtype), o.fastest) for o in spec.overrides
+            ],
         )
         stage.allocate_cache(assign.n_slots, assign.ctx)
         runners.append(StageRunner(spec, stage))
