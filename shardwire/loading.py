@@ -74,10 +74,13 @@ def build_stage(
     weights: str = "dequant",
     fastest: Mapping[str, str] | None = None,
     overrides: list[Placement] = (),
+    release: Callable[[TensorInfo], None] | None = None,
 ) -> Stage:
     """`weights`: the stage's mode (quant/policy.py: fast | dequant | packed | compact), as the
     plan resolved it; `fastest`: the formats the device measured fastest, as the plan used them;
-    `overrides`: where -ot keeps some block matrices instead (the first pattern that matches)."""
+    `overrides`: where -ot keeps some block matrices instead (the first pattern that matches);
+    `release(info)`, where given, is called once a tensor's stored bytes are used, so that their
+    pages need not stay resident (TensorReader.release)."""
     device = torch.device(device)
     large_allocations_unmapped()
     apart = placed_apart(tensors, [(o.pattern, o) for o in overrides])
@@ -114,6 +117,9 @@ def build_stage(
             if name == "token_embd.weight" and EMBEDDING in formats:
                 embedding = pack_matrix(rows, info.dtype, formats[EMBEDDING], device, dtype)
             del rows
+        del raw
+        if release is not None:
+            release(info)
         if progress is not None:
             progress(info.nbytes)
     built.update(_experts_from_stacks(stacks, device, dtype))
@@ -175,9 +181,10 @@ def load_stage(
     """Blocks [start, end) of `model`, reading only the tensors that stage needs."""
     first = start == 0 if first is None else first
     last = end == model.config.n_layers if last is None else last
+    own_reader = reader is None
     reader = reader or TensorReader()
     tensors = model.stage_tensors(start, end, first, last)
-    return build_stage(
+    stage = build_stage(
         model.config,
         start,
         end,
@@ -192,4 +199,8 @@ def load_stage(
         weights,
         fastest,
         overrides,
+        reader.release,
     )
+    if own_reader:
+        reader.close()  # what views the file keeps its mapping alive
+    return stage

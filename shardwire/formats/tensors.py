@@ -56,6 +56,17 @@ class TensorReader:
         self.bytes_read += info.nbytes
         return np.frombuffer(data, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def release(self, info: TensorInfo) -> None:
+        """Drop the tensor's pages from this process's resident memory once its bytes have been
+        used (copied or converted); the file stays mapped, so a view still reads them back."""
+        data = self._maps.get(info.path)
+        if data is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(data), -(-(info.offset + info.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if end > start:
+            data.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}

@@ -109,9 +109,11 @@ def build_ring(
             overrides=[
                 Placement(o.pattern, torch_device(o.device), parse_dtype(o.dtype), o.fastest) for o in spec.overrides
             ],
+            release=found.reader.release,
         )
         stage.allocate_cache(assign.n_slots, assign.ctx)
         runners.append(StageRunner(spec, stage))
+    found.reader.close()  # the stages hold their weights; a mapping some still view stays alive
     next_conn = None
     if assign.next is not None:
         nxt = assign.next
