@@ -6,9 +6,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHS = ("llama", "mistral", "mixtral", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
 # Hugging Face model_type -> our architecture name (GGUF's, where llama.cpp has one)
-_HF_ARCHS = {a: a for a in SUPPORTED_ARCHS if a != "qwen3moe"} | {"qwen3_moe": "qwen3moe"}
+_HF_ARCHS = {a: a for a in SUPPORTED_ARCHS if not a.endswith("moe")} | {
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
+# whether llama.cpp renormalizes the chosen experts' weights, where GGUF does not say
+_GGUF_EXPERT_NORM = {"qwen2moe": False}
 
 
 class ConfigError(ValueError):
@@ -37,6 +42,7 @@ class ModelConfig:
     expert_ffn_dim: int = 0
     expert_norm: bool = True
     dense_blocks: tuple[int, ...] = ()  # blocks with a dense FFN in a mixture-of-experts model
+    shared_expert_ffn_dim: int = 0  # an expert every token runs, its output gated by a sigmoid (Qwen2-MoE)
 
     def __post_init__(self):
         object.__setattr__(self, "dense_blocks", tuple(self.dense_blocks))
@@ -150,8 +156,8 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
         n_experts_used=int(key("expert_used_count", 0)) if n_experts else 0,
         # Mixtral's converter writes the experts' size as the feed-forward length
         expert_ffn_dim=int(key("expert_feed_forward_length", key("feed_forward_length"))) if n_experts else 0,
-        # llama.cpp renormalizes the chosen experts' weights for these architectures
-        expert_norm=bool(key("expert_weights_norm", True)),
+        expert_norm=bool(key("expert_weights_norm", _GGUF_EXPERT_NORM.get(arch, True))),
+        shared_expert_ffn_dim=int(key("expert_shared_feed_forward_length", 0)) if n_experts else 0,
         dense_blocks=tuple(range(int(key("leading_dense_block_count", 0)))) if n_experts else (),
     )
 
@@ -184,15 +190,17 @@ def _hf_experts(cfg: dict, arch: str, where: str) -> dict[str, Any]:
         n = int(_require(cfg, "num_local_experts", where))
         ffn = int(_require(cfg, "intermediate_size", where))
         return dict(n_experts=n, n_experts_used=int(_require(cfg, "num_experts_per_tok", where)), expert_ffn_dim=ffn)
-    if arch == "qwen3moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         n_layers, step = int(_require(cfg, "num_hidden_layers", where)), int(cfg.get("decoder_sparse_step", 1))
         only_mlp = set(cfg.get("mlp_only_layers") or ())
+        shared = int(_require(cfg, "shared_expert_intermediate_size", where)) if arch == "qwen2moe" else 0
         return dict(
             n_experts=int(_require(cfg, "num_experts", where)),
             n_experts_used=int(_require(cfg, "num_experts_per_tok", where)),
             expert_ffn_dim=int(_require(cfg, "moe_intermediate_size", where)),
             expert_norm=bool(cfg.get("norm_topk_prob", False)),
             dense_blocks=tuple(i for i in range(n_layers) if i in only_mlp or step <= 0 or (i + 1) % step),
+            shared_expert_ffn_dim=shared,
         )
     return {}
 

@@ -210,6 +210,11 @@ class MixtureOfExperts(nn.Module):
                 FeedForward(*(w[f"{m}.{e}.weight"] for m in EXPERT_MATRICES)) for e in range(cfg.n_experts)
             )
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
+        # an expert every token runs beside the chosen ones, its output scaled by a sigmoid gate
+        self.shared = None
+        if "ffn_gate_shexp.weight" in w:
+            self.shared = FeedForward(w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
+            self.shared_gate = linear(w["ffn_gate_inp_shexp.weight"])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts [rows, k] and their weights [rows, k] in x's dtype."""
@@ -222,15 +227,22 @@ class MixtureOfExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        out = self.routed(x)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out.view(shape)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weighted sum for rows x [rows, dim]."""
         chosen, weights = self.route(x)
         if self.grouped is not None:
-            return self.grouped(x, chosen, weights).view(shape)
+            return self.grouped(x, chosen, weights)
         if x.shape[0] == 1:  # decode of one sequence: k small products, no gathering
             out = None
             for e, w in zip(chosen[0].tolist(), weights[0]):
                 y = self.experts[e](x) * w
                 out = y if out is None else out + y
-            return out.view(shape)
+            return out
         # Several rows: group them by expert, one product per expert that has rows.
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
@@ -244,7 +256,7 @@ class MixtureOfExperts(nn.Module):
                 rows = rows_of[start : start + n]
                 out.index_add_(0, rows, self.experts[e](x[rows]) * row_weights[start : start + n])
                 start += n
-        return out.view(shape)
+        return out
 
 
 class Block(nn.Module):

@@ -258,8 +258,12 @@ def load_vocab(name: str) -> Vocab:
 # ---------------------------------------------------------------------------------------------
 # Random weights
 
-_DEFAULT_THETA = {"llama": 10000.0, "mistral": 1e6, "mixtral": 1e6, "qwen2": 1e6, "qwen3": 1e6, "qwen3moe": 1e6}
-_DEFAULT_EPS = {"llama": 1e-5, "mistral": 1e-5, "mixtral": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3moe": 1e-6}
+_DEFAULT_THETA = {"llama": 10000.0, "mistral": 1e6, "mixtral": 1e6} | dict.fromkeys(
+    ("qwen2", "qwen2moe", "qwen3", "qwen3moe"), 1e6
+)
+_DEFAULT_EPS = {"llama": 1e-5, "mistral": 1e-5, "mixtral": 1e-5} | dict.fromkeys(
+    ("qwen2", "qwen2moe", "qwen3", "qwen3moe"), 1e-6
+)
 
 
 def random_model(
@@ -280,6 +284,7 @@ def random_model(
     n_experts: int = 0,
     n_experts_used: int = 0,
     expert_ffn_dim: int | None = None,
+    shared_expert_ffn_dim: int = 0,
     seed: int = 0,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """A config and float32 tensors (canonical names, Hugging Face order) with random weights.
@@ -308,6 +313,8 @@ def random_model(
         n_experts=n_experts,
         n_experts_used=n_experts_used,
         expert_ffn_dim=(expert_ffn_dim or dim) if n_experts else 0,
+        expert_norm=arch != "qwen2moe",  # as llama.cpp routes each architecture
+        shared_expert_ffn_dim=shared_expert_ffn_dim,
     )
     rng = np.random.default_rng(seed)
 
@@ -326,7 +333,7 @@ def random_model(
         t[p + "attn_k.weight"] = normal((kv, dim), 1 / np.sqrt(dim))
         t[p + "attn_v.weight"] = normal((kv, dim), 1 / np.sqrt(dim))
         t[p + "attn_output.weight"] = normal((dim, q), 1 / np.sqrt(q))
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             t[p + "attn_q.bias"] = normal(q, 0.3)
             t[p + "attn_k.bias"] = normal(kv, 0.3)
             t[p + "attn_v.bias"] = normal(kv, 0.1)
@@ -342,6 +349,12 @@ def random_model(
                 t[expert_name(i, "ffn_gate_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
                 t[expert_name(i, "ffn_up_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
                 t[expert_name(i, "ffn_down_exps", e)] = normal((dim, fe), 1 / np.sqrt(fe))
+            if shared_expert_ffn_dim:
+                fs = shared_expert_ffn_dim
+                t[p + "ffn_gate_inp_shexp.weight"] = normal((1, dim), 2 / np.sqrt(dim))
+                t[p + "ffn_gate_shexp.weight"] = normal((fs, dim), 1 / np.sqrt(dim))
+                t[p + "ffn_up_shexp.weight"] = normal((fs, dim), 1 / np.sqrt(dim))
+                t[p + "ffn_down_shexp.weight"] = normal((dim, fs), 1 / np.sqrt(fs))
         else:
             t[p + "ffn_gate.weight"] = normal((f, dim), 1 / np.sqrt(dim))
             t[p + "ffn_up.weight"] = normal((f, dim), 1 / np.sqrt(dim))
@@ -390,7 +403,8 @@ TEST_MODELS = {
         ModelSpec(
             "qwen3", "qwen2", dict(arch="qwen3", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, head_dim=128, tied=True)
         ),
-        # Mixtures of experts: 8 experts, 2 per token, as Mixtral 8x7B routes
+        # Mixtures of experts: 8 experts, 2 per token, as Mixtral 8x7B routes; Qwen2-MoE adds an
+        # expert every token runs
         ModelSpec(
             "mixtral",
             "llama-spm",
@@ -411,6 +425,21 @@ TEST_MODELS = {
                 n_experts=16,
                 n_experts_used=4,
                 expert_ffn_dim=32,
+            ),
+        ),
+        ModelSpec(
+            "qwen2moe",
+            "qwen2",
+            dict(
+                arch="qwen2moe",
+                n_layers=4,
+                dim=64,
+                n_heads=4,
+                n_kv_heads=2,
+                n_experts=8,
+                n_experts_used=2,
+                expert_ffn_dim=32,
+                shared_expert_ffn_dim=64,
             ),
         ),
     ]

@@ -43,12 +43,13 @@ GGUF_ARCH = {
     "mistral": "llama",
     "mixtral": "llama",
     "qwen2": "qwen2",
+    "qwen2moe": "qwen2moe",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
 }
 PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
 # Tensors the converter keeps in float32 whatever the file type (llama-quantize skips them too)
-KEPT_F32 = ("ffn_gate_inp.weight",)
+KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 _FILE_TYPES = {
     "F32": LlamaFileType.ALL_F32,
@@ -114,7 +115,8 @@ def gguf_config(cfg: ModelConfig) -> ModelConfig:
         {
             **cfg.to_dict(),
             "arch": GGUF_ARCH[cfg.arch],
-            "expert_norm": True,  # llama.cpp renormalizes the chosen experts' weights of these architectures
+            # llama.cpp renormalizes the chosen experts' weights of these architectures, Qwen2-MoE's not
+            "expert_norm": cfg.arch != "qwen2moe",
             "rope_scaling": scaling,
             "norm_eps": f32(cfg.norm_eps),
             "rope_theta": f32(cfg.rope_theta),
@@ -412,6 +414,8 @@ def _add_model_metadata(writer: GGUFWriter, cfg: ModelConfig, name: str, weight_
         writer.add_expert_used_count(cfg.n_experts_used)
         if arch != "llama":  # Mixtral's size of an expert is its feed-forward length
             writer.add_expert_feed_forward_length(cfg.expert_ffn_dim)
+        if cfg.shared_expert_ffn_dim:
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_ffn_dim)
     if cfg.rope_scaling and cfg.rope_scaling.get("type") == "linear":
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
@@ -479,10 +483,11 @@ _HF_CLASSES = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
-_HF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+_HF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 
 def _token_ids(tokenizer_json: str | None, *tokens) -> list[int | None]:
@@ -506,7 +511,7 @@ def hf_config(
 ) -> dict:
     """config.json as transformers saves it for this architecture (rope_theta / rope_scaling as in
     the Hub's Llama 3.1, Mistral and Qwen configs; transformers 5 reads both these and rope_parameters)."""
-    if cfg.arch == "qwen2" and cfg.head_dim * cfg.n_heads != cfg.dim:
+    if cfg.arch in ("qwen2", "qwen2moe") and cfg.head_dim * cfg.n_heads != cfg.dim:
         raise ValueError("Qwen2 configs have no head_dim: head_dim must be hidden_size / num_attention_heads")
     rope_scaling = None
     if cfg.rope_scaling:
@@ -534,7 +539,7 @@ def hf_config(
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
     }
-    if cfg.arch != "qwen2":
+    if cfg.arch not in ("qwen2", "qwen2moe"):
         out["head_dim"] = cfg.head_dim
     if cfg.arch in ("llama", "qwen3", "qwen3moe"):
         out["attention_bias"] = any(n.endswith(".attn_q.bias") for n in tensors or ())
@@ -542,12 +547,14 @@ def hf_config(
         out.update(mlp_bias=False, pretraining_tp=1)
     if cfg.arch in ("mistral", "mixtral"):
         out["sliding_window"] = None
-    if cfg.arch in ("qwen2", "qwen3", "qwen3moe"):
+    if cfg.arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe"):
         out.update(max_window_layers=cfg.n_layers, sliding_window=None, use_sliding_window=False)
     if cfg.arch == "mixtral":
         out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_used)
         out["intermediate_size"] = cfg.expert_ffn_dim
-    if cfg.arch == "qwen3moe":
+    if cfg.arch == "qwen2moe":
+        out.update(qkv_bias=True, shared_expert_intermediate_size=cfg.shared_expert_ffn_dim)
+    if cfg.arch in ("qwen2moe", "qwen3moe"):
         out.update(
             num_experts=cfg.n_experts,
             num_experts_per_tok=cfg.n_experts_used,

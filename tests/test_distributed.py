@@ -214,7 +214,10 @@ def test_concurrent_sequences_share_decode_steps(worker_pool, tmp_path):
     assert max(widths) >= 2 and len(widths) <= decode_rows / 1.5, widths
 
 
-@pytest.mark.parametrize("name,form", [("mixtral", "F32"), ("qwen3moe", "hf"), ("qwen3moe", "Q8_0")])
+MOE_FILES = [("mixtral", "F32"), ("qwen3moe", "hf"), ("qwen3moe", "Q8_0"), ("qwen2moe", "hf")]
+
+
+@pytest.mark.parametrize("name,form", MOE_FILES)
 def test_mixture_of_experts_split_over_two_workers(worker_pool, tmp_path, name, form):
     """Expert tensors ship, cache and load like any other; the plan counts them per block."""
     path = hf_path(name) if form == "hf" else model_path(name, form)

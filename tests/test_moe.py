@@ -1,6 +1,7 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE): files as the converters write them, routing,
-and experts that run only for the tokens that chose them. Agreement with transformers is in
-test_model.py (both families are in its model set), across workers in test_distributed.py."""
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert): files as the
+converters write them, routing, and experts that run only for the tokens that chose them.
+Agreement with transformers is in test_model.py (every family is in its model set), across
+workers in test_distributed.py."""
 
 import json
 
@@ -31,7 +32,7 @@ def whole(path, **kw):
     return load_stage(model, 0, model.config.n_layers, **kw)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3moe", "qwen2moe"])
 def test_gguf_holds_experts_as_llama_cpps_converter_writes_them(name):
     """One 3-D tensor per block and matrix, the router kept float32, the expert keys; read back
     as one matrix per expert, each a slice of the file."""
@@ -46,7 +47,8 @@ def test_gguf_holds_experts_as_llama_cpps_converter_writes_them(name):
     meta = open_model(path).metadata
     assert meta[f"{arch}.expert_count"] == cfg.n_experts
     assert meta[f"{arch}.expert_used_count"] == cfg.n_experts_used
-    assert (f"{arch}.expert_feed_forward_length" in meta) == (name == "qwen3moe")
+    assert (f"{arch}.expert_feed_forward_length" in meta) == (name != "mixtral")
+    assert (f"{arch}.expert_shared_feed_forward_length" in meta) == (name == "qwen2moe")
 
     model = open_model(path)
     assert (model.config.n_experts, model.config.n_experts_used) == (cfg.n_experts, cfg.n_experts_used)
@@ -217,7 +219,7 @@ def test_matrices_kept_elsewhere_compute_there_and_give_the_same_logits():
     torch.testing.assert_close(logits(moved, PROMPT), logits(stage(), PROMPT), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3moe", "qwen2moe"])
 def test_llama_cpp_reads_our_files_and_predicts_the_same_tokens(name):
     """Where llama.cpp is built (benchmarks/build_llama_cpp.sh): its logits for the F32 file equal
     ours to within its own arithmetic, and it picks the same token at every prompt position."""
@@ -239,3 +241,14 @@ def test_llama_cpp_reads_our_files_and_predicts_the_same_tokens(name):
     ours = logits(whole(path), PROMPT)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert float((ours - theirs).abs().max()) <= 2e-3 * float(theirs.max() - theirs.min())
+
+
+def test_the_shared_expert_runs_for_every_token_behind_its_sigmoid_gate():
+    """Qwen2-MoE: the chosen experts' sum plus sigmoid(x . gate) times the shared expert."""
+    stage = whole(model_path("qwen2moe", "F32"))
+    moe = stage.blocks[2].ffn
+    assert moe.shared is not None and not moe.renormalize  # Qwen2-MoE keeps the softmax weights as they are
+    x = torch.randn(1, 6, stage.cfg.dim)
+    flat = x.reshape(-1, stage.cfg.dim)
+    expected = moe.routed(flat) + torch.sigmoid(flat @ moe.shared_gate.weight.T) * moe.shared(flat)
+    torch.testing.assert_close(moe(x).reshape(-1, stage.cfg.dim), expected)

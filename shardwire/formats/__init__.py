@@ -37,6 +37,7 @@ _REQUIRED_ATTENTION = (
     "ffn_norm.weight",
 )
 _REQUIRED_DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+SHARED_EXPERT = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
 def block_of(name: str) -> int | None:
@@ -107,6 +108,9 @@ def _experts_apart(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     out = {}
     for name, info in tensors.items():
         parts = name.split(".")
+        if parts[-2:] == ["ffn_gate_inp_shexp", "weight"] and len(info.shape) == 1:
+            # the shared expert's gate is one row: the same bytes, whether stored 1-D or [1, dim]
+            info = TensorInfo(info.name, info.dtype, (1, info.shape[0]), info.path, info.offset, info.nbytes)
         if len(parts) == 4 and parts[2] in EXPERT_MATRICES and len(info.shape) == 3:
             block, matrix = int(parts[1]), parts[2]
             for e, part in enumerate(info.split(info.shape[0])):
@@ -133,8 +137,13 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
             return None
         f = cfg.expert_ffn_dim
         return (cfg.dim, f) if expert[1] == "ffn_down_exps" else (f, cfg.dim)
+    shared = cfg.shared_expert_ffn_dim or None
     return {
         "ffn_gate_inp.weight": (cfg.n_experts, cfg.dim) if cfg.n_experts else None,
+        "ffn_gate_inp_shexp.weight": (1, cfg.dim) if shared else None,
+        "ffn_gate_shexp.weight": (shared, cfg.dim) if shared else None,
+        "ffn_up_shexp.weight": (shared, cfg.dim) if shared else None,
+        "ffn_down_shexp.weight": (cfg.dim, shared) if shared else None,
         "attn_norm.weight": (cfg.dim,),
         "ffn_norm.weight": (cfg.dim,),
         "attn_q.weight": (q, cfg.dim),
@@ -162,6 +171,8 @@ def required_tensors(cfg: ModelConfig, start: int, end: int, first: bool, last: 
             names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
         if cfg.sparse(i):
             names.append(f"blk.{i}.ffn_gate_inp.weight")
+            if cfg.shared_expert_ffn_dim:
+                names += [f"blk.{i}.{m}.weight" for m in SHARED_EXPERT]
             names += [expert_name(i, m, e) for e in range(cfg.n_experts) for m in EXPERT_MATRICES]
         else:
             names += [f"blk.{i}.{s}" for s in _REQUIRED_DENSE_FFN]

@@ -31,7 +31,11 @@ _BLOCK_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
-    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router (Qwen3-MoE)
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router (Qwen2-MoE, Qwen3-MoE)
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",  # the expert every token runs (Qwen2-MoE)
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "block_sparse_moe.gate": "ffn_gate_inp",  # (Mixtral)
 }
 _BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
