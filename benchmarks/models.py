@@ -75,6 +75,7 @@ WORKLOADS = {
         Workload("1b-q8_0", "1b", "Q8_0"),
         Workload("1b-q4_0", "1b", "Q4_0"),
         Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
+        Workload("1b-f16", "1b", "F16"),
         Workload("moe-q4_0", "moe", "Q4_0"),
         Workload("moe-q8_0", "moe", "Q8_0"),
         Workload("moe-top2-q4_0", "moe-top2", "Q4_0"),

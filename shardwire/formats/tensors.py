@@ -33,6 +33,9 @@ class TensorInfo:
         return TensorInfo(name, self.dtype, self.shape, self.path, self.offset, self.nbytes)
 
 
+FAULT_AROUND = 1 << 20  # more than Linux maps around a faulting page of a file (64 KiB by default)
+
+
 class TensorReader:
     """Reads tensors by memory map, one file mapping each, and counts the bytes it hands out."""
 
@@ -62,8 +65,10 @@ class TensorReader:
         data = self._maps.get(info.path)
         if data is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        end = min(len(data), -(-(info.offset + info.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        # with a margin: a page fault maps the pages around it too (the kernel's fault-around),
+        # which belong to the tensors on either side
+        start = max(0, info.offset - FAULT_AROUND) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(data), -(-(info.offset + info.nbytes + FAULT_AROUND) // mmap.PAGESIZE) * mmap.PAGESIZE)
         if end > start:
             data.madvise(mmap.MADV_DONTNEED, start, end - start)
 
