@@ -1,15 +1,16 @@
-"""A worker's process memory while it holds a model, beside llama.cpp's rpc-server on the same file.
+"""Workers' process memory while they hold a model, beside llama.cpp's rpc-server on the same file.
 
-    python benchmarks/memory.py [--workloads moe-q4_0,1b-q4_0,...] [--no-llama-cpp] [--streamed]
+    python benchmarks/memory.py [--workloads moe-q4_0,1b-q4_0,...] [--workers 1,2] [--no-llama-cpp]
 
-For each file and system: one worker (shardwire worker / ggml-rpc-server), idle first; then a
-server as a user runs it (shardwire serve --rpc / llama-server --rpc -ngl 99) loads every block
-onto it and answers one 32-token completion (one sequence slot of 2048 tokens). From the
-worker's /proc/PID/status: idle (settled, before the server), peak (VmHWM) and at rest (a second
-after the completion, the model loaded), as growth over idle, split into anonymous and
-file-backed memory, and as a ratio to the file bytes of the tensors the worker holds (llama.cpp's
-server keeps the token embedding itself; shardwire's worker holds it). Prints a table and
-writes JSON.
+For each file, worker count and system: the workers (shardwire worker / ggml-rpc-server), idle
+first; then a server as a user runs it (shardwire serve --rpc / llama-server --rpc -ngl 99 -ts
+1,1,...) loads the blocks onto them and answers one 32-token completion of a prompt longer than a
+prefill chunk, in one sequence slot of 2048 tokens. From each worker's /proc/PID/status: idle
+(settled, before the server), peak (VmHWM) and at rest (a second after the completion, the
+model loaded), as growth over idle, split into anonymous and file-backed memory, and as a ratio
+to the file bytes of the tensors it holds (llama.cpp's server keeps the token embedding itself;
+shardwire's first worker holds it); beside shardwire's, what its plan said that worker needs,
+and the server's own memory. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -48,11 +49,36 @@ def status(pid: int) -> dict[str, int]:
     return out
 
 
-def held_bytes(path: Path, system: str) -> int:
+def held_bytes(path: Path, system: str, n_workers: int) -> list[int]:
+    """File bytes of the tensors each worker holds: blocks split evenly in order (both systems'
+    split for equal devices), the head on the last; the embedding on shardwire's first worker
+    (llama.cpp's server keeps it)."""
+    from shardwire.formats import open_model
+    from shardwire.plan import split_blocks_evenly
+
+    model = open_model(path)
+    counts, start, out = split_blocks_evenly(model.config.n_layers, [1.0] * n_workers), 0, []
+    for i, count in enumerate(counts):
+        first, last = i == 0, i == n_workers - 1
+        names = model.stage_tensors(start, start + count, first and system == "shardwire", last)
+        out.append(sum(t.nbytes for t in names.values()))
+        start += count
+    return out
+
+
+def planned_bytes(path: Path, addresses: list[str], workdir: Path) -> list[int]:
+    """What shardwire's plan says each worker's stage needs (weights, KV cache, workspace)."""
+    from shardwire.coordinator import Cluster
     from shardwire.formats import open_model
 
-    tensors = open_model(path).tensors
-    return sum(t.nbytes for n, t in tensors.items() if system == "shardwire" or n != "token_embd.weight")
+    model = open_model(path)
+    cluster = Cluster(addresses, cache_dir=workdir / "plan", show_progress=False)
+    try:
+        cluster.connect(model)
+        plan = cluster.make_plan(n_slots=1, ctx=2048, weights="auto", tensor_split=[1.0] * len(addresses))
+        return [s.total_bytes + sum(s.elsewhere.values()) for s in plan.stages]
+    finally:
+        cluster.close()
 
 
 def settled(pid: int, timeout: float = 60) -> dict[str, int]:
@@ -68,7 +94,8 @@ def settled(pid: int, timeout: float = 60) -> dict[str, int]:
 
 
 def _complete(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
-    """Wait for the server's /health, then one greedy 32-token completion."""
+    """Wait for the server's /health, then one greedy 32-token completion of a prompt longer than
+    a prefill chunk (so the workspace a chunk needs is used)."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -82,7 +109,8 @@ def _complete(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("the server did not load the model in time")
         time.sleep(0.2)
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}).encode()
+    prompt = "Once upon a time, in a small town beside a wide river, there lived a clockmaker. " * 40
+    body = json.dumps({"prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
     )
@@ -90,53 +118,85 @@ def _complete(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
         json.loads(r.read())
 
 
-def measure(system: str, path: Path, prefix: Path | None, workdir: Path, threads: int, own_copy: bool) -> dict:
+def measure(
+    system: str, path: Path, prefix: Path | None, workdir: Path, threads: int, own_copy: bool, n_workers: int
+) -> list[dict]:
+    """One row per worker, each with the server's (the coordinator's) own memory."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    log = workdir / f"{system}-{path.stem}.log"
-    port = free_port()
-    if system == "shardwire":
-        cmd = [sys.executable, "-m", "shardwire", "--log-level", "warning", "worker", "--host", "127.0.0.1"]
-        cmd += ["--port", "0", "--device", "cpu", "--threads", str(threads), "--cache-dir", str(workdir / "cache")]
-        if own_copy:
-            cmd += ["--model-dir", str(path.parent)]
-        worker = Server("shardwire-worker", cmd, "1", env, log)
-        address = "127.0.0.1:" + worker.wait_for(LISTENING, 120)[2]
-        server = [sys.executable, "-m", "shardwire", "serve", str(path), "--rpc", address, "--port", str(port)]
-        server += ["-c", "2048", "-np", "1", "--cache-dir", str(workdir / "coord")]
-    else:
-        rpc_port = free_port()
-        cmd = [str(prefix / "bin" / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rpc_port), "-t", str(threads)]
-        worker = Server("llama.cpp-rpc", cmd, "1", env, log)
-        worker.wait_port(rpc_port, 30)
-        server = [str(prefix / "bin" / "llama-server"), "-m", str(path), "--rpc", f"127.0.0.1:{rpc_port}"]
-        server += ["-ngl", "99", "--port", str(port), "-t", str(threads), "-c", "2048", "-np", "1"]
-    started = time.monotonic()
+    log = workdir / f"{system}-{path.stem}-{n_workers}.log"
+    port, workers, addresses = free_port(), [], []
     try:
-        idle = settled(worker.proc.pid)
+        for i in range(n_workers):
+            core = str(1 + i % max(1, (os.cpu_count() or 2) - 1))
+            if system == "shardwire":
+                cmd = [sys.executable, "-m", "shardwire", "--log-level", "warning", "worker", "--host", "127.0.0.1"]
+                cmd += ["--port", "0", "--device", "cpu", "--threads", str(threads)]
+                cmd += ["--cache-dir", str(workdir / f"cache{i}")]
+                if own_copy:
+                    cmd += ["--model-dir", str(path.parent)]
+                workers.append(Server(f"shardwire-worker-{i}", cmd, core, env, log))
+                addresses.append("127.0.0.1:" + workers[-1].wait_for(LISTENING, 120)[2])
+            else:
+                rpc_port = free_port()
+                cmd = [str(prefix / "bin" / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rpc_port)]
+                workers.append(Server(f"llama.cpp-rpc-{i}", cmd + ["-t", str(threads)], core, env, log))
+                workers[-1].wait_port(rpc_port, 30)
+                addresses.append(f"127.0.0.1:{rpc_port}")
+        split = ",".join(["1"] * n_workers)
+        if system == "shardwire":
+            server = [sys.executable, "-m", "shardwire", "serve", str(path), "--rpc", ",".join(addresses)]
+            server += [
+                "--port",
+                str(port),
+                "-c",
+                "2048",
+                "-np",
+                "1",
+                "-ts",
+                split,
+                "--cache-dir",
+                str(workdir / "coord"),
+            ]
+        else:
+            server = [str(prefix / "bin" / "llama-server"), "-m", str(path), "--rpc", ",".join(addresses)]
+            server += ["-ngl", "99", "-ts", split, "--port", str(port), "-t", str(threads), "-c", "2048", "-np", "1"]
+        idle = [settled(w.proc.pid) for w in workers]
+        planned = planned_bytes(path, addresses, workdir) if system == "shardwire" else [None] * n_workers
+        started = time.monotonic()
         with open(log, "a") as out:
             proc = subprocess.Popen(["taskset", "-c", "0", *server], stdout=out, stderr=out, env=env)
             try:
                 _complete(port, proc)
+                loaded_s = time.monotonic() - started
                 time.sleep(1.0)
-                rest = status(worker.proc.pid)
+                rest = [status(w.proc.pid) for w in workers]
+                coordinator = status(proc.pid)
             finally:
                 proc.terminate()
                 proc.wait(30)
     finally:
-        worker.stop()
-    held = held_bytes(path, system)
-    return {
-        "system": system,
-        "file": path.name,
-        "held_bytes": held,
-        "idle": idle,
-        "rest": rest,
-        "peak_growth": rest["VmHWM"] - idle["VmRSS"],
-        "rest_growth": rest["VmRSS"] - idle["VmRSS"],
-        "rest_anon_growth": rest["RssAnon"] - idle["RssAnon"],
-        "rest_file_growth": rest["RssFile"] - idle["RssFile"],
-        "seconds": round(time.monotonic() - started, 1),
-    }
+        for w in workers:
+            w.stop()
+    held = held_bytes(path, system, n_workers)
+    return [
+        {
+            "system": system,
+            "file": path.name,
+            "workers": n_workers,
+            "worker": i,
+            "held_bytes": held[i],
+            "planned_bytes": planned[i],
+            "idle": idle[i],
+            "rest": rest[i],
+            "peak_growth": rest[i]["VmHWM"] - idle[i]["VmRSS"],
+            "rest_growth": rest[i]["VmRSS"] - idle[i]["VmRSS"],
+            "rest_anon_growth": rest[i]["RssAnon"] - idle[i]["RssAnon"],
+            "rest_file_growth": rest[i]["RssFile"] - idle[i]["RssFile"],
+            "coordinator": coordinator,
+            "ready_and_answered_s": round(loaded_s, 1),
+        }
+        for i in range(n_workers)
+    ]
 
 
 def mib(n: int) -> str:
@@ -145,17 +205,19 @@ def mib(n: int) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| file | system | held MiB | idle MiB | peak growth MiB (x held) | at rest growth MiB (x held) | "
-        "at rest anon / file MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| file | system | workers | worker | held MiB | peak growth MiB (x held) | at rest growth MiB (x held) | "
+        "at rest anon / file MiB | plan MiB (x peak growth) | coordinator peak / at rest MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        held = r["held_bytes"]
+        held, planned = r["held_bytes"], r["planned_bytes"]
+        plan = f"{mib(planned)} ({planned / r['peak_growth']:.2f}x)" if planned else "–"
         lines.append(
-            f"| {r['file']} | {r['system']} | {mib(held)} | {mib(r['idle']['VmRSS'])} | "
+            f"| {r['file']} | {r['system']} | {r['workers']} | {r['worker']} | {mib(held)} | "
             f"{mib(r['peak_growth'])} ({r['peak_growth'] / held:.2f}x) | "
             f"{mib(r['rest_growth'])} ({r['rest_growth'] / held:.2f}x) | "
-            f"{mib(r['rest_anon_growth'])} / {mib(r['rest_file_growth'])} |"
+            f"{mib(r['rest_anon_growth'])} / {mib(r['rest_file_growth'])} | {plan} | "
+            f"{mib(r['coordinator']['VmHWM'])} / {mib(r['coordinator']['VmRSS'])} |"
         )
     return "\n".join(lines)
 
@@ -165,6 +227,7 @@ def main() -> int:
     p.add_argument("--workloads", default="moe-q4_0,moe-q8_0", help=f"of {', '.join(models.WORKLOADS)}")
     p.add_argument("--no-llama-cpp", action="store_true", help="shardwire only")
     p.add_argument("-t", "--threads", type=int, default=1)
+    p.add_argument("--workers", default="1,2", help="worker counts (default: %(default)s)")
     p.add_argument(
         "--streamed",
         action="store_true",
@@ -179,12 +242,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="shardwire-memory-") as tmp:
         for name in [w for w in args.workloads.split(",") if w]:
             path = models.ensure(models.WORKLOADS[name], prefix)
-            for system in systems:
-                rows.append(measure(system, path, prefix, Path(tmp), args.threads, not args.streamed))
-                print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+            for n in [int(k) for k in args.workers.split(",") if k]:
+                for system in systems:
+                    got = measure(system, path, prefix, Path(tmp), args.threads, not args.streamed, n)
+                    rows += got
+                    print("\n".join(table(got).splitlines()[2:]), file=sys.stderr, flush=True)
     cpu = machine_info().get("cpu", "?")
     source = "weights streamed into its cache" if args.streamed else "its own copy of the file"
-    print(f"{cpu}, 1 worker holding every block ({source}), {args.threads} thread(s)\n")
+    print(f"{cpu}, workers reading {source}, {args.threads} thread(s), one 2048-token slot\n")
     print(table(rows))
     out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / "shardwire-memory.json"
     out.write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2))

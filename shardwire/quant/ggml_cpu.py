@@ -181,11 +181,8 @@ class _ExpertsGraph:
         self.y = ggml.ggml_mul_mat_id(self.ctx, self.down, h, self.ids)  # [D, k, n]
         self.graph = ggml.ggml_new_graph_custom(self.ctx, self.NODES, False)
         ggml.ggml_build_forward_expand(self.graph, self.y)
-        # the intermediates live in a buffer of this graph's own
-        self.between = np.empty(3 * F * k * n + 64, dtype=np.float32)
-        base = self.between.ctypes.data
-        for i, t in enumerate((g, u, h)):
-            t.contents.data = base + i * F * k * n * 4
+        self.between = (g, u, h)  # intermediates: a call gives them memory for its own duration
+        self.between_size = F * k * n
         self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
         self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
         self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
@@ -193,6 +190,10 @@ class _ExpertsGraph:
     def run(self, weights: tuple[int, int, int], x: int, ids: int, y: int) -> None:
         self.gate.contents.data, self.up.contents.data, self.down.contents.data = weights
         self.x.contents.data, self.ids.contents.data, self.y.contents.data = x, ids, y
+        # a prompt's are large: held only while computing, not for as long as the graph is kept
+        between = torch.empty(3, self.between_size, dtype=torch.float32)
+        for i, t in enumerate(self.between):
+            t.contents.data = between[i].data_ptr()
         if ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
             raise RuntimeError("ggml could not compute")
 
