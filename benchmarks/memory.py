@@ -199,6 +199,61 @@ def measure(
     ]
 
 
+ONE_PROCESS = """
+import json, sys, time
+from shardwire.coordinator.launch import local_pipeline
+from shardwire.devices import default_dtype
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.sampling import GREEDY
+
+def status():
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+model = open_model(sys.argv[1])
+idle = status()
+start = time.monotonic()
+pipeline = local_pipeline(model, "cpu", default_dtype("cpu"), "auto", 1, 2048)
+loaded_s = time.monotonic() - start
+engine = Engine(pipeline)
+handle = engine.submit(Request(list(range(10, 610)), GREEDY, max_tokens=32))
+handle.result()
+time.sleep(1.0)
+print(json.dumps({"idle": idle, "rest": status(), "load_s": loaded_s}))
+engine.close()
+"""
+
+
+def one_process(path: Path, threads: int) -> dict:
+    """`generate`/`serve`/`bench` without workers: the model loaded in the process itself, a
+    600-token prompt and 32 tokens decoded."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", ONE_PROCESS, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+        check=True,
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    from shardwire.formats import open_model
+
+    held = sum(t.nbytes for t in open_model(path).tensors.values())
+    return {
+        "file": path.name,
+        "held_bytes": held,
+        "peak_growth": r["rest"]["VmHWM"] - r["idle"]["VmRSS"],
+        "rest_growth": r["rest"]["VmRSS"] - r["idle"]["VmRSS"],
+        "load_s": round(r["load_s"], 1),
+    }
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:.0f}"
 
@@ -228,6 +283,7 @@ def main() -> int:
     p.add_argument("--no-llama-cpp", action="store_true", help="shardwire only")
     p.add_argument("-t", "--threads", type=int, default=1)
     p.add_argument("--workers", default="1,2", help="worker counts (default: %(default)s)")
+    p.add_argument("--no-one-process", dest="one_process", action="store_false", help="skip the one-process runs")
     p.add_argument(
         "--streamed",
         action="store_true",
@@ -238,7 +294,7 @@ def main() -> int:
     args = p.parse_args()
     prefix = None if args.no_llama_cpp else models.llama_cpp_prefix()
     systems = ["shardwire"] + (["llama.cpp"] if prefix is not None else [])
-    rows = []
+    rows, alone = [], []
     with tempfile.TemporaryDirectory(prefix="shardwire-memory-") as tmp:
         for name in [w for w in args.workloads.split(",") if w]:
             path = models.ensure(models.WORKLOADS[name], prefix)
@@ -247,12 +303,24 @@ def main() -> int:
                     got = measure(system, path, prefix, Path(tmp), args.threads, not args.streamed, n)
                     rows += got
                     print("\n".join(table(got).splitlines()[2:]), file=sys.stderr, flush=True)
+            if args.one_process:
+                alone.append(one_process(path, args.threads))
     cpu = machine_info().get("cpu", "?")
     source = "weights streamed into its cache" if args.streamed else "its own copy of the file"
     print(f"{cpu}, workers reading {source}, {args.threads} thread(s), one 2048-token slot\n")
     print(table(rows))
+    if alone:
+        print("\nshardwire in one process (no workers), 600-token prompt, 32 tokens:\n")
+        print("| file | file MiB | peak growth MiB (x file) | at rest growth MiB (x file) | load s |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for r in alone:
+            held = r["held_bytes"]
+            print(
+                f"| {r['file']} | {mib(held)} | {mib(r['peak_growth'])} ({r['peak_growth'] / held:.2f}x) | "
+                f"{mib(r['rest_growth'])} ({r['rest_growth'] / held:.2f}x) | {r['load_s']} |"
+            )
     out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / "shardwire-memory.json"
-    out.write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"machine": machine_info(), "rows": rows, "one_process": alone}, indent=2))
     print(f"\nwritten: {out}")
     return 0
 

@@ -74,6 +74,8 @@ def assign_and_ship(
                     chunk = data[offset : offset + WEIGHT_CHUNK]
                     conn.send(Weights(digest, offset, len(data)), chunk)
                     advance(len(chunk))
+                del data
+                reader.release(by_hash[digest])  # what was sent need not stay resident here
         return conn.expect(Ready)
     except RemoteError as e:
         raise PipelineError(str(e), link.name) from None
