@@ -127,7 +127,10 @@ class LocalWorkers:
 
 
 def _die_with_parent() -> None:
-    """Linux: a worker gets SIGTERM if the demo itself is killed outright (kill -9), so none is orphaned."""
+    """A worker stops on the Ctrl-C the demo sends it, even where the demo itself was started
+    ignoring Ctrl-C (as a shell's background job is); on Linux it also gets SIGTERM if the demo is
+    killed outright (kill -9), so none is orphaned."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         import ctypes
 
