@@ -106,7 +106,7 @@ def test_grouped_experts_equal_every_token_on_its_own():
     """The prompt path (rows grouped by expert) and the one-row path give the same outputs."""
     stage = whole(model_path("mixtral", "F32"))
     moe = stage.blocks[0].ffn
-    x = torch.randn(1, 9, stage.cfg.dim)
+    x = torch.randn(1, 9, stage.cfg.dim, generator=torch.Generator().manual_seed(0))
     grouped = moe(x)
     one_by_one = torch.cat([moe(x[:, i : i + 1]) for i in range(x.shape[1])], dim=1)
     torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-5)
@@ -163,16 +163,33 @@ def test_bad_expert_counts_are_refused(tmp_path):
 
 @pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
 def test_ggml_runs_a_blocks_chosen_experts_in_one_call_with_the_per_expert_products():
-    """GGMLExperts (mul_mat_id over the stored buffers) gives what the dequantized experts give,
-    one by one, for one row and for a prompt's rows (within ggml's 8-bit activations)."""
+    """GGMLExperts (mul_mat_id over the stored buffers) gives exactly what ggml's product of each
+    chosen expert's own matrices gives, for one row and for a prompt's rows; and the dequantized
+    experts' result within ggml's 8-bit activations."""
     model = open_model(model_path("qwen3moe", "Q8_0"))
-    grouped = whole(model.path, weights="fast", fastest={"Q8_0": "ggml"}).blocks[1].ffn
-    alone = whole(model.path, weights="dequant").blocks[1].ffn
-    assert isinstance(grouped.grouped, ggml_cpu.GGMLExperts) and alone.grouped is None
+    moe = whole(model.path, weights="fast", fastest={"Q8_0": "ggml"}).blocks[1].ffn
+    grouped = moe.grouped
+    assert isinstance(grouped, ggml_cpu.GGMLExperts) and grouped.stored == ("Q8_0",) * 3
+    dim, f = model.config.dim, model.config.expert_ffn_dim
+
+    def expert(e):
+        gate, up, down = (
+            ggml_cpu.GGMLLinear(m[e], "Q8_0", k, torch.float32)
+            for m, k in ((grouped.gate, dim), (grouped.up, dim), (grouped.down, f))
+        )
+        return lambda x: down(torch.nn.functional.silu(gate(x)) * up(x))
+
+    generator = torch.Generator().manual_seed(0)
     for rows in (1, 5, 40):
-        x = torch.randn(1, rows, model.config.dim)
-        expected = alone(x)
-        torch.testing.assert_close(grouped(x), expected, rtol=0, atol=0.02 * float(expected.abs().max()))
+        x = torch.randn(rows, dim, generator=generator)
+        chosen, weights = moe.route(x)
+        expected = torch.stack(
+            [sum(w * expert(int(e))(x[r : r + 1])[0] for e, w in zip(chosen[r], weights[r])) for r in range(rows)]
+        )
+        torch.testing.assert_close(grouped(x, chosen, weights), expected, rtol=1e-5, atol=1e-5)
+    dense = whole(model.path, weights="dequant").blocks[1].ffn
+    x = torch.randn(1, 40, dim, generator=generator)
+    torch.testing.assert_close(moe(x), dense(x), rtol=0, atol=0.05 * float(dense(x).abs().max()))
 
 
 # -ot, --override-tensor
@@ -248,7 +265,7 @@ def test_the_shared_expert_runs_for_every_token_behind_its_sigmoid_gate():
     stage = whole(model_path("qwen2moe", "F32"))
     moe = stage.blocks[2].ffn
     assert moe.shared is not None and not moe.renormalize  # Qwen2-MoE keeps the softmax weights as they are
-    x = torch.randn(1, 6, stage.cfg.dim)
+    x = torch.randn(1, 6, stage.cfg.dim, generator=torch.Generator().manual_seed(0))
     flat = x.reshape(-1, stage.cfg.dim)
     expected = moe.routed(flat) + torch.sigmoid(flat @ moe.shared_gate.weight.T) * moe.shared(flat)
     torch.testing.assert_close(moe(x).reshape(-1, stage.cfg.dim), expected)
