@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, from_gguf_metadata, from_hf_config
 from .gguf import GGUFError, read_gguf_model
-from .names import EXPERT_MATRICES, expert_name
+from .names import EXPERT_MATRICES, expert_name, expert_of
 from .safetensors import SafetensorsError, read_hf_folder
 from .tensors import TensorInfo, TensorReader
 
@@ -27,7 +27,6 @@ __all__ = [
 ModelError = (ConfigError, GGUFError, SafetensorsError, FileNotFoundError)
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-_EXPERT = re.compile(r"^(ffn_(?:gate|up|down)_exps)\.(\d+)\.weight$")
 _REQUIRED_ATTENTION = (
     "attn_norm.weight",
     "attn_q.weight",
@@ -130,13 +129,14 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
             "output_norm.weight": (cfg.dim,),
             "rope_freqs.weight": (cfg.head_dim // 2,),
         }.get(name)
-    short = name.split(".", 2)[2]
-    expert = _EXPERT.match(short)
+    expert = expert_of(name)
     if expert:
-        if int(expert[2]) >= cfg.n_experts:
+        _, matrix, e = expert
+        if e >= cfg.n_experts:
             return None
         f = cfg.expert_ffn_dim
-        return (cfg.dim, f) if expert[1] == "ffn_down_exps" else (f, cfg.dim)
+        return (cfg.dim, f) if matrix == "ffn_down_exps" else (f, cfg.dim)
+    short = name.split(".", 2)[2]
     shared = cfg.shared_expert_ffn_dim or None
     return {
         "ffn_gate_inp.weight": (cfg.n_experts, cfg.dim) if cfg.n_experts else None,

@@ -7,7 +7,7 @@ import re
 import struct
 from pathlib import Path
 
-from .names import expert_name
+from .names import EXPERT_MATRICES, expert_name
 from .tensors import TensorInfo
 
 _DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -99,7 +99,7 @@ def hf_name(canonical: str, arch: str) -> str:
     moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
     if len(parts) == 5:  # blk.N.ffn_gate_exps.E.weight
         kinds = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        kind = dict(zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), kinds))[parts[2]]
+        kind = dict(zip(EXPERT_MATRICES, kinds))[parts[2]]
         return f"model.layers.{parts[1]}.{moe}.experts.{parts[3]}.{kind}.weight"
     _, layer, short, kind = parts
     hf_short = f"{moe}.gate" if short == "ffn_gate_inp" else {v: k for k, v in _BLOCK_NAMES.items()}[short]
