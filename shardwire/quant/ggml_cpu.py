@@ -41,9 +41,34 @@ def available() -> bool:
     return True
 
 
-class _Graph:
-    """A built ggml graph of one operation on a weight W and one other tensor x, giving y: a call
-    only points the three at data and computes."""
+class _Built:
+    """A ggml graph built once in a context of its own; a call points its tensors at data and
+    computes it."""
+
+    def __init__(self, nodes: int, tensors: int):
+        mem = ggml.ggml_tensor_overhead() * tensors + ggml.ggml_graph_overhead_custom(nodes, False) + 1024
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        self._nodes = nodes
+
+    def _finish(self, y, threads: int) -> None:
+        """Build the graph that computes y, and its plan and work buffer for `threads`."""
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, self._nodes, False)
+        ggml.ggml_build_forward_expand(self.graph, y)
+        self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
+        self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
+        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+    def _compute(self) -> None:
+        if ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
+            raise RuntimeError("ggml could not compute")
+
+    def __del__(self):
+        if ggml is not None and getattr(self, "ctx", None):
+            ggml.ggml_free(self.ctx)
+
+
+class _Graph(_Built):
+    """One operation on a weight W and one other tensor x, giving y."""
 
     OPS = {
         "mul_mat": lambda ctx, w, x: ggml.ggml_mul_mat(ctx, w, x),
@@ -51,25 +76,15 @@ class _Graph:
     }
 
     def __init__(self, op: str, qtype: int, K: int, N: int, n: int, threads: int):
-        mem = ggml.ggml_tensor_overhead() * 4 + ggml.ggml_graph_overhead_custom(GRAPH_NODES, False) + 1024
-        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        super().__init__(GRAPH_NODES, 4)
         self.w = ggml.ggml_new_tensor_2d(self.ctx, qtype, K, N)
         self.x = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_F32, K, n)
         self.y = self.OPS[op](self.ctx, self.w, self.x)
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, GRAPH_NODES, False)
-        ggml.ggml_build_forward_expand(self.graph, self.y)
-        self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
-        self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
-        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        self._finish(self.y, threads)
 
     def run(self, w: int, x: int, y: int) -> None:
         self.w.contents.data, self.x.contents.data, self.y.contents.data = w, x, y
-        if ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
-            raise RuntimeError("ggml could not compute")
-
-    def __del__(self):
-        if ggml is not None and getattr(self, "ctx", None):
-            ggml.ggml_free(self.ctx)
+        self._compute()
 
 
 _local = threading.local()
@@ -160,16 +175,15 @@ class GGMLLinear(GGUFLinear):
         return self._rows(index)
 
 
-class _ExpertsGraph:
+class _ExpertsGraph(_Built):
     """A block's experts in one ggml graph: for each row, its chosen experts' gate and up (ggml's
     mul_mat_id, which groups the rows by expert), SwiGLU, then down; the k outputs per row come
-    back unsummed. A call points the graph at the weights, x, ids and y and computes."""
+    back unsummed."""
 
     NODES = 16
 
     def __init__(self, types: tuple[int, int, int], D: int, F: int, E: int, k: int, n: int, threads: int):
-        mem = ggml.ggml_tensor_overhead() * self.NODES + ggml.ggml_graph_overhead_custom(self.NODES, False) + 1024
-        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        super().__init__(self.NODES, self.NODES)
         self.gate = ggml.ggml_new_tensor_3d(self.ctx, types[0], D, F, E)
         self.up = ggml.ggml_new_tensor_3d(self.ctx, types[1], D, F, E)
         self.down = ggml.ggml_new_tensor_3d(self.ctx, types[2], F, D, E)
@@ -179,13 +193,9 @@ class _ExpertsGraph:
         u = ggml.ggml_mul_mat_id(self.ctx, self.up, self.x, self.ids)
         h = ggml.ggml_swiglu_split(self.ctx, g, u)  # silu(g) * u
         self.y = ggml.ggml_mul_mat_id(self.ctx, self.down, h, self.ids)  # [D, k, n]
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, self.NODES, False)
-        ggml.ggml_build_forward_expand(self.graph, self.y)
         self.between = (g, u, h)  # intermediates: a call gives them memory for its own duration
         self.between_size = F * k * n
-        self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
-        self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
-        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        self._finish(self.y, threads)
 
     def run(self, weights: tuple[int, int, int], x: int, ids: int, y: int) -> None:
         self.gate.contents.data, self.up.contents.data, self.down.contents.data = weights
@@ -194,12 +204,7 @@ class _ExpertsGraph:
         between = torch.empty(3, self.between_size, dtype=torch.float32)
         for i, t in enumerate(self.between):
             t.contents.data = between[i].data_ptr()
-        if ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
-            raise RuntimeError("ggml could not compute")
-
-    def __del__(self):
-        if ggml is not None and getattr(self, "ctx", None):
-            ggml.ggml_free(self.ctx)
+        self._compute()
 
 
 class GGMLExperts(nn.Module):
