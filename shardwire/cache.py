@@ -67,13 +67,13 @@ class HashIndex:
                     todo.append((info, identity, key))
         if todo:
 
-            def digest(info: TensorInfo) -> str:
+            def hash_and_release(info: TensorInfo) -> str:
                 value = sha256(reader.read(info))
                 reader.release(info)  # hashing a model must not leave it resident
                 return value
 
             with ThreadPoolExecutor(max_workers=threads) as pool:
-                digests = list(pool.map(lambda t: digest(t[0]), todo))
+                digests = list(pool.map(lambda t: hash_and_release(t[0]), todo))
             with self._lock:
                 for (info, identity, key), digest in zip(todo, digests):
                     self._entries(identity)[key] = digest

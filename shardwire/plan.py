@@ -271,6 +271,7 @@ def stage_cost(
     apart = placed_apart(tensors, stage.overrides)
     here = {n: t for n, t in tensors.items() if n not in apart}
     formats = _formats_on(stage.device, here, stage.first, stage.last, cfg.tied_embeddings, weights)
+    weight_bytes = weight_nbytes(here, formats, dtype)
     elsewhere: dict = {}
     for device in dict.fromkeys(apart.values()):
         group = {n: tensors[n] for n, d in apart.items() if d == device}
@@ -286,7 +287,7 @@ def stage_cost(
                 by_type[info.dtype] = kind + "+" + fmt
     packed = any(f != "dense" for f in formats.values())  # a prompt chunk dequantizes rows into a GEMM
     return StageCost(
-        weight_nbytes(here, {n: f for n, f in formats.items() if n not in apart}, dtype),
+        weight_bytes,
         KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype),
         workspace_bytes(cfg, chunk, stage.last, dtype, packed=packed),
         by_type,
@@ -357,6 +358,7 @@ def make_plan(
     `overrides` (-ot): (pattern, device name) pairs; the block matrices a pattern matches live on
     that device of their stage's worker, which holds only such matrices and no blocks of its own."""
     n = model.config.n_layers
+    block_bytes = model.block_nbytes()
     every = devices + ([cpu] if cpu is not None else [])
     targets = {name for _, name in overrides}
     # a worker's -ot targets hold only what the patterns send them, where it has other devices
@@ -378,8 +380,7 @@ def make_plan(
         counts = split_blocks(offloaded, list(tensor_split) + [0.0] * (len(devices) - len(tensor_split)))
     elif devices:
         free = [float(d.free) for d in devices]
-        sizes = model.block_nbytes()[n - offloaded :]
-        counts = split_blocks_by_bytes(sizes, free if sum(free) > 0 else [1.0] * len(devices))
+        counts = split_blocks_by_bytes(block_bytes[n - offloaded :], free if sum(free) > 0 else [1.0] * len(devices))
     placements: list[tuple[PlanDevice, int]] = []
     if offloaded < n:
         placements.append((cpu, n - offloaded))
@@ -397,7 +398,7 @@ def make_plan(
         experts = sum(t.nbytes for name, t in model.tensors.items() if "_exps." in name)
         plan.notes.append(
             f"mixture of experts: {cfg.n_experts} experts per block, {cfg.n_experts_used} run per token; "
-            f"expert tensors are {gib(experts)} of the file's {gib(sum(model.block_nbytes()))} in blocks"
+            f"expert tensors are {gib(experts)} of the file's {gib(sum(block_bytes))} in blocks"
         )
     workers = [s.device.worker for s in stages]
     for i, w in enumerate(workers):
