@@ -1,7 +1,8 @@
 """The cost of TLS (and the token handshake) on a decode step, measured side by side.
 
-Two worker processes on loopback serve a small model twice: once over plain TCP, once over
-TLS with a token. Decode runs alternate between the two setups (A B A B ...) so that drift
+Two worker processes on loopback serve a small model twice: once over plain TCP (`--no-tls` on
+both sides), once as started with only a token (TLS by default: certificates made and pinned on
+first contact). Decode runs alternate between the two setups (A B A B ...) so that drift
 on a shared machine hits both alike.
 
     python benchmarks/tls_cost.py [--rounds 4] [--tokens 64]
@@ -10,6 +11,7 @@ on a shared machine hits both alike.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -21,7 +23,7 @@ from shardwire.coordinator import Cluster  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.wire.tls import ClientTLS, generate_certificate  # noqa: E402
+from shardwire.state import STATE_ENV  # noqa: E402
 from shardwire_kit.synthetic import write_random_llama  # noqa: E402
 
 from workers import WorkerProcess  # noqa: E402
@@ -56,22 +58,13 @@ def main() -> None:
     path = tmp / "model.gguf"
     write_random_llama(path, weight_type="F16", n_layers=args.layers, dim=args.dim, n_heads=8, n_kv_heads=4)
     model = open_model(path)
-    certs = [generate_certificate(tmp, ["127.0.0.1"], name=f"w{i}") for i in range(2)]
-
-    plain = [WorkerProcess(tmp / f"plain{i}").start() for i in range(2)]
-    secure = [
-        WorkerProcess(tmp / f"tls{i}", token=TOKEN, extra=("--tls-cert", str(c[0]), "--tls-key", str(c[1]))).start()
-        for i, c in enumerate(certs)
-    ]
+    # Ephemeral ports would fill the user's known hosts: this run pins in a folder of its own.
+    os.environ[STATE_ENV] = str(tmp / "state")
+    plain = [WorkerProcess(tmp / f"plain{i}", extra=("--no-tls",)).start() for i in range(2)]
+    secure = [WorkerProcess(tmp / f"tls{i}", token=TOKEN).start() for i in range(2)]  # the defaults
     clusters = {
-        "plain TCP": Cluster([w.address for w in plain], cache_dir=tmp / "c1", show_progress=False),
-        "TLS + token": Cluster(
-            [w.address for w in secure],
-            token=TOKEN,
-            cache_dir=tmp / "c2",
-            tls=ClientTLS(pins={c[2] for c in certs}),
-            show_progress=False,
-        ),
+        "plain TCP": Cluster([w.address for w in plain], cache_dir=tmp / "c1", tls=None, show_progress=False),
+        "TLS + token": Cluster([w.address for w in secure], token=TOKEN, cache_dir=tmp / "c2", show_progress=False),
     }
     try:
         pipelines = {}

@@ -7,7 +7,8 @@ import logging
 import os
 from pathlib import Path
 
-from .wire.tls import ClientTLS, ServerTLS, normalize_pin
+from .state import STATE_ENV, state_dir
+from .wire.tls import TRUST_ON_FIRST_USE, ClientTLS, KnownHosts, ServerTLS, normalize_pin, own_certificate
 
 log = logging.getLogger("shardwire.security")
 
@@ -30,23 +31,33 @@ def add_worker_tls_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--insecure", action="store_true", help="allow listening beyond loopback without a token (not recommended)"
     )
-    g.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM); see `shardwire certs`")
+    g.add_argument(
+        "--tls-cert",
+        default=None,
+        help=f"serve TLS with this certificate (PEM; default: one made on first start in env {STATE_ENV}, "
+        "else ~/.local/state/shardwire)",
+    )
     g.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
     g.add_argument(
         "--tls-ca",
         default=None,
         help="require clients to present a certificate from this CA (mutual TLS); also used to verify the next worker",
     )
+    g.add_argument("--no-tls", action="store_true", help="plain TCP: links to this worker are not encrypted")
 
 
 def add_client_tls_args(g) -> None:
     add_token_args(g)
-    g.add_argument("--tls-ca", default=None, help="connect with TLS, trusting workers whose certificate this CA signed")
+    g.add_argument(
+        "--no-tls", action="store_true", help="plain TCP to workers started with --no-tls (links are not encrypted)"
+    )
+    g.add_argument("--tls-ca", default=None, help="trust workers whose certificate this CA signed")
     g.add_argument(
         "--tls-pin",
         default=None,
-        help="connect with TLS, trusting exactly these worker certificate fingerprints "
-        "(comma-separated sha256:..., as `shardwire certs` prints them)",
+        help="trust exactly these worker certificate fingerprints (comma-separated sha256:..., as workers "
+        f"print them; default: each worker's certificate is pinned on first contact in the state folder's "
+        f"known_hosts, env {STATE_ENV})",
     )
     g.add_argument("--tls-cert", default=None, help="this side's certificate, for workers that require mutual TLS")
     g.add_argument("--tls-key", default=None, help="private key of --tls-cert")
@@ -77,20 +88,36 @@ def _pair(args, what: str) -> tuple[Path | None, Path | None]:
     return (Path(cert), Path(key)) if cert else (None, None)
 
 
+def _plain(args, *conflicting: str) -> bool:
+    if not args.no_tls:
+        return False
+    given = [f"--{name.replace('_', '-')}" for name in conflicting if getattr(args, name, None)]
+    if given:
+        raise ValueError(f"--no-tls and {', '.join(given)} contradict each other")
+    return True
+
+
 def server_tls(args: argparse.Namespace) -> ServerTLS | None:
-    cert, key = _pair(args, "worker")
-    if cert is None:
-        if args.tls_ca:
-            raise ValueError("--tls-ca on a worker needs --tls-cert/--tls-key: mutual TLS runs over TLS")
+    """The worker's TLS: its own certificate, else this machine's (made on first start); None
+    with --no-tls."""
+    if _plain(args, "tls_cert", "tls_key", "tls_ca"):
         return None
-    return ServerTLS(cert, key, Path(args.tls_ca) if args.tls_ca else None)
+    cert, key = _pair(args, "worker")
+    ca = Path(args.tls_ca) if args.tls_ca else None
+    if cert is None:
+        if ca is not None:
+            raise ValueError("--tls-ca on a worker needs --tls-cert/--tls-key: mutual TLS runs over TLS")
+        return own_certificate(state_dir())
+    return ServerTLS(cert, key, ca)
 
 
 def client_tls(args: argparse.Namespace) -> ClientTLS | None:
+    """The coordinator's TLS: trust a CA, pinned fingerprints, or else the known hosts; None with
+    --no-tls."""
+    if _plain(args, "tls_cert", "tls_key", "tls_ca", "tls_pin"):
+        return None
     cert, key = _pair(args, "coordinator")
     pins = {normalize_pin(p) for p in (args.tls_pin or "").split(",") if p.strip()}
     if not args.tls_ca and not pins:
-        if cert is not None:
-            raise ValueError("--tls-cert needs --tls-ca or --tls-pin to say which workers to trust")
-        return None
+        return TRUST_ON_FIRST_USE if cert is None else ClientTLS(cert=cert, key=key, known_hosts=KnownHosts())
     return ClientTLS(Path(args.tls_ca) if args.tls_ca else None, pins, cert, key)

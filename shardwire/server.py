@@ -156,12 +156,31 @@ def _error(e: APIError) -> web.Response:
     return web.json_response(e.body(), status=e.status)
 
 
+MAX_JSON_DEPTH = 64  # far beyond any real request; deeper bodies would reach recursive code
+
+
+def _depth_within(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return False
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
+
+
 async def _json_body(request: web.Request) -> dict:
     raw = await request.read()
+    too_deep = bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise too_deep from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"We could not parse the JSON body of your request ({e})") from None
+    if not _depth_within(body, MAX_JSON_DEPTH):
+        raise too_deep
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body

@@ -26,7 +26,7 @@ def run(*args, timeout=180):
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),  # this machine lends its CPU only
     )
 
 

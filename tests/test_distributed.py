@@ -9,6 +9,7 @@ from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams
+from shardwire.wire.tls import TRUST_ON_FIRST_USE
 
 from models import PROMPT, hf_path, model_path
 from workers import WorkerProcess
@@ -35,7 +36,16 @@ def single_process(path, **kw):
 
 
 def distributed(
-    path, addresses, cache_dir, *, tensor_split=None, n_gpu_layers=None, local_devices=(), token=None, tls=None, **kw
+    path,
+    addresses,
+    cache_dir,
+    *,
+    tensor_split=None,
+    n_gpu_layers=None,
+    local_devices=(),
+    token=None,
+    tls=TRUST_ON_FIRST_USE,
+    **kw,
 ):
     model = open_model(path)
     cluster = Cluster(

@@ -1,8 +1,10 @@
 """Tokens, TLS and a worker that refuses strangers before any model command runs."""
 
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from shardwire.formats import open_model
 from shardwire.wire.conn import AuthError, Connection, RemoteError, connect
 from shardwire.wire.frames import FrameError
 from shardwire.wire.messages import Auth, Challenge, Describe, Devices, Hello, Welcome
-from shardwire.wire.tls import ClientTLS, TLSError, generate_certificate
+from shardwire.wire.tls import TRUST_ON_FIRST_USE, ClientTLS, KnownHosts, TLSError, generate_certificate
 
 from models import model_path
 from test_distributed import distributed, single_process
@@ -46,6 +48,9 @@ def pool(tmp_path):
         w.stop()
 
 
+PLAIN = ("--no-tls",)  # the handshake itself, read and written by hand below
+
+
 def tls_args(cert):
     return ("--tls-cert", str(cert[0]), "--tls-key", str(cert[1]))
 
@@ -67,7 +72,7 @@ def assert_no_model_command_ran(conn: Connection):
 
 @pytest.mark.parametrize("client_token", [None, "wrong token"])
 def test_missing_or_wrong_token_is_refused(pool, client_token):
-    worker = pool(token=TOKEN)
+    worker = pool(token=TOKEN, extra=PLAIN)
     with pytest.raises(AuthError):
         connect("127.0.0.1", worker.port, token=client_token)
     # A client that skips AUTH and goes straight for a model command is cut off.
@@ -83,7 +88,7 @@ def test_missing_or_wrong_token_is_refused(pool, client_token):
 
 def test_replayed_handshake_is_refused(pool):
     """Record a real client's AUTH, replay it on a new connection: the worker's nonce changed."""
-    worker = pool(token=TOKEN)
+    worker = pool(token=TOKEN, extra=PLAIN)
     from shardwire.wire import auth
 
     sock = socket.create_connection(("127.0.0.1", worker.port))
@@ -191,19 +196,79 @@ def test_repeated_failures_are_slowed_down(pool):
     worker = pool(token=TOKEN)
     for _ in range(3):
         with pytest.raises(AuthError):
-            connect("127.0.0.1", worker.port, token="guess")
+            connect("127.0.0.1", worker.port, token="guess", tls=TRUST_ON_FIRST_USE)
     start = time.monotonic()
     with pytest.raises(AuthError):
-        connect("127.0.0.1", worker.port, token="guess")
+        connect("127.0.0.1", worker.port, token="guess", tls=TRUST_ON_FIRST_USE)
     assert time.monotonic() - start >= 0.9
 
 
 def test_the_token_never_appears_in_worker_output(pool, tmp_path):
     worker = pool(token=TOKEN)
     with pytest.raises(AuthError):
-        connect("127.0.0.1", worker.port, token="wrong")
-    conn, _ = connect("127.0.0.1", worker.port, token=TOKEN)
+        connect("127.0.0.1", worker.port, token="wrong", tls=TRUST_ON_FIRST_USE)
+    conn, _ = connect("127.0.0.1", worker.port, token=TOKEN, tls=TRUST_ON_FIRST_USE)
     conn.close()
     worker.stop()
     time.sleep(0.2)
     assert TOKEN not in "".join(worker.log)
+
+
+def test_a_fresh_worker_speaks_tls_with_nothing_set_up(tmp_path):
+    """A worker with no certificate makes one on first start (several starting at once agree on
+    one), prints its fingerprint, and a coordinator with only the token gets a TLS link to it,
+    pinned in its known hosts."""
+    state = {"SHARDWIRE_STATE_DIR": str(tmp_path / "state")}
+    workers = [WorkerProcess(tmp_path / f"cache{i}", token=TOKEN, env=state) for i in range(3)]
+    threads = [threading.Thread(target=w.start) for w in workers]  # they race to make the certificate
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        printed = {FINGERPRINT.search("".join(w.log))[0] for w in workers}
+        assert len(printed) == 1
+        (fingerprint,) = printed
+        known = tmp_path / "known"
+        tls = ClientTLS(known_hosts=KnownHosts(known))
+        cluster = Cluster([workers[0].address], token=TOKEN, tls=tls, cache_dir=tmp_path, show_progress=False)
+        try:
+            cluster.connect(open_model(model_path("llama", "Q8_0")))
+            assert cluster.status()["workers"][0]["tls"] == fingerprint
+        finally:
+            cluster.close()
+        assert known.read_text() == f"{workers[0].address} {fingerprint}\n"
+    finally:
+        for w in workers:
+            w.stop()
+
+
+FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def test_a_swapped_certificate_at_the_same_address_is_refused(pool, certs, tmp_path):
+    known = KnownHosts(tmp_path / "known_hosts")
+    worker = pool(token=TOKEN)
+    conn, _ = connect("127.0.0.1", worker.port, token=TOKEN, tls=ClientTLS(known_hosts=known))
+    conn.close()
+    port = worker.port
+    worker.stop()
+    impostor = pool(token=TOKEN, port=port, extra=tls_args(certs["stranger"]))
+    with pytest.raises(TLSError, match="intercepting") as refused:
+        connect("127.0.0.1", impostor.port, token=TOKEN, tls=ClientTLS(known_hosts=known))
+    assert f"remove the line for 127.0.0.1:{port}" in str(refused.value) and certs["stranger"][2] in str(refused.value)
+    # Accepting the new certificate is the user's explicit step, as the message says.
+    conn, _ = connect("127.0.0.1", impostor.port, token=TOKEN, tls=ClientTLS(pins={certs["stranger"][2]}))
+    conn.close()
+
+
+def test_tls_on_one_side_only_says_how_to_match_them(pool):
+    plain = pool(token=TOKEN, extra=PLAIN)
+    with pytest.raises(TLSError, match="--no-tls"):
+        connect("127.0.0.1", plain.port, token=TOKEN, tls=TRUST_ON_FIRST_USE)
+    tls = pool(token=TOKEN)
+    with pytest.raises(ConnectionError, match="--no-tls"):
+        connect("127.0.0.1", tls.port, token=TOKEN, tls=None)
+    conn, _ = connect("127.0.0.1", plain.port, token=TOKEN, tls=None)  # --no-tls on both: plain TCP
+    assert conn.fingerprint is None
+    conn.close()

@@ -221,6 +221,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     url = server.url
     cases = [
         (call(url, "/v1/chat/completions", b'{"messages": [oops'), 400, None),
+        (call(url, "/v1/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400, None),
+        (call(url, "/v1/completions", b'{"prompt": "hi", "stop": ' + b"[" * 200 + b"]" * 200 + b"}"), 400, None),
         (call(url, "/v1/completions", {"model": "no-such-model", "prompt": "hi"}), 404, "model_not_found"),
         (call(url, "/v1/completions", {"prompt": "hi", "max_tokens": -1}), 400, None),
         (call(url, "/v1/completions", {"prompt": "tick tock " * 200}), 400, "context_length_exceeded"),

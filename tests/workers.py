@@ -23,9 +23,13 @@ class WorkerProcess:
         devices: str = "cpu",
         threads: int = 1,
         host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+        launcher: tuple[str, ...] = (),
     ):
+        """`launcher` goes before the worker's command line (e.g. a command entering a namespace)."""
         self.cache_dir, self.extra, self.port, self.token = cache_dir, extra, port, token
         self.devices, self.threads, self.host = devices, threads, host
+        self.env, self.launcher = env or {}, launcher
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -33,10 +37,11 @@ class WorkerProcess:
         return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "WorkerProcess":
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads), **self.env)
         if self.token is not None:
             env["SHARDWIRE_TOKEN"] = self.token
         cmd = [
+            *self.launcher,
             sys.executable,
             "-m",
             "shardwire",

@@ -8,6 +8,7 @@ import logging
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..cache import HashIndex, default_cache_dir
@@ -16,7 +17,7 @@ from ..pipeline import PipelineError
 from ..plan import Plan, PlanDevice, PlanError, PlannedStage, make_plan
 from ..wire.conn import AuthError, connect
 from ..wire.messages import Assign, Describe, Devices, Release
-from ..wire.tls import ClientTLS, ServerTLS, TLSError, generate_certificate
+from ..wire.tls import TRUST_ON_FIRST_USE, ClientTLS, ServerTLS, TLSError, generate_certificate
 from .health import Heartbeat
 from .links import WorkerLink
 from .remote import RemotePipeline
@@ -35,7 +36,7 @@ class Cluster:
         local_cpu: bool = False,
         cache_dir: Path | None = None,
         connect_timeout: float = 10.0,
-        tls: ClientTLS | None = None,
+        tls: ClientTLS | None = TRUST_ON_FIRST_USE,
         show_progress: bool = True,
     ):
         self.token, self.tls = token, tls
@@ -54,6 +55,7 @@ class Cluster:
         self.events: list[dict] = []  # recoveries and re-admissions, for the status endpoint
         self._plan_options: dict = {}
         self._id = uuid.uuid4().hex[:12]
+        self._tls_dir: tempfile.TemporaryDirectory | None = None
 
     # -- connecting ----------------------------------------------------------------------
 
@@ -66,9 +68,11 @@ class Cluster:
             # coordinator's own certificate when it has one, else a throwaway one.
             if self.tls.cert is not None:
                 server_tls = ServerTLS(self.tls.cert, self.tls.key, self.tls.ca)
-            else:
-                self._tmp = tempfile.TemporaryDirectory(prefix="shardwire-tls-")
-                cert, key, _ = generate_certificate(Path(self._tmp.name), ["127.0.0.1"], name=name.replace(":", "-"))
+            else:  # one folder for every local stage's certificate, kept as long as the cluster
+                self._tls_dir = self._tls_dir or tempfile.TemporaryDirectory(prefix="shardwire-tls-")
+                cert, key, _ = generate_certificate(
+                    Path(self._tls_dir.name), ["127.0.0.1"], name=name.replace(":", "-")
+                )
                 server_tls = ServerTLS(cert, key)
             pin = server_tls.fingerprint()
         # Local stages share the cluster's token: remote workers must accept them as peers.
@@ -252,6 +256,13 @@ class Cluster:
 
     # -- recovering ----------------------------------------------------------------------
 
+    def _reconnect(self, link: WorkerLink, lost_at: float, timeout: float) -> None:
+        try:
+            self._connect_link(link, timeout=timeout)
+            link.lost_since = None
+        except (OSError, ConnectionError):
+            link.lost_since = link.lost_since or lost_at
+
     def recover(self, reason: str) -> dict:
         """After a failure (or to rebalance): reconnect to every worker that answers, plan over
         them and load. When what answers cannot hold the model, keep trying until
@@ -260,16 +271,21 @@ class Cluster:
         lost = [l.name for l in self.links if not l.alive or l.lost_since is not None]
         deadline = start + self.recovery_timeout
         log.warning("recovering: %s", reason)
+        first_pass = True
         while True:
             for link in self.links:
                 link.drop()
-            for link in self.links:
-                try:
-                    # a worker that cannot answer within dead_after now would be declared gone anyway
-                    self._connect_link(link, timeout=self.heartbeat.dead_after)
-                    link.lost_since = None
-                except (OSError, ConnectionError):
-                    link.lost_since = link.lost_since or start
+
+            # All at once, and on the first pass the workers already counted lost get a second:
+            # one frozen or behind a dead route would hold recovery for the whole connect timeout.
+            # One left out is probed by the heartbeat, and the plan moves back when it answers.
+            def reconnect(link: WorkerLink) -> None:
+                quick = first_pass and link.name in lost
+                self._reconnect(link, start, 1.0 if quick else self.heartbeat.dead_after)
+
+            with ThreadPoolExecutor(max(1, len(self.links))) as pool:
+                list(pool.map(reconnect, self.links))
+            first_pass = False
             live = [l for l in self.links if l.alive]
             try:
                 plan = self._plan_on(live)

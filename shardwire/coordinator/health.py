@@ -24,6 +24,7 @@ class Heartbeat:
         self.stall_timeout = 30.0  # seconds without any step result while steps are in flight
         self.pipeline: RemotePipeline | None = None
         self._last_probe = 0.0
+        self._probing = threading.Lock()  # one probe at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -63,9 +64,17 @@ class Heartbeat:
             pipeline.fail(f"no step result for {stalled:.1f} s: a link between workers may have stopped carrying data")
             return
         lost = [l for l in links if l.lost_since is not None and now - l.lost_since > 1.0]
-        if lost and not pipeline.rebalance_due and now - self._last_probe > 2.0:
+        if lost and not pipeline.rebalance_due and now - self._last_probe > 2.0 and self._probing.acquire(False):
             self._last_probe = now
-            link = lost[int(now) % len(lost)]  # one probe per round, so a black hole cannot stall pings
+            link = lost[int(now) % len(lost)]
+            # Off this thread: a worker behind a dead route takes the probe's whole timeout to
+            # fail, and the pings to everyone else must not wait for it.
+            threading.Thread(target=self._probe, args=(link, pipeline), daemon=True, name="probe").start()
+
+    def _probe(self, link: WorkerLink, pipeline: RemotePipeline) -> None:
+        try:
             if self._answers(link):
                 log.info("worker %s answers again; the plan will move stages back onto it", link.name)
                 pipeline.want_rebalance()
+        finally:
+            self._probing.release()

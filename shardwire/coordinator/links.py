@@ -73,31 +73,42 @@ class WorkerLink:
         return self.alive and self.reader is not None
 
     def drop(self) -> None:
-        """Close this link on purpose: its reader reports nothing."""
+        """Close this link on purpose (a reader inside it wakes and ends; Connection.close waits
+        for it to leave the socket)."""
         self.alive = False
         self.reader = None
-        if self.conn is not None and not self.conn.closed:
+        if self.conn is not None:
             self.conn.close()
 
     def start_reader(self, events: LinkEvents) -> None:
         self.last_pong = time.monotonic()
-        self.reader = threading.Thread(target=self._read, args=(events,), daemon=True, name=f"link-{self.name}")
+        self.reader = threading.Thread(
+            target=self._read, args=(self.conn, events), daemon=True, name=f"link-{self.name}"
+        )
         self.reader.start()
 
-    def _read(self, events: LinkEvents) -> None:
+    def _read(self, conn: Connection, events: LinkEvents) -> None:
+        """Read `conn` until it ends, then close it; report the link lost unless it has been
+        connected again since."""
+        try:
+            problem = self._read_until_lost(conn, events)
+        finally:
+            conn.close()
+        if self.conn is conn:
+            events.lost(self, problem)
+
+    def _read_until_lost(self, conn: Connection, events: LinkEvents) -> str:
         while True:
             try:
-                frame = self.conn.recv()
+                frame = conn.recv()
                 msg = parse_message(frame)
             except RemoteError as e:
                 if e.code in ("step", "next_hop"):  # one step failed; the worker carries on
                     events.step_failed(e, self)
                     continue
-                events.lost(self, str(e))
-                return
+                return str(e)
             except (OSError, ConnectionError, FrameError) as e:
-                events.lost(self, f"worker {self.name} is gone ({e})")
-                return
+                return f"worker {self.name} is gone ({e})"
             if isinstance(msg, Result):
                 events.result(msg)
             elif isinstance(msg, Pong):
@@ -105,8 +116,7 @@ class WorkerLink:
                 if msg.t:
                     self.latency_ms = (self.last_pong - msg.t) * 1000
             elif not isinstance(msg, Ok):
-                events.lost(self, f"worker {self.name} sent an unexpected {frame.type.name}")
-                return
+                return f"worker {self.name} sent an unexpected {frame.type.name}"
 
     def status(self, stages: list) -> dict:
         """For GET /v1/cluster: this worker, its devices, and its (index, PlannedStage) stages."""
@@ -115,6 +125,7 @@ class WorkerLink:
             "worker_id": self.worker_id,
             "alive": self.alive,
             "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
+            "tls": self.fingerprint,  # the certificate verified on this link; None: plain TCP
             "devices": [{"name": d.name, "free": d.free, "total": d.total} for d in self.devices],
             "stages": [
                 {

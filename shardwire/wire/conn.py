@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
+from contextlib import contextmanager
 
 from . import auth
 from .frames import Frame, FrameError, Limits, MessageType, read_frame, send_frame
@@ -29,25 +31,44 @@ class Connection:
         self.sock, self.peer = sock, peer
         self.limits = limits or Limits()
         self._send_lock = threading.Lock()
+        self._recv_lock = threading.RLock()  # held while a read is under way (payload_into may close)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.closed = False
+        self.last_heard = time.monotonic()  # when the peer last sent a frame
         self.fingerprint: str | None = None  # the peer's TLS certificate, when TLS is on
 
     def send(self, message: Message, payload=b"", request: int = 0) -> int:
         header = message.to_wire()
-        with self._send_lock:
+        with self._send_lock, self._shut_down_as_closed():
             n = send_frame(self.sock, message.TYPE, header, payload, request)
         self.bytes_sent += n
         return n
 
     def recv(self, payload_into=None) -> Frame:
-        frame = read_frame(self.sock, self.limits, payload_into)
+        with self._recv_lock, self._shut_down_as_closed():
+            frame = read_frame(self.sock, self.limits, payload_into)
+        self.last_heard = time.monotonic()
         self.bytes_received += 32 + len(frame.payload)
         if frame.type == MessageType.ERROR:
             err = Error.parse(frame.header)
             raise RemoteError(err.code, f"{self.peer}: {err.message}", frame.request)
         return frame
+
+    @contextmanager
+    def _shut_down_as_closed(self):
+        """Once shut down, the socket's TLS layer answers a read or write with AttributeError or
+        ValueError; callers see the end of the connection."""
+        if self.closed:
+            raise ConnectionError(f"{self.peer}: connection closed")
+        try:
+            yield
+        except FrameError:
+            raise
+        except (AttributeError, ValueError):
+            if not self.closed:
+                raise
+            raise ConnectionError(f"{self.peer}: connection closed") from None
 
     def expect_frame(self, cls: type[Message]) -> Frame:
         """The next frame, which must be of `cls`'s type (its payload is wanted too)."""
@@ -66,13 +87,22 @@ class Connection:
         except OSError:
             pass
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """End the connection for everyone using it: a thread reading or writing it wakes with an
+        error, later calls fail at once. The socket itself stays open until close()."""
         self.closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.sock.close()
+
+    def close(self) -> None:
+        """Shut down, then close the socket once no read or write is under way: closed under a
+        reader, its number could go to the next file or socket opened while TLS still reads from
+        that number."""
+        self.shutdown()
+        with self._recv_lock, self._send_lock:
+            self.sock.close()
 
 
 def tune(sock: socket.socket) -> None:
@@ -104,13 +134,24 @@ def connect(
             try:
                 sock = tls.context().wrap_socket(sock, server_hostname=host)
             except (ssl.SSLError, ssl.CertificateError) as e:
-                raise TLSError(f"{peer}: TLS handshake failed ({e.__class__.__name__}: {e})") from None
+                raise TLSError(
+                    f"{peer}: TLS handshake failed ({e.__class__.__name__}: {e}); if that worker was started with "
+                    "--no-tls, pass --no-tls here too"
+                ) from None
             fingerprint = tls.check(sock, peer, pin)
         conn = Connection(sock, peer, limits)
         conn.fingerprint = fingerprint
         nonce = auth.new_nonce()
         conn.send(Hello(role, nonce))
-        challenge = conn.expect(Challenge)
+        try:
+            challenge = conn.expect(Challenge)
+        except (ConnectionError, FrameError) as e:
+            if tls is not None:
+                raise
+            raise ConnectionError(
+                f"{peer}: the worker did not answer the handshake ({e}); workers speak TLS unless started with "
+                "--no-tls: drop --no-tls here (or start the worker with it)"
+            ) from None
         if token is not None and not challenge.auth:
             raise AuthError(f"{peer}: worker has no token configured, but this side requires one")
         if token is None and challenge.auth:

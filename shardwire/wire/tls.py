@@ -6,9 +6,18 @@ from __future__ import annotations
 import datetime
 import hashlib
 import ipaddress
+import logging
+import os
+import shutil
+import socket
 import ssl
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..state import state_dir
+
+log = logging.getLogger("shardwire.tls")
 
 
 class TLSError(ConnectionError):
@@ -51,12 +60,14 @@ class ServerTLS:
 @dataclass
 class ClientTLS:
     """A connecting side (coordinator, or a worker reaching the next stage): trust a CA, or
-    exactly the pinned fingerprints; present a certificate of its own for mutual TLS."""
+    exactly the pinned fingerprints, or else (with `known_hosts`) what each address showed on
+    first contact; present a certificate of its own for mutual TLS."""
 
     ca: Path | None = None
     pins: set[str] = field(default_factory=set)
     cert: Path | None = None
     key: Path | None = None
+    known_hosts: KnownHosts | None = None
 
     def context(self) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -78,14 +89,14 @@ class ClientTLS:
             raise TLSError(f"{peer}: presented no certificate")
         seen = fingerprint(der)
         allowed = set(self.pins) | ({pin} if pin else set())
+        if self.ca is None and not allowed and self.known_hosts is not None:
+            self.known_hosts.check(peer, seen)
+            return seen
         if self.ca is None and seen not in allowed:
             raise TLSError(f"{peer}: certificate {seen} is not trusted (not a pinned fingerprint)")
         if self.ca is not None and pin and seen != pin:
             raise TLSError(f"{peer}: certificate {seen} is not the one the plan names")
         return seen
-
-    def with_pin(self, pin: str | None) -> "ClientTLS":
-        return ClientTLS(self.ca, set(self.pins) | ({pin} if pin else set()), self.cert, self.key)
 
 
 def generate_certificate(
@@ -127,3 +138,59 @@ def generate_certificate(
     )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path, fingerprint(cert.public_bytes(serialization.Encoding.DER))
+
+
+class KnownHosts:
+    """Worker certificates pinned on first contact, one `host:port sha256:...` per line, as ssh's
+    known_hosts: a worker seen before must present the same certificate again."""
+
+    def __init__(self, path: Path | None = None):
+        self._path = path
+
+    @property
+    def path(self) -> Path:
+        return Path(self._path) if self._path is not None else state_dir() / "known_hosts"
+
+    def _entries(self, address: str) -> set[str]:
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            return set()
+        return {fp for name, _, fp in (line.partition(" ") for line in lines) if name == address}
+
+    def check(self, address: str, seen: str) -> None:
+        """Accept `seen` for `address` if it was pinned before, or pin it now if nothing was."""
+        known = self._entries(address)
+        if seen in known:
+            return
+        if known:
+            raise TLSError(
+                f"{address} presented certificate {seen}, but {', '.join(sorted(known))} was pinned for it on "
+                f"first contact ({self.path}). Someone may be intercepting this link. If the worker's "
+                f"certificate changed on purpose (a new state folder or machine), remove the line for {address} "
+                f"from {self.path}, or pass --tls-pin {seen}"
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:  # one short append: concurrent coordinators cannot interleave it
+            f.write(f"{address} {seen}\n")
+        log.warning("%s: pinned its certificate %s on first contact (%s)", address, seen, self.path)
+
+
+def own_certificate(folder: Path) -> ServerTLS:
+    """This machine's worker certificate in `folder`, made on first use. Several workers starting
+    at once race to create it; exactly one folder wins and all use that one."""
+    final = Path(folder) / "tls"
+    if not (final / "worker.crt").exists():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix="tls-", dir=final.parent))
+        _, _, fp = generate_certificate(scratch, [socket.gethostname(), "localhost", "127.0.0.1"], name="worker")
+        try:
+            os.rename(scratch, final)
+            log.warning("made this worker's TLS certificate %s in %s", fp, final)
+        except OSError:  # another worker made it first
+            shutil.rmtree(scratch, ignore_errors=True)
+    return ServerTLS(final / "worker.crt", final / "worker.key")
+
+
+# Coordinators' default: each worker's certificate pinned on first contact, as ssh does.
+TRUST_ON_FIRST_USE = ClientTLS(known_hosts=KnownHosts())

@@ -172,32 +172,37 @@ class Ring:
                     return
 
         threading.Thread(target=ping, daemon=True, name="next-hop-ping").start()
-        while True:
-            try:
-                frame = conn.recv()
-            except RemoteError as e:
-                self._report(e.request, "next_hop", f"reports from the next stage: {e}")
-                continue
-            except (OSError, ConnectionError, FrameError) as e:
-                if not self.released.is_set() and not conn.closed:
-                    self._report(0, "next_hop", f"lost the next stage at {self.next_address}: {e}")
-                return
-            if frame.type != Pong.TYPE:
-                log.warning("next stage sent an unexpected %s", frame.type.name)
+        try:
+            while True:
+                try:
+                    frame = conn.recv()
+                except RemoteError as e:
+                    self._report(e.request, "next_hop", f"reports from the next stage: {e}")
+                    continue
+                except (OSError, ConnectionError, FrameError) as e:
+                    if not self.released.is_set() and not conn.closed:
+                        self._report(0, "next_hop", f"lost the next stage at {self.next_address}: {e}")
+                    return
+                if frame.type != Pong.TYPE:
+                    log.warning("next stage sent an unexpected %s", frame.type.name)
+        finally:
+            conn.close()
 
     # -- release ------------------------------------------------------------------------------
 
     def release(self) -> None:
-        """Stop the stage threads and free the plan's memory."""
+        """Stop the stage threads and free the plan's memory. The link to the next stage is closed
+        first, so a stage thread blocked sending to a next stage that stopped reading (frozen, or
+        behind a dead route) wakes at once instead of holding the stages."""
         self.released.set()
+        if self.next_conn is not None:
+            self.next_conn.close()
         for runner in self.runners:
             runner.queue.put(None)
         for runner in self.runners:
             if runner.thread is not None and runner.thread is not threading.current_thread():
                 runner.thread.join(timeout=30)
             runner.stage.cache = None
-        if self.next_conn is not None:
-            self.next_conn.close()
         self.runners.clear()
         self.weights.reader.close()
         if torch.cuda.is_available():

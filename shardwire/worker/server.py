@@ -41,11 +41,14 @@ from ..wire.messages import (
     parse_message,
 )
 from ..wire.tls import ClientTLS, ServerTLS
+from .admission import Admission, Pending
 from .assign import PlanRejected, build_ring, check_assign
 from .ring import Ring
 from .weights import WeightSources
 
 log = logging.getLogger("shardwire.worker")
+
+COORDINATOR_SILENT = 10.0  # coordinators ping every second; one silent this long is gone
 
 
 class InsecureBind(ValueError):
@@ -67,10 +70,10 @@ class AuthBackoff:
     def __init__(self):
         self._failures: dict[str, tuple[int, float]] = {}  # address -> (recent failures, last time)
 
-    def wait(self, address: str) -> None:
+    def wait(self, address: str, interrupted: threading.Event) -> None:
         count, last = self._failures.get(address, (0, 0.0))
         if count >= 3 and time.monotonic() - last < 600:
-            time.sleep(min(2.0 ** (count - 3), 30.0))
+            interrupted.wait(min(2.0 ** (count - 3), 30.0))
 
     def failed(self, address: str) -> None:
         count, last = self._failures.get(address, (0, 0.0))
@@ -99,7 +102,9 @@ class Worker:
         threads: int | None = None,
         limits: Limits | None = None,
         max_connections: int = 64,
-        handshake_timeout: float = 10.0,
+        max_pending: int = 64,
+        max_pending_per_address: int = 8,
+        handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
         tls: ServerTLS | None = None,
         insecure: bool = False,
@@ -132,8 +137,10 @@ class Worker:
         self.token = token
         self.limits = limits or Limits()
         self.handshake_timeout = handshake_timeout
+        self._admission = Admission(max_pending, max_pending_per_address, handshake_timeout)
         self.worker_id = f"{socket.gethostname()}/{uuid.uuid4().hex[:8]}"
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._slots = threading.BoundedSemaphore(max_connections)  # authenticated links
+        self._max_connections = max_connections
         self._ring: Ring | None = None
         self._ring_lock = threading.RLock()
         self._listener: socket.socket | None = None
@@ -162,12 +169,15 @@ class Worker:
                 if self._closing:
                     return
                 raise
-            if not self._slots.acquire(blocking=False):
-                log.warning("connection from %s refused: too many connections", addr[0])
+            pending = self._admission.admit(sock, addr[0])
+            if pending is None:
                 sock.close()
                 continue
             threading.Thread(
-                target=self._serve_connection, args=(sock, addr), daemon=True, name=f"conn-{addr[0]}:{addr[1]}"
+                target=self._serve_connection,
+                args=(sock, addr, pending),
+                daemon=True,
+                name=f"conn-{addr[0]}:{addr[1]}",
             ).start()
 
     def start(self) -> threading.Thread:
@@ -179,6 +189,7 @@ class Worker:
 
     def close(self) -> None:
         self._closing = True
+        self._admission.close()
         if self._listener is not None:
             try:
                 self._listener.close()
@@ -204,18 +215,19 @@ class Worker:
 
     # -- connections ---------------------------------------------------------------------
 
-    def _serve_connection(self, sock: socket.socket, addr) -> None:
+    def _serve_connection(self, sock: socket.socket, addr, pending: Pending) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         conn = Connection(sock, peer, self.limits)
+        slot = False
         try:
             tune(sock)
             sock.settimeout(self.handshake_timeout)
-            self._backoff.wait(addr[0])
+            self._backoff.wait(addr[0], pending.dropped)
             if self._tls_context is not None:
                 try:
                     sock = self._tls_context.wrap_socket(sock, server_side=True)
                 except (ssl.SSLError, OSError) as e:
-                    log.warning("%s: TLS handshake failed: %s", peer, e)
+                    (log.info if pending.dropped.is_set() else log.warning)("%s: TLS handshake failed: %s", peer, e)
                     return
                 conn = Connection(sock, peer, self.limits)
             try:
@@ -225,6 +237,14 @@ class Worker:
                 conn.send_error("auth", "authentication failed")
                 raise
             self._backoff.succeeded(addr[0])
+            self._admission.finished(pending)
+            if pending.dropped.is_set():
+                return
+            slot = self._slots.acquire(blocking=False)
+            if not slot:
+                log.warning("%s refused: %d links are open already", peer, self._max_connections)
+                conn.send_error("busy", "the worker has too many connections open")
+                return
             # Coordinators ping every second and upstream workers ping their peer link; a
             # connection silent for this long is half-open.
             sock.settimeout(self.idle_timeout)
@@ -246,8 +266,10 @@ class Worker:
             log.exception("%s: unexpected error; closing this connection", peer)
             conn.send_error("internal", "internal error")
         finally:
+            self._admission.finished(pending)
             conn.close()
-            self._slots.release()
+            if slot:
+                self._slots.release()
             self._release(owner=conn)
 
     def _read_loop(self, conn: Connection, role: str) -> None:
@@ -302,16 +324,14 @@ class Worker:
             return
         with self._ring_lock:
             current = self._ring
-            if (
-                current is not None
-                and current.coordinator is not conn
-                and not current.coordinator.closed
-                and assign.coordinator != current.coordinator_id
-            ):
-                conn.send_error(
-                    "busy", f"worker {self.worker_id} is serving another coordinator's plan", request=request
-                )
-                return
+            if current is not None and current.coordinator is not conn and assign.coordinator != current.coordinator_id:
+                holder = current.coordinator
+                if not holder.closed and time.monotonic() - holder.last_heard < COORDINATOR_SILENT:
+                    conn.send_error(
+                        "busy", f"worker {self.worker_id} is serving another coordinator's plan", request=request
+                    )
+                    return
+                holder.close()  # gone without closing (its machine died or lost its route): half-open
             self._release()
         found = self.weights.gather(conn, assign, request)
         try:
