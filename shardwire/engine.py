@@ -6,8 +6,10 @@ through one inbox, so nothing here needs a lock. Every sequence keeps its whole 
 
 Recovery: when a pipeline that can recover (a cluster) breaks, its sequences are not failed.
 Once every step in flight has come back, the pipeline is rebuilt on the capacity that is left
-(or that returns) and each sequence replays its tokens as one prefill; sampling depends only
-on (seed, position), so the next token is the one an uninterrupted run would have drawn.
+(or that returns) and each sequence replays its tokens in the steps that first carried them:
+its prompt in the same chunks, its generated tokens in the same decode steps. Where the new
+stages compute as the old ones did, the cache is rebuilt bit for bit, and sampling depends
+only on (seed, position), so the next token is the one an uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class _Sequence:
         self.in_flight = 0  # steps sent and not yet answered
         self.interrupted = False  # its pipeline broke; it waits to be replayed
         self.fruitless_replays = 0  # replays since its last new token
+        self.decoded_in: list[tuple[int, int]] = []  # per generated token: (step id, row) that first fed it
         self.detok, self.stop_ids = detok, stop_ids
         self.pending_text = ""
         self.finished = False
@@ -253,7 +256,9 @@ class Engine:
         size = -(-len(ready) // groups)
         for i in range(0, len(ready), size):
             group = ready[i : i + size]
-            step = Step([self._decode_row(s) for s in group])
+            step = Step([self._decode_row(s, len(s.tokens) - 1) for s in group])
+            for row, s in enumerate(group):
+                s.decoded_in.append((step.id, row))
             self._decoding.add(step.id)
             self._send(step, group)
 
@@ -265,7 +270,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 -- a failed recovery ends the requests, never this thread
             self._fail_all(str(e), "error")
             return False
-        replayed = 0
+        replaying = []
         for seq in list(self._running.values()):
             if seq.finished:
                 continue
@@ -278,24 +283,50 @@ class Engine:
                     f"interrupted {seq.fruitless_replays} times without progress; last failure: {event.get('reason')}",
                 )
                 continue
+            replaying.append(seq)
             self._prefill(seq)
-            replayed += len(seq.tokens)
-        event["replayed_tokens"] = replayed
-        log.warning(
-            "replayed %d token(s) of %d sequence(s)", replayed, sum(not s.finished for s in self._running.values())
-        )
+        self._replay_decode(replaying)
+        event["replayed_tokens"] = sum(s.n_prompt + len(s.decoded_in) for s in replaying)
+        log.warning("replayed %d token(s) of %d sequence(s)", event["replayed_tokens"], len(replaying))
         return True
 
+    def _replay_decode(self, seqs: list[_Sequence]) -> None:
+        """Send again, in their first order, the decode steps that fed these sequences' generated
+        tokens, each with the rows it first had (less those of sequences finished since).
+
+        Not as a prefill, and not regrouped: a matrix product over several rows rounds differently
+        from a one-row one, and a batch's attention spans its longest row, so a token recomputed
+        in other company than it first had gets a slightly different cache, enough to flip a
+        near-tie later. Only a step some of whose sequences have finished since is replayed in
+        smaller company (those rows may round differently; the finished ones cannot come back).
+
+        The steps go out at once and follow each other around the ring as prefill chunks do: n
+        tokens cost n one-token passes through each stage (slower than one prefill of them, but
+        exact), not n round trips."""
+        steps: dict[int, list[tuple[int, _Sequence, int]]] = {}
+        for seq in seqs:
+            for i, (step_id, row) in enumerate(seq.decoded_in):
+                steps.setdefault(step_id, []).append((row, seq, seq.n_prompt + i))
+        for step_id in sorted(steps):
+            rows = sorted(steps[step_id], key=lambda r: r[0])
+            self._send(Step([self._decode_row(seq, at) for _, seq, at in rows]), [seq for _, seq, _ in rows])
+
     def _prefill(self, seq: _Sequence) -> None:
-        tokens = seq.tokens
-        for start in range(0, len(tokens), self.prefill_chunk):
-            chunk = tokens[start : start + self.prefill_chunk]
+        """The prompt in chunks from position 0; the last samples the first token, unless a replay
+        knows it already."""
+        tokens, n = seq.tokens, seq.n_prompt
+        for start in range(0, n, self.prefill_chunk):
+            chunk = tokens[start : min(start + self.prefill_chunk, n)]
             last = start + len(chunk) == len(tokens)
             row = Row(seq.slot, start, chunk, seq.request.sampling if last else None, self._recent(seq) if last else [])
             self._send(Step([row]), [seq])
 
-    def _decode_row(self, seq: _Sequence) -> Row:
-        return Row(seq.slot, len(seq.tokens) - 1, [seq.tokens[-1]], seq.request.sampling, self._recent(seq))
+    def _decode_row(self, seq: _Sequence, at: int) -> Row:
+        """The token at position `at`; it samples only if it is the last (a replay knows what follows)."""
+        last = at == len(seq.tokens) - 1
+        return Row(
+            seq.slot, at, [seq.tokens[at]], seq.request.sampling if last else None, self._recent(seq) if last else []
+        )
 
     @staticmethod
     def _recent(seq: _Sequence) -> list[int]:

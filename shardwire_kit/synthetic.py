@@ -446,12 +446,22 @@ TEST_MODELS = {
 }
 
 
-def write_random_llama(path: str | Path, *, weight_type: str = "F32", **layout) -> Path:
-    """A llama GGUF with random weights and the tiny test vocabulary; `layout` as random_model takes it."""
+def write_random_llama(path: str | Path, *, weight_type: str = "F32", near_ties: float = 0.0, **layout) -> Path:
+    """A llama GGUF with random weights and the tiny test vocabulary; `layout` as random_model takes it.
+
+    near_ties > 0 pairs the output rows: each odd token's row is the even one's before it, every
+    weight scaled by 1 + near_ties * noise. At 1e-6 greedy decoding then chooses at every step
+    between two tokens whose logits differ by about float32 rounding, so any change in how the
+    logits were computed (the shape of a batch, the order of a sum) shows in the text."""
     from .writer import write_gguf
 
     vocab = tiny_vocab_metadata()
     cfg, tensors = random_model("llama", vocab_size=len(vocab["tokenizer.ggml.tokens"]), **layout)
+    if near_ties:
+        head = tensors["output.weight"]
+        twins = head[1::2]
+        noise = np.random.default_rng(1).standard_normal(twins.shape).astype(np.float32)
+        head[1::2] = head[: 2 * len(twins) : 2] * (1 + near_ties * noise)
     write_gguf(path, cfg, tensors, vocab, weight_type=weight_type)
     return Path(path)
 

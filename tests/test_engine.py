@@ -14,7 +14,7 @@ import time
 import pytest
 
 from shardwire.engine import Engine, Request
-from shardwire.pipeline import PipelineError, Row, Step, StepResult
+from shardwire.pipeline import PipelineError, Step, StepResult
 from shardwire.sampling import GREEDY, Sampled, SamplingParams
 
 TIMEOUT = 5.0
@@ -627,6 +627,10 @@ def run_uninterrupted(prompts, max_tokens, rule, prefill_chunk):
         engine.close()
 
 
+def shape(step: Step) -> list[tuple[int, int, list[int]]]:
+    return [(r.slot, r.start, r.tokens) for r in step.rows]
+
+
 def test_a_broken_pipeline_is_recovered_and_sequences_replay_their_history(make_engine):
     prompts, max_tokens, chunk = [[1, 2, 3], [10, 11]], 6, 4
     pipe = RecoverablePipeline(n_slots=2, n_stages=2, hold=True, rule=mixing)
@@ -650,23 +654,43 @@ def test_a_broken_pipeline_is_recovered_and_sequences_replay_their_history(make_
     wait_until(lambda: len(pipe.recoveries) == 1, what="recover()")
     assert pipe.recoveries[0]["reason"] == "worker w1 is gone"
 
-    # each sequence replays prompt + generated tokens as a chunked prefill from position 0
-    replay = pipe.wait_steps(n_before + 4)[n_before:]
-    by_slot: dict[int, list[Row]] = {}
-    for step in replay:
-        assert len(step.rows) == 1
-        by_slot.setdefault(step.rows[0].slot, []).append(step.rows[0])
-    for slot, h in enumerate(history):
-        rows = by_slot[slot]
-        assert [r.start for r in rows] == list(range(0, len(h), chunk))
-        assert sum((r.tokens for r in rows), []) == h
-        assert [r.sampling is not None for r in rows] == [False] * (len(rows) - 1) + [True]
+    # the steps that filled the cache are sent again as they were: the prompts in the same
+    # chunks, then the same decode steps; only the steps that were in flight sample
+    replay = pipe.wait_steps(2 * n_before)[n_before:]
+    assert [shape(s) for s in replay] == [shape(s) for s in pipe.steps[:n_before]]
+    assert [r.sampling is not None for s in replay for r in s.rows] == [False] * 6 + [True] * 2
     assert pipe.recoveries[0]["replayed_tokens"] == sum(map(len, history))
 
     pipe.drive([a, b])
     assert (a.finish_reason, b.finish_reason) == ("length", "length")
     assert [a.tokens, b.tokens] == run_uninterrupted(prompts, max_tokens, mixing, chunk)
     assert [a.tokens, b.tokens] == [expected(p, max_tokens, mixing) for p in prompts]
+    assert pipe.problems == []
+
+
+def test_a_replay_keeps_the_decode_steps_as_they_were_grouped_less_finished_sequences(make_engine):
+    """One stage: one decode step in flight, carrying every ready sequence. The replay sends the
+    same groups, without the sequence that has finished since, and every row at its position."""
+    prompts, lengths = [[1, 2, 3], [10, 11], [20, 21, 22, 23, 24]], (8, 2, 8)
+    pipe = RecoverablePipeline(n_slots=3, n_stages=1, hold=True, rule=mixing)
+    engine = make_engine(pipe, prefill_chunk=2)
+    a, b, c = (engine.submit(req(p, n)) for p, n in zip(prompts, lengths))
+    while len(a.tokens) < 5:
+        if not pipe.answer_all():
+            time.sleep(0.001)
+    (in_flight,) = pipe.wait_pending(1)
+    assert b.finish_reason == "length"
+    assert any(len(s.rows) > 1 and any(r.slot == 1 for r in s.rows) for s in pipe.steps)  # b ran in slot 1
+    n_before = len(pipe.steps)
+    pipe.break_()
+    pipe.answer(in_flight, error=PipelineError("gone"))
+    wait_until(lambda: len(pipe.recoveries) == 1, what="recover()")
+
+    first = [[row for row in shape(s) if row[0] != 1] for s in pipe.steps[:n_before]]
+    first = [rows for rows in first if rows]
+    assert [shape(s) for s in pipe.wait_steps(n_before + len(first))[n_before:]] == first
+    pipe.drive([a, c])
+    assert [a.tokens, b.tokens, c.tokens] == [expected(p, n, mixing) for p, n in zip(prompts, lengths)]
     assert pipe.problems == []
 
 
@@ -699,8 +723,8 @@ def test_a_due_rebalance_waits_for_steps_in_flight_then_replays(make_engine):
     assert pipe.recoveries == []
     pipe.answer(step)  # a successful step: its token counts, then the rebalance
     wait_until(lambda: len(pipe.recoveries) == 1, what="rebalance")
-    (replay,) = pipe.wait_pending(1)
-    assert replay.rows[0].start == 0 and replay.rows[0].tokens == [5, 6, 7, 8]
+    replay = pipe.wait_pending(2)  # 8 was never fed: the next decode step feeds it
+    assert [(r.start, r.tokens, r.sampling) for s in replay for r in s.rows] == [(0, [5, 6], None), (2, [7], None)]
     pipe.drive([handle])
     assert handle.tokens == [7, 8, 9, 10] and handle.finish_reason == "length"
 

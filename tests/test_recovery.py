@@ -8,6 +8,8 @@ import pytest
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
+from shardwire.loading import load_stage
+from shardwire.pipeline import LocalPipeline, PipelineError, StepResult
 from shardwire.plan import PlanDevice, make_plan
 from shardwire.sampling import SamplingParams
 from shardwire_kit.synthetic import write_random_llama
@@ -25,20 +27,21 @@ GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
 
 
+# Six blocks that outweigh a small vocabulary, so a memory budget can hold a third of the model
+# and not half.
+SIX_BLOCKS = dict(n_layers=6, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, context_length=512, seed=3)
+
+
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
-    """Six blocks that outweigh a small vocabulary, so a memory budget can hold a third of the
-    model and not half."""
-    return write_random_llama(
-        tmp_path_factory.mktemp("recovery") / "six.gguf",
-        n_layers=6,
-        dim=128,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=384,
-        context_length=512,
-        seed=3,
-    )
+    return write_random_llama(tmp_path_factory.mktemp("recovery") / "six.gguf", **SIX_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def near_ties(tmp_path_factory):
+    """The same, with output rows in near-identical pairs: every greedy step is a near-tie that
+    float32 rounding decides."""
+    return write_random_llama(tmp_path_factory.mktemp("recovery") / "six-near-ties.gguf", near_ties=1e-6, **SIX_BLOCKS)
 
 
 def budget_for_a_third(path) -> str:
@@ -88,8 +91,8 @@ class Setup:
 def setup(tmp_path, model_file):
     made = []
 
-    def make(**kw):
-        made.append(Setup(tmp_path, model_file, **kw))
+    def make(path=None, **kw):
+        made.append(Setup(tmp_path, path or model_file, **kw))
         return made[-1]
 
     yield make
@@ -139,6 +142,74 @@ def test_kill_during_decode_all_requests_complete_unchanged(setup, reference):
     event = s.cluster.events[-1]
     assert event["recovered"] and s.workers[1].address in event["lost"] and event["replayed_tokens"] > 0
     assert len(s.cluster.plan.stages) == 2
+
+
+def test_a_replay_through_near_ties_gives_exactly_the_uninterrupted_tokens(setup, near_ties):
+    """Every step of this model is a near-tie, so a cache rebuilt with other arithmetic than the
+    first run's (the generated tokens prefilled as a batch, say) changes the text within a few
+    tokens; the replay must recompute each position as it was first computed."""
+    s = setup(path=near_ties)
+    n = 200  # the prompt and 200 tokens fill 216 of the 256 positions
+    uninterrupted = collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=n, ignore_eos=True)))[0]
+    handle = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=n, ignore_eos=True))
+    wait_for_tokens(handle, 60)
+    s.workers[1].kill()
+    assert collect(handle)[0] == uninterrupted
+    event = s.cluster.events[-1]
+    assert event["recovered"] and event["replayed_tokens"] > len(PROMPT) + 50
+
+
+class BreakingPipeline(LocalPipeline):
+    """Stages in this process whose step number `break_at` fails as a lost worker's would; recovery
+    clears their caches. Steps wait for `go` once the first has come, so the test can queue its
+    other requests first and the decode steps are grouped alike on every run."""
+
+    def __init__(self, stages, break_at=0):
+        super().__init__(stages, n_slots=3, ctx=256)
+        self.broken, self.rebalance_due, self.break_at, self.n_steps = None, False, break_at, 0
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def submit(self, step):
+        self.entered.set()
+        self.go.wait()
+        self.n_steps += 1
+        if self.n_steps != self.break_at:
+            return super().submit(step)
+        self.broken = "a worker is gone"
+        self.on_result(StepResult(step.id, error=PipelineError(self.broken)))
+        self.on_wake()
+
+    def recover(self):
+        for stage in self.stages:
+            stage.allocate_cache(self.n_slots, self.ctx)
+        self.broken = None
+        return {"reason": "a worker is gone"}
+
+
+def test_a_replay_of_shared_decode_steps_is_exact(near_ties):
+    """Three sequences decode in shared steps, which the replay sends again as they were: through
+    this model's near-ties, every sequence gives its uninterrupted tokens."""
+    model = open_model(near_ties)
+    stages = [load_stage(model, 0, model.config.n_layers)]
+
+    def run(break_at=0):
+        pipe = BreakingPipeline(stages, break_at)
+        engine = Engine(pipe, prefill_chunk=CHUNK)
+        try:
+            handles = [engine.submit(Request(PROMPT, GREEDY, max_tokens=100, ignore_eos=True))]
+            assert pipe.entered.wait(10)
+            handles += [
+                engine.submit(Request(p, GREEDY, max_tokens=100, ignore_eos=True)) for p in (PROMPT[:9], PROMPT[3:])
+            ]
+            pipe.go.set()
+            return [collect(h)[0] for h in handles], pipe.n_steps
+        finally:
+            engine.close()
+
+    uninterrupted, n_steps = run()
+    assert n_steps < 150  # 300 tokens: most steps carry all three
+    for break_at in (30, 70):
+        assert run(break_at)[0] == uninterrupted
 
 
 def test_kill_during_prefill(setup, reference):
