@@ -1,18 +1,30 @@
-"""Soak: four concurrent streams through three workers while a worker is killed and restarted
-every minute. Bounded by --minutes. Every request must complete with the tokens an
+"""Soak: four concurrent streams through three workers while faults come one after another, each
+on the next worker in turn. Bounded by --minutes. Every request must complete with the tokens an
 uninterrupted single-process run gives; memory must not creep.
 
-    python benchmarks/soak.py [--minutes 10]
+Faults (--faults, taken in turn, one every --every seconds):
+  kill    the worker is killed (SIGKILL) and restarted on its port --down-seconds later
+  freeze  the worker is stopped (SIGSTOP) and resumed (SIGCONT) after the next of --freeze-seconds
+  drop    the route to the worker drops every packet, both directions and for coordinator and
+          worker alike, nothing closed, for the next of --drop-seconds (a relay in front of
+          each worker holds the bytes; TCP delivers them late once the route is back)
+
+    python benchmarks/soak.py [--minutes 10]                        # a kill every minute
+    python benchmarks/soak.py --faults kill,freeze,drop --every 40  # all three, mixed
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import random
+import signal
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -25,11 +37,14 @@ from shardwire.formats import open_model  # noqa: E402
 from shardwire.loading import load_stage  # noqa: E402
 from shardwire.pipeline import LocalPipeline  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
+from shardwire.state import STATE_ENV  # noqa: E402
 from shardwire_kit.synthetic import write_random_llama  # noqa: E402
 
+from freezable_relay import FreezableRelay  # noqa: E402
 from workers import WorkerProcess  # noqa: E402
 
 STREAMS = 4
+FAULTS = ("kill", "freeze", "drop")
 
 
 def reference_tokens(path: Path, prompts, n: int, sampling) -> list[list[int]]:
@@ -54,15 +69,79 @@ def rss(pids) -> float:
     return total / 2**20
 
 
+def seconds_list(text: str) -> list[float]:
+    return [float(s) for s in text.split(",") if s.strip()]
+
+
+class Faults:
+    """The workers, a relay in front of each when drops are wanted, and the faults applied to them."""
+
+    def __init__(self, tmp: Path, relays: bool, down_s: float, freeze_s: list[float], drop_s: list[float]):
+        self.workers = [WorkerProcess(tmp / f"w{i}").start() for i in range(3)]
+        self.relays = [FreezableRelay(w.port) for w in self.workers] if relays else []
+        self.down_s = down_s
+        self.durations = {"freeze": itertools.cycle(freeze_s), "drop": itertools.cycle(drop_s)}
+        self.done: Counter = Counter()
+
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.relays] if self.relays else [w.address for w in self.workers]
+
+    def next_duration(self, kind: str) -> float:
+        return self.down_s if kind == "kill" else next(self.durations[kind])
+
+    def apply(self, kind: str, victim: int, seconds: float) -> str:
+        w = self.workers[victim]
+        if kind == "kill":
+            w.kill()
+            time.sleep(seconds)
+            self.workers[victim] = WorkerProcess(w.cache_dir, port=w.port).start()
+            label = "kill"
+        elif kind == "freeze":
+            w.proc.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(seconds)
+            finally:
+                w.proc.send_signal(signal.SIGCONT)
+            label = f"freeze {seconds:g} s"
+        else:
+            self.relays[victim].drop(True)
+            try:
+                time.sleep(seconds)
+            finally:
+                self.relays[victim].drop(False)
+            label = f"drop {seconds:g} s"
+        self.done[label] += 1
+        return label
+
+    def close(self) -> None:
+        for r in self.relays:
+            r.close()
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGCONT)
+            w.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--faults", default="kill", help="comma-separated faults taken in turn (default: %(default)s)")
+    ap.add_argument("--every", type=float, default=60.0, help="seconds from one fault to the next (%(default)s)")
+    ap.add_argument("--down-seconds", type=float, default=10.0, help="a killed worker's time down (%(default)s)")
+    ap.add_argument("--freeze-seconds", default="1,8", help="freeze lengths, taken in turn (%(default)s)")
+    ap.add_argument("--drop-seconds", default="20", help="packet-drop lengths, taken in turn (%(default)s)")
+    ap.add_argument("--dead-after", type=float, default=2.0, help="the coordinator's --dead-after (%(default)s)")
     args = ap.parse_args()
+    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
+    if not kinds or any(k not in FAULTS for k in kinds):
+        ap.error(f"--faults takes a comma-separated list of {', '.join(FAULTS)}")
     import torch
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="shardwire-soak-"))
+    os.environ[STATE_ENV] = str(tmp / "state")  # this run's certificate and known hosts, not the user's
     path = tmp / "soak.gguf"
     write_random_llama(
         path, weight_type="F16", n_layers=6, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=768, context_length=512, seed=11
@@ -76,13 +155,25 @@ def main() -> None:
         for i, toks in enumerate(reference_tokens(path, prompts, args.tokens, s))
     }
 
-    workers = [WorkerProcess(tmp / f"w{i}").start() for i in range(3)]
-    cluster = Cluster([w.address for w in workers], cache_dir=tmp / "coord", show_progress=False)
-    cluster.heartbeat.dead_after = 2.0
-    cluster.connect(open_model(path))
-    engine = Engine(
-        cluster.load(cluster.make_plan(ctx=512, n_slots=STREAMS, prefill_chunk=32, dtype="float32")), prefill_chunk=32
+    faults = Faults(
+        tmp, "drop" in kinds, args.down_seconds, seconds_list(args.freeze_seconds), seconds_list(args.drop_seconds)
     )
+    cluster = Cluster(faults.addresses, cache_dir=tmp / "coord", show_progress=False)
+    cluster.heartbeat.dead_after = args.dead_after
+    try:
+        cluster.connect(open_model(path))
+        engine = Engine(
+            cluster.load(cluster.make_plan(ctx=512, n_slots=STREAMS, prefill_chunk=32, dtype="float32")),
+            prefill_chunk=32,
+        )
+        soak(args, engine, cluster, faults, kinds, prompts, samplings, expected)
+        engine.close()
+    finally:
+        cluster.close()
+        faults.close()
+
+
+def soak(args, engine, cluster, faults: Faults, kinds, prompts, samplings, expected) -> None:
     stop = time.monotonic() + args.minutes * 60
     results = {"completed": 0, "wrong": 0, "failed": 0}
     lock = threading.Lock()
@@ -107,33 +198,28 @@ def main() -> None:
     for t in threads:
         t.start()
     memory = []
-    kills = 0
     started = time.monotonic()
-    while time.monotonic() < stop:
-        time.sleep(min(50.0, max(0.0, stop - time.monotonic())))
-        if time.monotonic() >= stop:
+    for n in itertools.count():
+        kind, victim = kinds[n % len(kinds)], n % 3
+        seconds = faults.next_duration(kind)
+        time.sleep(min(max(5.0, args.every - seconds), max(0.0, stop - time.monotonic())))
+        if time.monotonic() + seconds >= stop:
             break
-        victim = kills % 3
-        workers[victim].kill()
-        kills += 1
-        time.sleep(10)
-        workers[victim] = WorkerProcess(workers[victim].cache_dir, port=workers[victim].port).start()
+        label = faults.apply(kind, victim, seconds)
         memory.append(rss([psutil.Process().pid]))
         print(
-            f"{time.monotonic() - started:6.0f} s: killed and restarted worker {victim}; {results}; "
-            f"RSS coordinator {memory[-1]:.0f} MiB, workers {rss([w.proc.pid for w in workers]):.0f} MiB",
+            f"{time.monotonic() - started:6.0f} s: {label} on worker {victim}; {results}; "
+            f"RSS coordinator {memory[-1]:.0f} MiB, workers {rss([w.proc.pid for w in faults.workers]):.0f} MiB",
             flush=True,
         )
     for t in threads:
         t.join(300)
-    engine.close()
-    cluster.close()
-    for w in workers:
-        w.stop()
     recoveries = [e for e in cluster.events if e["recovered"]]
+    failed_recoveries = len(cluster.events) - len(recoveries)
     print(
-        f"\nsoak: {args.minutes:.0f} min, {STREAMS} streams, {kills} kills -> {results}; "
-        f"{len(recoveries)} recoveries/rebalances, slowest {max((e['seconds'] for e in recoveries), default=0):.2f} s; "
+        f"\nsoak: {args.minutes:g} min, {STREAMS} streams, faults {dict(faults.done)} -> {results}; "
+        f"{len(recoveries)} recoveries/rebalances ({failed_recoveries} failed), "
+        f"slowest {max((e['seconds'] for e in recoveries), default=0):.2f} s; "
         f"coordinator RSS samples (MiB): {', '.join(f'{m:.0f}' for m in memory)}"
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -16,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .formats import TensorInfo, TensorReader
+
+log = logging.getLogger("shardwire.cache")
 
 
 def default_cache_dir() -> Path:
@@ -88,11 +91,18 @@ class HashIndex:
             self._save({identity})
 
     def _save(self, identities: set[str]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for identity in identities:
-            tmp = self.directory / f"{identity}.json.tmp{os.getpid()}"
-            tmp.write_text(json.dumps(self._entries(identity)))
-            os.replace(tmp, self.directory / f"{identity}.json")
+        """Write the remembered hashes; a failure (a full disk) costs only hashing again later."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for identity in identities:
+                tmp = self.directory / f"{identity}.json.tmp{os.getpid()}"
+                try:
+                    tmp.write_text(json.dumps(self._entries(identity)))
+                    os.replace(tmp, self.directory / f"{identity}.json")
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("could not remember tensor hashes in %s: %s", self.directory, e)
 
 
 class WeightCache:
@@ -157,7 +167,11 @@ class CacheWriter:
         self.final.parent.mkdir(parents=True, exist_ok=True)
         self.part = self.final.with_name(f"{digest}.part{os.getpid()}.{threading.get_ident()}")
         self.file = open(self.part, "wb")
-        self.file.truncate(total)
+        try:
+            self.file.truncate(total)
+        except BaseException:
+            self.abort()
+            raise
         self.hasher = hashlib.sha256()
         self.received = 0
 
@@ -173,14 +187,22 @@ class CacheWriter:
         return self.received == self.total
 
     def finish(self) -> Path:
-        self.file.close()
-        if self.hasher.hexdigest() != self.digest:
+        """Move the verified file into the cache; on any failure (a full disk) the partial file goes."""
+        try:
+            self.file.close()
+            if self.hasher.hexdigest() != self.digest:
+                raise ValueError(f"weights for {self.digest[:12]} arrived corrupted (hash mismatch)")
+            os.replace(self.part, self.final)
+        except BaseException:
             self.part.unlink(missing_ok=True)
-            raise ValueError(f"weights for {self.digest[:12]} arrived corrupted (hash mismatch)")
-        os.replace(self.part, self.final)
+            raise
         self.cache.index.remember(self.final, 0, self.total, self.digest)
         return self.final
 
     def abort(self) -> None:
-        self.file.close()
-        self.part.unlink(missing_ok=True)
+        try:
+            self.file.close()  # flushing what is buffered fails on a full disk
+        except OSError:
+            pass
+        finally:
+            self.part.unlink(missing_ok=True)

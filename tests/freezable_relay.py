@@ -1,5 +1,12 @@
-"""A loopback TCP relay that can stop carrying data without closing anything: a link that
-silently dies, as a sleeping laptop's Wi-Fi does."""
+"""A loopback TCP relay that can stop carrying data without closing anything.
+
+Two faults, each an Event to set and clear:
+- `frozen`: bytes are read and thrown away, as a sleeping laptop's Wi-Fi does to what it was
+  sent; once cleared the streams carry on with a gap in them.
+- `dropping`: a route that drops every packet for a while: nothing crosses in either direction
+  (data, or a connection's end), nothing is refused or closed. TCP retransmits what a dead
+  route lost, so once cleared every byte arrives, late and in order.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ class FreezableRelay:
     def __init__(self, target_port: int):
         self.target = ("127.0.0.1", target_port)
         self.frozen = threading.Event()
+        self.dropping = threading.Event()
+        self._flowing = threading.Condition()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
@@ -19,6 +28,20 @@ class FreezableRelay:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def drop(self, on: bool) -> None:
+        """Start or end a window in which the route drops every packet."""
+        with self._flowing:
+            if on:
+                self.dropping.set()
+            else:
+                self.dropping.clear()
+                self._flowing.notify_all()
+
+    def _wait_while_dropping(self) -> None:
+        with self._flowing:
+            while self.dropping.is_set():
+                self._flowing.wait(0.5)
 
     def _accept(self) -> None:
         while True:
@@ -37,10 +60,12 @@ class FreezableRelay:
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         while True:
+            self._wait_while_dropping()
             try:
                 data = src.recv(1 << 16)
             except OSError:
                 return
+            self._wait_while_dropping()  # what was read as the window opened waits for it to close
             if not data:
                 try:
                     dst.shutdown(socket.SHUT_WR)
@@ -55,6 +80,7 @@ class FreezableRelay:
                 return
 
     def close(self) -> None:
+        self.drop(False)
         self.listener.close()
         for s in self._sockets:
             try:

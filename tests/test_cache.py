@@ -3,6 +3,7 @@ on small byte files written here."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -150,6 +151,50 @@ def test_abort_removes_the_partial_file(tmp_path):
     writer.abort()
     assert files_under(tmp_path / "weights") == []
     assert cache.lookup(digest_of(data), len(data)) is None
+
+
+class _FullDisk:
+    """A file whose buffered bytes cannot be flushed: close() fails as on a full disk."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, data):
+        return len(data)
+
+    def close(self):
+        self.file.close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_at_finish_or_abort_leaves_no_partial_file(tmp_path):
+    cache = WeightCache(tmp_path)
+    data = blob(40, 8)
+    for end in ("finish", "abort"):
+        writer = cache.writer(digest_of(data), len(data))
+        writer.file = _FullDisk(writer.file)
+        writer.write(0, data)
+        if end == "finish":
+            with pytest.raises(OSError, match="No space"):
+                writer.finish()
+        else:
+            writer.abort()
+        assert files_under(tmp_path / "weights") == []
+    assert cache.lookup(digest_of(data), len(data)) is None
+
+
+def test_a_hash_index_that_cannot_be_saved_still_answers_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    _, infos, parts = tensor_file(tmp_path / "m")
+    real_write_text = Path.write_text
+
+    def half_written(path, text):
+        real_write_text(path, text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_written)
+    got, _ = hashes(HashIndex(tmp_path / "cache"), infos)
+    assert got[infos[2].name] == digest_of(parts[2])
+    assert files_under(tmp_path / "cache" / "hashes") == []
 
 
 def test_writers_of_the_same_tensor_on_two_threads_use_separate_part_files(tmp_path):

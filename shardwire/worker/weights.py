@@ -4,14 +4,17 @@ in WEIGHTS chunks and written to the cache."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import WeightCache
+from ..cache import CacheWriter, WeightCache
 from ..formats import TensorInfo, TensorReader
 from ..wire.conn import Connection
 from ..wire.frames import FrameError
 from ..wire.messages import SOURCE_KINDS, Assign, Need, TensorSpec, Weights
+
+log = logging.getLogger("shardwire.worker")
 
 
 @dataclass
@@ -48,27 +51,59 @@ class WeightSources:
                 found.infos[digest], found.kinds[digest] = info, kind
         needed = sorted(set(specs) - set(found.infos))
         conn.send(Need(needed), request=request)
-        writers = {}
         try:
-            while len(writers) < len(needed) or any(not w.done for w in writers.values()):
-                frame = conn.expect_frame(Weights)
-                chunk = Weights.parse(frame.header)
-                if chunk.hash not in needed or chunk.total != specs[chunk.hash].nbytes:
-                    raise FrameError("WEIGHTS for a tensor that was not asked for")
-                writer = writers.get(chunk.hash)
-                if writer is None:
-                    writer = writers[chunk.hash] = self.cache.writer(chunk.hash, chunk.total)
-                writer.write(chunk.offset, frame.payload)
-                if writer.done:
-                    found.infos[chunk.hash] = _info(specs[chunk.hash], writer.finish())
-                    found.kinds[chunk.hash] = "streamed"
+            failure = self._receive(conn, {h: specs[h] for h in needed}, found)
         except BaseException:
-            for w in writers.values():
-                if not w.done:
-                    w.abort()
             found.reader.close()
             raise
+        if failure is not None:
+            found.reader.close()
+            message = (
+                f"weight cache {self.cache.directory} cannot be written: {failure}; "
+                "free space there, or start the worker with another --cache-dir"
+            )
+            log.error("%s", message)
+            conn.send_error("cache", message, request=request)
+            raise failure
         return found
+
+    def _receive(self, conn: Connection, needed: dict[str, TensorSpec], found: FoundWeights) -> OSError | None:
+        """Read WEIGHTS until every needed tensor is complete, each written to the cache and
+        verified. When the cache cannot be written (a full disk), what it holds stays whole: the
+        partial files go, the rest of the stream is read and dropped, and the error is returned,
+        so the coordinator hears it in answer rather than a connection cut mid-stream."""
+        left = {digest: t.nbytes for digest, t in needed.items()}
+        writers: dict[str, CacheWriter] = {}
+        failure: OSError | None = None
+        try:
+            while any(left.values()):
+                frame = conn.expect_frame(Weights)
+                chunk = Weights.parse(frame.header)
+                t = needed.get(chunk.hash)
+                if t is None or chunk.total != t.nbytes:
+                    raise FrameError("WEIGHTS for a tensor that was not asked for")
+                if chunk.offset != t.nbytes - left[chunk.hash] or len(frame.payload) > left[chunk.hash]:
+                    raise FrameError(
+                        f"WEIGHTS for {chunk.hash[:12]}: chunk at {chunk.offset} out of order or past the end"
+                    )
+                left[chunk.hash] -= len(frame.payload)
+                if failure is not None:
+                    continue
+                try:
+                    writer = writers.get(chunk.hash)
+                    if writer is None:
+                        writer = writers[chunk.hash] = self.cache.writer(chunk.hash, chunk.total)
+                    writer.write(chunk.offset, frame.payload)
+                    if writer.done:
+                        found.infos[chunk.hash] = _info(t, writer.finish())
+                        found.kinds[chunk.hash] = "streamed"
+                except OSError as e:
+                    failure = e
+                    _abort(writers)
+        except BaseException:
+            _abort(writers)
+            raise
+        return failure
 
     def _own_copy(self, t: TensorSpec, reader: TensorReader) -> TensorInfo | None:
         for path in self._candidates(t.file):
@@ -98,3 +133,10 @@ class WeightSources:
 def _info(t: TensorSpec, path: Path) -> TensorInfo:
     """A tensor that fills a cache file of its own."""
     return TensorInfo(t.name, t.dtype, tuple(t.shape), path, 0, t.nbytes)
+
+
+def _abort(writers: dict[str, CacheWriter]) -> None:
+    """Remove the partial files of the tensors not yet complete."""
+    for w in writers.values():
+        if not w.done:
+            w.abort()
