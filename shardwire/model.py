@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .devices import attention_without_cudnn
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import KVCache
 
@@ -328,6 +329,8 @@ class Stage(nn.Module):
 
     def allocate_cache(self, n_slots: int, ctx: int) -> None:
         cfg = self.cfg
+        if self.device.type == "cuda":
+            attention_without_cudnn()
         self.cache = None
         self.cache = KVCache(self.end - self.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, self.dtype, self.device)
 

@@ -221,6 +221,7 @@ def test_override_tensor_keeps_experts_on_another_device_of_the_same_worker():
         parse_overrides(["ffn_(=cpu"])
 
 
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
 def test_matrices_kept_elsewhere_compute_there_and_give_the_same_logits():
     model = open_model(model_path("mixtral", "Q8_0"))
     ggml = {"Q8_0": "ggml"}
