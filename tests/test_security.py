@@ -219,7 +219,7 @@ def test_a_fresh_worker_speaks_tls_with_nothing_set_up(tmp_path):
     one), prints its fingerprint, and a coordinator with only the token gets a TLS link to it,
     pinned in its known hosts."""
     state = {"SHARDWIRE_STATE_DIR": str(tmp_path / "state")}
-    workers = [WorkerProcess(tmp_path / f"cache{i}", token=TOKEN, env=state) for i in range(3)]
+    workers = [WorkerProcess(tmp_path / f"cache{i}", token=TOKEN, env=state, host="0.0.0.0") for i in range(3)]
     threads = [threading.Thread(target=w.start) for w in workers]  # they race to make the certificate
     for t in threads:
         t.start()
