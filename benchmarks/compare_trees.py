@@ -75,6 +75,7 @@ def bench(tree: Path, model: Path, args, log: Path) -> dict[str, float]:
 
 
 def main() -> int:
+    run.private_state_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("other", type=Path, help="the other checkout (a git worktree)")
     p.add_argument("models", type=Path, nargs="+", help="GGUF files")

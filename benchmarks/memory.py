@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from run import LISTENING, Server, free_port, machine_info  # noqa: E402
+from run import LISTENING, Server, free_port, machine_info, private_state_dir  # noqa: E402
 
 import models  # noqa: E402
 
@@ -278,6 +278,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
+    private_state_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="moe-q4_0,moe-q8_0", help=f"of {', '.join(models.WORKLOADS)}")
     p.add_argument("--no-llama-cpp", action="store_true", help="shardwire only")

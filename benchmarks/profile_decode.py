@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import LISTENING, PROGRESS, Server, cores_for  # noqa: E402
+from run import LISTENING, PROGRESS, Server, cores_for, private_state_dir  # noqa: E402
 
 import models  # noqa: E402
 
@@ -124,6 +124,7 @@ def compute_only(model_path: Path, n_workers: int, threads: int, steps: int) -> 
 
 
 def main() -> int:
+    private_state_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="small-f16", choices=list(models.WORKLOADS))
     p.add_argument("--workers", type=int, default=2)

@@ -54,6 +54,18 @@ from relay import Relay, Shaping  # noqa: E402
 import models  # noqa: E402
 
 GBIT = 1e9 / 8
+
+
+def private_state_dir() -> None:
+    """The workers' certificate and the coordinators' known hosts for this run only: benchmark
+    ports come and go, and would fill the user's known_hosts with stale pins."""
+    import tempfile
+
+    from shardwire.state import STATE_ENV
+
+    os.environ.setdefault(STATE_ENV, tempfile.mkdtemp(prefix="shardwire-bench-state-"))
+
+
 PROGRESS = re.compile(r"benchmark (\d+)/(\d+): (warmup )?(prompt|generation) run(?: (\d+)/(\d+))?")
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
@@ -734,6 +746,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    private_state_dir()
     start = time.monotonic()
     deadline = start + args.time_limit
     mode = "quick" if args.quick else "full"

@@ -168,6 +168,9 @@ def measure(args) -> None:
 
 
 def main() -> int:
+    from run import private_state_dir
+
+    private_state_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=None, help="hidden width (default: the benchmark's layouts)")
     p.add_argument(
