@@ -41,8 +41,10 @@ def model_rows(cfg: ModelConfig, name: str, t: torch.Tensor, qk_interleaved: boo
     return t
 
 
-def decode_tensor(cfg: ModelConfig, info: TensorInfo, raw: np.ndarray, qk_interleaved: bool) -> torch.Tensor:
-    return model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape), qk_interleaved)
+def decode_tensor(
+    cfg: ModelConfig, info: TensorInfo, raw: np.ndarray, qk_interleaved: bool, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape, dtype), qk_interleaved)
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,9 +105,9 @@ def build_stage(
         if fmt == "ggml" and expert is not None:
             _stack(stacks, expert, raw, info, cfg.n_experts, where)
         elif fmt == "dense":
-            t = decode_tensor(cfg, info, raw, qk_interleaved)
             # rope frequency factors keep full precision; everything else runs in the stage dtype.
-            t = t.to(device=on, dtype=torch.float32 if name == "rope_freqs.weight" else dt)
+            t = decode_tensor(cfg, info, raw, qk_interleaved, torch.float32 if name == "rope_freqs.weight" else dt)
+            t = t.to(device=on)
             built[name] = where.hold(Linear(t)) if where else t
         else:
             rows = model_rows(cfg, name, raw_rows(raw, info.dtype, tuple(info.shape)), qk_interleaved)

@@ -4,6 +4,7 @@ on any device, bit for bit what gguf.quants.dequantize gives."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,15 +41,20 @@ def _check(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
         raise QuantError(f"{dtype} tensor of shape {list(shape)} needs {expected} bytes, got {raw.nbytes}")
 
 
-def to_torch(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Raw bytes -> a CPU tensor of `shape`: plain types keep their dtype, quantized become float32."""
+def to_torch(raw: np.ndarray, dtype: str, shape: tuple[int, ...], into: torch.dtype | None = None) -> torch.Tensor:
+    """Raw bytes -> a CPU tensor of `shape` that owns its memory, in `into` (default: plain types
+    keep their dtype, quantized become float32). A plain type is converted as it is copied out of
+    `raw`: a large F16 table costs its converted copy alone, not a copy of the stored bytes too."""
     _check(raw, dtype, shape)
     if dtype in PLAIN:
-        # frombuffer on a read-only mapping warns; the tensor is copied before anyone writes to it.
-        return torch.frombuffer(bytearray(raw), dtype=PLAIN[dtype]).reshape(shape)
+        with warnings.catch_warnings():  # read-only: only read here, by the conversion or clone below
+            warnings.simplefilter("ignore", UserWarning)
+            stored = torch.frombuffer(raw, dtype=PLAIN[dtype]).reshape(shape)
+        return stored.clone() if into in (None, stored.dtype) else stored.to(into)
     qtype = GGMLQuantizationType[dtype]
     rows = raw.reshape(-1, raw.nbytes // (int(np.prod(shape[:-1])) if len(shape) > 1 else 1))
-    return torch.from_numpy(quants.dequantize(rows, qtype).astype(np.float32, copy=False)).reshape(shape)
+    t = torch.from_numpy(quants.dequantize(rows, qtype).astype(np.float32, copy=False)).reshape(shape)
+    return t if into is None else t.to(into)
 
 
 def raw_rows(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
