@@ -3,6 +3,8 @@
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models, GET /health, GET /v1/cluster     (workers, devices, blocks, memory, latency, slots,
                                                        recoveries)
+    llama-server's: /completions, /chat/completions, /models, /v1/health, POST /tokenize, POST /detokenize;
+    CORS for browsers (preflight answered without the API key)
     POST /v1/cluster/workers {"address": "host:port"}  (admit a new worker; stages move onto it)
 
 The app answers from the start; serve.py loads the model behind it (/health answers 503 until
@@ -187,19 +189,11 @@ async def _json_body(request: web.Request) -> dict:
 
 
 def _check_model(backend: Backend, body: dict) -> None:
-    """A missing model means the one served (llama-server's leniency); a wrong one is an error."""
+    """Any model name is answered by the one model served, as llama-server does: clients come with
+    their own default names ("gpt-3.5-turbo") and aliases."""
     model = body.get("model")
-    if model is None or model == "":
-        return
-    if not isinstance(model, str):
+    if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    if model not in backend.names:
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{backend.model_id}`.",
-            param="model",
-            code="model_not_found",
-        )
 
 
 async def _generate(request: web.Request, parse) -> web.StreamResponse:
@@ -328,8 +322,42 @@ async def models(request: web.Request) -> web.Response:
 
 async def model(request: web.Request) -> web.Response:
     backend: Backend = request.app[BACKEND]
-    _check_model(backend, {"model": request.match_info["model"]})
+    name = request.match_info["model"]
+    if name not in backend.names:
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist; this server serves `{backend.model_id}`.",
+            param="model",
+            code="model_not_found",
+        )
     return web.json_response(_model_card(backend))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """llama-server's POST /tokenize: {"content", "add_special", "with_pieces"} -> {"tokens"}."""
+    body = await _json_body(request)
+    content, add_special = body.get("content", ""), body.get("add_special", False)
+    if not isinstance(content, str) or not isinstance(add_special, bool):
+        raise bad_request("'content' must be a string and 'add_special' a boolean")
+    tokenizer = request.app[BACKEND].tokenizer
+    ids = tokenizer.encode(content, add_special=add_special, parse_special=True)
+    if body.get("with_pieces"):
+        return web.json_response({"tokens": [{"id": i, "piece": tokenizer.token_text(i)} for i in ids]})
+    return web.json_response({"tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """llama-server's POST /detokenize: {"tokens"} -> {"content"}."""
+    body = await _json_body(request)
+    tokens = body.get("tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("'tokens' must be a list of token ids", "tokens")
+    tokenizer = request.app[BACKEND].tokenizer
+    try:
+        ids = tokenizer.check_ids(tokens)
+    except ValueError as e:
+        raise bad_request(str(e), "tokens") from None
+    return web.json_response({"content": tokenizer.decode(ids, skip_special=False)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -396,9 +424,30 @@ async def _openai_errors(request: web.Request, handler):
 
 
 @web.middleware
+async def _preflight(request: web.Request, handler):
+    """A browser's CORS preflight is answered before the API key is asked for (it never carries
+    one); the key still guards every request that follows."""
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+                "Access-Control-Max-Age": "86400",
+            },
+        )
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Any page may call the API from a browser, as llama-server allows by default."""
+    response.headers["Access-Control-Allow-Origin"] = "*"
+
+
+@web.middleware
 async def _api_key(request: web.Request, handler):
     key = request.app[API_KEY]
-    if key and request.path != "/health":
+    if key and request.path not in ("/health", "/v1/health"):
         given = request.headers.get("Authorization", "")
         given = given[7:] if given.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(given.encode(), key.encode()):
@@ -409,15 +458,20 @@ async def _api_key(request: web.Request, handler):
 
 
 def create_app(backend: Backend, api_key: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[_openai_errors, _api_key], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[_openai_errors, _preflight, _api_key], client_max_size=MAX_BODY)
+    app.on_response_prepare.append(_cors_headers)
     app[BACKEND], app[API_KEY] = backend, api_key
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/completions", completions)  # llama-server answers these too
     app.router.add_post("/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/health", health)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/cluster", cluster)
     app.router.add_post("/v1/cluster/workers", add_worker)
     return app

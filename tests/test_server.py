@@ -223,7 +223,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         (call(url, "/v1/chat/completions", b'{"messages": [oops'), 400, None),
         (call(url, "/v1/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400, None),
         (call(url, "/v1/completions", b'{"prompt": "hi", "stop": ' + b"[" * 200 + b"]" * 200 + b"}"), 400, None),
-        (call(url, "/v1/completions", {"model": "no-such-model", "prompt": "hi"}), 404, "model_not_found"),
+        (call(url, "/v1/models/no-such-model"), 404, "model_not_found"),
+        (call(url, "/v1/completions", {"model": 7, "prompt": "hi"}), 400, None),
+        (call(url, "/detokenize", {"tokens": [10**9]}), 400, None),
+        (call(url, "/tokenize", {"content": 5}), 400, None),
         (call(url, "/v1/completions", {"prompt": "hi", "max_tokens": -1}), 400, None),
         (call(url, "/v1/completions", {"prompt": "tick tock " * 200}), 400, "context_length_exceeded"),
         (call(url, "/v1/chat/completions", {"messages": "hi"}), 400, None),
@@ -245,6 +248,40 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert call(url, "/health", key=None) == (200, {"status": "ok"})  # no key needed, like llama-server
     assert [m.id for m in client.models.list()] == [model.name]
     assert client.completions.create(model=model.name, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_llama_server_clients_find_what_they_call(server, client, model):
+    """Any model name (a client's default), /models, /v1/health, /tokenize, /detokenize, and CORS
+    for a browser page: a preflight without the key, then the key on the real request."""
+    url = server.url
+    asked = client.completions.create(model="gpt-3.5-turbo", prompt="Once upon a time", max_tokens=4, temperature=0)
+    served = client.completions.create(model=model.name, prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert asked.choices[0].text == served.choices[0].text
+    assert [m["id"] for m in call(url, "/models")[1]["data"]] == [model.name]
+    assert call(url, "/v1/health", key=None) == (200, {"status": "ok"})
+    tokens = call(url, "/tokenize", {"content": "Once upon a time"})[1]["tokens"]
+    assert tokens and all(isinstance(t, int) for t in tokens)
+    assert call(url, "/detokenize", {"tokens": tokens}) == (200, {"content": "Once upon a time"})
+    pieces = call(url, "/tokenize", {"content": "Once upon", "with_pieces": True})[1]["tokens"]
+    assert "".join(p["piece"] for p in pieces).replace("\u0120", " ") == "Once upon"
+
+    preflight = urllib.request.Request(
+        url + "/v1/chat/completions",
+        method="OPTIONS",
+        headers={
+            "Origin": "http://localhost:3000",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    with urllib.request.urlopen(preflight, timeout=30) as r:
+        assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "*"
+        assert "POST" in r.headers["Access-Control-Allow-Methods"]
+        assert "authorization" in r.headers["Access-Control-Allow-Headers"]
+    request = urllib.request.Request(url + "/v1/models", headers={"Origin": "http://localhost:3000"})
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the key is still required
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 401 and refused.value.headers["Access-Control-Allow-Origin"] == "*"
 
 
 def test_eight_concurrent_streams_match_the_same_requests_one_at_a_time(client, model):
