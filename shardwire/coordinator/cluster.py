@@ -256,7 +256,7 @@ class Cluster:
 
     # -- recovering ----------------------------------------------------------------------
 
-    def _reconnect(self, link: WorkerLink, lost_at: float, timeout: float) -> None:
+    def _reconnect(self, link: WorkerLink, timeout: float, lost_at: float) -> None:
         try:
             self._connect_link(link, timeout=timeout)
             link.lost_since = None
@@ -279,12 +279,9 @@ class Cluster:
             # All at once, and on the first pass the workers already counted lost get a second:
             # one frozen or behind a dead route would hold recovery for the whole connect timeout.
             # One left out is probed by the heartbeat, and the plan moves back when it answers.
-            def reconnect(link: WorkerLink) -> None:
-                quick = first_pass and link.name in lost
-                self._reconnect(link, start, 1.0 if quick else self.heartbeat.dead_after)
-
+            timeouts = [1.0 if first_pass and l.name in lost else self.heartbeat.dead_after for l in self.links]
             with ThreadPoolExecutor(max(1, len(self.links))) as pool:
-                list(pool.map(reconnect, self.links))
+                list(pool.map(self._reconnect, self.links, timeouts, [start] * len(self.links)))
             first_pass = False
             live = [l for l in self.links if l.alive]
             try:
