@@ -24,10 +24,11 @@ from .engine import Engine, Request
 from .formats import open_model
 from .generate import sampling_from_args, speeds, stream
 from .tokenizer import load_tokenizer
+from .wire.tls import ClientTLS
 
 log = logging.getLogger("shardwire.demo")
 
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_LISTENING = re.compile(r"listening on (\S+):(\d+) \(TLS (sha256:[0-9a-f]{64})")
 
 
 class LocalWorkers:
@@ -37,6 +38,7 @@ class LocalWorkers:
         self.count, self.device, self.threads, self.token, self.log_level = count, device, threads, token, log_level
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
+        self.fingerprints: set[str] = set()  # the certificates they printed: the demo trusts exactly these
 
     def __enter__(self) -> "LocalWorkers":
         try:
@@ -87,17 +89,18 @@ class LocalWorkers:
             threading.Thread(
                 target=self._read, args=(i, proc, ports), daemon=True, name=f"worker{i + 1}-output"
             ).start()
-        found: dict[int, str] = {}
+        found: dict[int, tuple[str, str]] = {}
         deadline = time.monotonic() + timeout
         while len(found) < self.count:
             try:
-                i, address = ports.get(timeout=max(0.0, deadline - time.monotonic()))
+                i, listening = ports.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise RuntimeError(f"the workers did not start within {timeout:.0f} s") from None
-            if address is None:
+            if listening is None:
                 raise RuntimeError(f"worker {i + 1} exited before listening (exit code {self.procs[i].wait()})")
-            found[i] = address
-        self.addresses = [found[i] for i in range(self.count)]
+            found[i] = listening
+        self.addresses = [found[i][0] for i in range(self.count)]
+        self.fingerprints = {fingerprint for _, fingerprint in found.values()}
 
     def _read(self, i: int, proc: subprocess.Popen, ports: queue.Queue) -> None:
         """Finds the port the worker printed, then keeps its pipe drained, passing on what it logs."""
@@ -106,7 +109,7 @@ class LocalWorkers:
             m = _LISTENING.search(line)
             if m and not announced:
                 announced = True
-                ports.put((i, f"{m[1]}:{m[2]}"))
+                ports.put((i, (f"{m[1]}:{m[2]}", m[3])))
             level = logging.WARNING if re.search(r" (WARNING|ERROR|CRITICAL) ", line) else logging.DEBUG
             log.log(level, "[worker %d] %s", i + 1, line.rstrip())
         if not announced:
@@ -178,7 +181,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 f"{args.threads} thread{'s' if args.threads != 1 else ''})",
                 flush=True,
             )
-        cluster = Cluster(workers.addresses, token=token, show_progress=True)
+        # its own workers, on ports that change every run: pinned as they printed, not as known hosts
+        cluster = Cluster(workers.addresses, token=token, tls=ClientTLS(pins=workers.fingerprints), show_progress=True)
         try:
             cluster.connect(model)
             plan = cluster.make_plan(tensor_split=[1.0] * args.workers, n_slots=1, ctx=ctx)

@@ -186,7 +186,7 @@ def own_certificate(folder: Path) -> ServerTLS:
         _, _, fp = generate_certificate(scratch, [socket.gethostname(), "localhost", "127.0.0.1"], name="worker")
         try:
             os.rename(scratch, final)
-            log.warning("made this worker's TLS certificate %s in %s", fp, final)
+            log.info("made this worker's TLS certificate %s in %s", fp, final)  # its start line shows it
         except OSError:  # another worker made it first
             shutil.rmtree(scratch, ignore_errors=True)
     return ServerTLS(final / "worker.crt", final / "worker.key")
