@@ -25,6 +25,38 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a random one)")
 
 
+def _add_server_defaults_args(p: argparse.ArgumentParser) -> None:
+    """llama-server's flags for what a request leaves out; a flag not given leaves each endpoint
+    its own default (OpenAI's on /v1, llama.cpp's on /completion)."""
+    g = p.add_argument_group("request defaults (llama-server's flags)")
+    g.add_argument("--temp", "--temperature", type=float, default=None, help="temperature; 0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--top-p", type=float, default=None, help="1.0 = off")
+    g.add_argument("--min-p", type=float, default=None, help="0.0 = off")
+    g.add_argument("--repeat-penalty", type=float, default=None, help="1.0 = off")
+    g.add_argument("--repeat-last-n", type=int, default=None, help="tokens the penalty looks back")
+    g.add_argument("-s", "--seed", type=int, default=None, help="seed of requests without one (-1: random each)")
+    g.add_argument(
+        "-n",
+        "--n-predict",
+        "--predict",
+        type=int,
+        default=-1,
+        help="most tokens per completion, for requests without max_tokens/n_predict and as a cap on "
+        "those with it (default: %(default)s = up to the end of the context)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template instead of the model's: a built-in name (chatml, llama3, gemma, phi3, zephyr) "
+        "or Jinja text",
+    )
+    g.add_argument("--chat-template-file", default=None, help="chat template instead of the model's, from a file")
+    g.add_argument(
+        "--jinja", action="store_true", help="accepted for llama-server's command lines: templates are Jinja"
+    )
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf file (first part of a split model) or a Hugging Face folder")
     p.add_argument(
@@ -37,8 +69,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=COMPUTE_DTYPES,
-        help="compute dtype (default: each device's own: bfloat16 on cuda and on CPUs with native "
-        "bf16, float16 on mps, else float32; a worker's devices as that worker reports them)",
+        help="compute dtype (default: each device's own, as its worker reports it: float32 on CPUs with "
+        "ggml's kernels, as llama.cpp's CPU backend; bfloat16 on cuda and, without ggml, on CPUs with "
+        "native bf16; float16 on mps; else float32; raised where it would round the file's weights: an "
+        "F32 file computes in float32, F16 weights never in bfloat16)",
     )
     p.add_argument(
         "--weights",
@@ -123,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="0 = any free port (default: %(default)s)")
-    api_key_help = "clients must send Authorization: Bearer KEY (env SHARDWIRE_API_KEY; default: none)"
+    api_key_help = (
+        "clients must send Authorization: Bearer KEY or X-Api-Key: KEY (env SHARDWIRE_API_KEY; default: none)"
+    )
     p.add_argument("--api-key", default=os.environ.get("SHARDWIRE_API_KEY"), help=api_key_help)
     p.add_argument(
         "-np",
@@ -133,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences decoded together, each with its own KV cache of --ctx-size (default: %(default)s)",
     )
     p.add_argument("-a", "--alias", default=None, help="model name in the API (default: the file name)")
+    p.add_argument(
+        "--cors-origins",
+        default="*",
+        help="comma-separated origins whose browser pages may call the API; '*' = any, '' = none "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at GET /metrics")
+    _add_server_defaults_args(p)
     add_cluster_args(p)
     p.set_defaults(func=cmd_serve)
 

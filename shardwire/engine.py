@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .constrain import Grammar, RowConstraint, vocabulary_of
 from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams
 
@@ -37,6 +38,7 @@ class Request:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # what the output must follow (see constrain.py)
 
     def __post_init__(self):
         if not self.prompt:
@@ -132,6 +134,7 @@ class Engine:
         pipeline.on_result = lambda result: self._inbox.put((self._on_result, result))
         pipeline.on_wake = lambda: self._inbox.put((self._on_wake, None))
         self._recoverable = isinstance(pipeline, Recoverable)
+        self._vocabulary_given = False
         self._thread = threading.Thread(target=self._loop, name="shardwire-engine", daemon=True)
         self._thread.start()
 
@@ -195,6 +198,12 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             self._finish_handle(handle, "error", f"token ids must be in [0, {vocab}), the vocabulary of this model")
             return
+        if handle.request.grammar is not None and not self._vocabulary_given:
+            if self.tokenizer is None or not hasattr(self.pipeline, "use_vocabulary"):
+                self._finish_handle(handle, "error", "this engine cannot constrain output")
+                return
+            self.pipeline.use_vocabulary(vocabulary_of(self.tokenizer))
+            self._vocabulary_given = True
         self._waiting.append(handle)
 
     def _on_cancel(self, handle: Handle) -> None:
@@ -313,20 +322,28 @@ class Engine:
 
     def _prefill(self, seq: _Sequence) -> None:
         """The prompt in chunks from position 0; the last samples the first token, unless a replay
-        knows it already."""
+        knows it already. The last also (re)builds the sequence's grammar matcher from every token
+        generated so far, so a replay leaves it where it was."""
         tokens, n = seq.tokens, seq.n_prompt
         for start in range(0, n, self.prefill_chunk):
             chunk = tokens[start : min(start + self.prefill_chunk, n)]
             last = start + len(chunk) == len(tokens)
             row = Row(seq.slot, start, chunk, seq.request.sampling if last else None, self._recent(seq) if last else [])
+            grammar = seq.request.grammar
+            if grammar is not None and start + len(chunk) == n:
+                generated = tokens[n:]
+                row.constraint = RowConstraint(grammar.key, len(generated), grammar.text, generated)
             self._send(Step([row]), [seq])
 
     def _decode_row(self, seq: _Sequence, at: int) -> Row:
         """The token at position `at`; it samples only if it is the last (a replay knows what follows)."""
         last = at == len(seq.tokens) - 1
-        return Row(
+        row = Row(
             seq.slot, at, [seq.tokens[at]], seq.request.sampling if last else None, self._recent(seq) if last else []
         )
+        if last and seq.request.grammar is not None:
+            row.constraint = RowConstraint(seq.request.grammar.key, seq.n_generated)
+        return row
 
     @staticmethod
     def _recent(seq: _Sequence) -> list[int]:

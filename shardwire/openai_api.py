@@ -6,15 +6,18 @@ Pure functions over dicts; the HTTP side lives in server.py.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+from .constrain import ConstraintError, Grammar, vocabulary_of
 from .engine import Event, Request
-from .sampling import SamplingParams
+from .sampling import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_CHOICES = 128  # prompts x n in one request
-MAX_STOPS = 4
+MAX_STOPS = 64  # OpenAI allows 4; llama-server any number, and its clients send more
 
 
 class APIError(Exception):
@@ -70,18 +73,93 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _reject_unsupported(body: dict) -> None:
-    for name in ("tools", "functions", "logit_bias", "suffix"):
+    for name in ("tools", "functions", "suffix"):
         if body.get(name):
             raise bad_request(f"'{name}' is not supported by this server", name)
+
+
+def _grammar(body: dict, tokenizer) -> Grammar | None:
+    """The output's constraint: OpenAI's response_format (json_object, json_schema), or
+    llama-server's json_schema (a schema) or grammar (GBNF) fields; at most one of them."""
+    asked = []
     fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request('only response_format {"type": "text"} is supported', "response_format")
+    if fmt is not None:
+        kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+        if kind == "json_object":  # llama-server lets a schema ride along
+            asked.append(("response_format", "json_schema", fmt.get("schema") or {"type": "object"}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else fmt.get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema, an object", "response_format")
+            asked.append(("response_format", "json_schema", schema))
+        elif kind != "text":
+            raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format")
+    if body.get("json_schema") is not None:
+        if not isinstance(body["json_schema"], dict):
+            raise bad_request("'json_schema' must be a JSON schema object", "json_schema")
+        asked.append(("json_schema", "json_schema", body["json_schema"]))
+    if body.get("grammar") is not None and body.get("grammar") != "":
+        if not isinstance(body["grammar"], str):
+            raise bad_request("'grammar' must be a GBNF grammar in a string", "grammar")
+        asked.append(("grammar", "gbnf", body["grammar"]))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad_request(f"only one of {', '.join(a[0] for a in asked)} may constrain the output", asked[1][0])
+    param, kind, source = asked[0]
+    if tokenizer is None:
+        raise bad_request("this server cannot constrain output without the model's tokenizer", param)
+    try:
+        return Grammar.compile(kind, source, vocabulary_of(tokenizer))
+    except ConstraintError as e:
+        raise bad_request(str(e), param, "invalid_grammar") from None
 
 
-def _sampling(body: dict, logprobs: int | None) -> SamplingParams:
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def _logit_bias(body: dict, tokenizer) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}; llama-server also takes [[id or text, bias], ...], text keys
+    (every token of the text gets the bias) and false for a bias that bans the token."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise bad_request("'logit_bias' must map token ids to biases", "logit_bias")
+    vocab = tokenizer.vocab_size if tokenizer is not None else None
+    out: dict[int, float] = {}
+    for key, bias in items:
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias values must be in [-100, 100] (or false), got {bias!r}", "logit_bias")
+        if isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        elif isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            ids = [int(key)]
+        elif isinstance(key, str) and key and tokenizer is not None:
+            ids = tokenizer.encode(key, add_special=False)
+        else:
+            raise bad_request(f"logit_bias keys must be token ids or text, got {key!r}", "logit_bias")
+        for i in ids:
+            if i < 0 or (vocab is not None and i >= vocab):
+                raise bad_request(f"logit_bias token id {i} is not in the vocabulary [0, {vocab})", "logit_bias")
+            out[i] = float(bias)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    return tuple(sorted(out.items()))
+
+
+def _sampling(body: dict, logprobs: int | None, tokenizer=None) -> SamplingParams:
     """OpenAI's defaults, not llama.cpp's: temperature 1.0 and top_p 1.0 with top_k and min_p off,
     so an unchanged OpenAI client samples from the model's whole distribution. top_k, min_p,
-    repeat_penalty and repeat_last_n are llama-server's extra fields, accepted for its users."""
+    repeat_penalty and repeat_last_n are llama-server's extra fields, accepted for its users.
+    `tokenizer` reads logit_bias keys given as text and checks their ids."""
     temperature = _number(body, "temperature", 1.0, 0, 2)
     top_p = _number(body, "top_p", 1.0, 0, 1)
     if top_p == 0:  # OpenAI accepts 0: only the most likely token survives
@@ -98,6 +176,7 @@ def _sampling(body: dict, logprobs: int | None) -> SamplingParams:
         repeat_last_n=_number(body, "repeat_last_n", 64, 0, integer=True),  # llama-server's penalty window
         seed=None if seed is None else seed % (1 << 63),  # any integer; the wire carries 63 bits
         logprobs=logprobs,
+        logit_bias=_logit_bias(body, tokenizer),
     )
 
 
@@ -129,6 +208,7 @@ class Job:
     include_usage: bool = False
     ignore_eos: bool = False
     echo: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
+    grammar: Grammar | None = None  # what every choice's output must follow
     id: str = ""
     created: int = 0
 
@@ -164,14 +244,23 @@ class Job:
                         max_tokens=self.max_tokens if self.max_tokens is not None else ctx,
                         stop=self.stop,
                         ignore_eos=self.ignore_eos,
+                        grammar=self.grammar,
                     )
                 )
         return out
 
 
 def _common(
-    body: dict, kind: str, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None, echo: list[str] = ()
+    body: dict,
+    kind: str,
+    prompts: list[list[int]],
+    logprobs: int | None,
+    max_tokens: int | None,
+    echo: list[str] = (),
+    tokenizer=None,
 ) -> Job:
+    """The fields every kind of request shares. `tokenizer` checks logit_bias and compiles a
+    grammar (response_format, json_schema, grammar); without it those fields are refused."""
     _reject_unsupported(body)
     n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
     if n * len(prompts) > MAX_CHOICES:
@@ -185,14 +274,21 @@ def _common(
         kind,
         prompts,
         n,
-        _sampling(body, logprobs),
+        _sampling(body, logprobs, tokenizer),
         max_tokens,
         _stop(body),
         stream,
         include_usage,
         _bool(body, "ignore_eos"),
         list(echo),
+        _grammar(body, tokenizer),
     )
+
+
+def text_job(body: dict, prompts: list[list[int]], logprobs: int | None, max_tokens: int | None, tokenizer) -> Job:
+    """A text completion of prompts already tokenized, its other fields read as /v1/completions
+    reads them: llama-server's /completion builds its Job here."""
+    return _common(body, "text", prompts, logprobs, max_tokens, tokenizer=tokenizer)
 
 
 def parse_completion(body: dict, tokenizer) -> Job:
@@ -221,7 +317,7 @@ def parse_completion(body: dict, tokenizer) -> Job:
         prompts.append(ids)
     logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
     max_tokens = _number(body, "max_tokens", None, 0, integer=True)
-    return _common(body, "text", prompts, logprobs, max_tokens, texts if _bool(body, "echo") else ())
+    return _common(body, "text", prompts, logprobs, max_tokens, texts if _bool(body, "echo") else (), tokenizer)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -245,6 +341,13 @@ def _message(m, i: int) -> dict:
     return {**m, "role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
 
 
+def chat_messages(messages) -> list[dict]:
+    """Validated messages, ready for the chat template (llama-server's /apply-template too)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
 def parse_chat(body: dict, tokenizer) -> Job:
     """POST /v1/chat/completions: the model's own chat template, then its special tokens read as
     tokens (the template already wrote BOS where the model wants one)."""
@@ -266,7 +369,7 @@ def parse_chat(body: dict, tokenizer) -> Job:
     max_tokens = _number(body, "max_completion_tokens", None, 0, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", None, 0, integer=True)
-    return _common(body, "chat", [prompt], (top or 0) if wants_logprobs else None, max_tokens)
+    return _common(body, "chat", [prompt], (top or 0) if wants_logprobs else None, max_tokens, tokenizer=tokenizer)
 
 
 # -- responses ---------------------------------------------------------------------------------

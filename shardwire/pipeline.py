@@ -15,6 +15,7 @@ from typing import Callable, Protocol, runtime_checkable
 import psutil
 import torch
 
+from .constrain import Matchers, RowConstraint, Vocabulary
 from .devices import free_memory
 from .model import Stage
 from .sampling import Sampled, SamplingParams, sample
@@ -27,6 +28,7 @@ class Row:
     tokens: list[int]
     sampling: SamplingParams | None = None
     recent: list[int] = field(default_factory=list)  # for repetition penalties
+    constraint: RowConstraint | None = None  # a grammar's matcher to follow (see constrain.py)
 
 
 @dataclass
@@ -56,7 +58,9 @@ class PipelineError(RuntimeError):
 
 class Pipeline(Protocol):
     """What the engine drives: stages in this process (LocalPipeline) or on workers
-    (coordinator.remote.RemotePipeline). Results arrive through on_result, from any thread."""
+    (coordinator.remote.RemotePipeline). Results arrive through on_result, from any thread.
+    One that can constrain output also has use_vocabulary(vocabulary), which the engine calls
+    before its first constrained row."""
 
     n_slots: int
     ctx: int
@@ -84,12 +88,18 @@ class Recoverable(Pipeline, Protocol):
     def recover(self) -> dict: ...
 
 
-def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Sampled | None]:
-    """Sample each row that asks for it from last-position logits [B, 1, vocab]."""
+def sample_rows(logits: torch.Tensor, rows: list[Row], matchers: Matchers | None = None) -> list[Sampled | None]:
+    """Sample each row that asks for it from last-position logits [B, 1, vocab]; rows with a
+    constraint follow their slot's matcher in `matchers`."""
+    for row in rows:
+        if row.constraint is not None:
+            if matchers is None:
+                raise ValueError("this pipeline cannot constrain output")
+            matchers.prepare(row.slot, row.constraint)
     if all(
         r.sampling is not None
-        and r.sampling.greedy
-        and r.sampling.logprobs is None
+        and r.sampling.plain_greedy
+        and r.constraint is None
         and not (r.sampling.penalized and r.recent)
         for r in rows
     ):
@@ -104,7 +114,13 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> list[Sampled | None]:
             out.append(None)
         else:
             position = row.start + len(row.tokens)
-            out.append(sample(logits[i, -1], row.sampling, position, row.recent))
+            allowed = None
+            if row.constraint is not None:
+                allowed = matchers.allowed(row.slot, logits.shape[-1])
+            sampled = sample(logits[i, -1], row.sampling, position, row.recent, allowed)
+            if row.constraint is not None:
+                matchers.consume(row.slot, sampled.token)
+            out.append(sampled)
     return out
 
 
@@ -116,6 +132,7 @@ class LocalPipeline:
         self.vocab_size = stages[0].cfg.vocab_size
         for stage in stages:
             stage.allocate_cache(n_slots, ctx)
+        self.matchers = Matchers()
         self.on_result: Callable[[StepResult], None] = lambda result: None
         self.on_wake: Callable[[], None] = lambda: None
 
@@ -130,10 +147,13 @@ class LocalPipeline:
         try:
             for stage in self.stages:
                 x = stage(x, slots, starts)
-            result = StepResult(step.id, sample_rows(x, step.rows))
+            result = StepResult(step.id, sample_rows(x, step.rows, self.matchers))
         except (ValueError, RuntimeError) as e:
             result = StepResult(step.id, error=PipelineError(str(e)))
         self.on_result(result)
+
+    def use_vocabulary(self, vocabulary: Vocabulary) -> None:
+        self.matchers.use_vocabulary(vocabulary)
 
     def free(self, slot: int) -> None:
         pass  # a slot's cache is simply overwritten by its next sequence
@@ -174,3 +194,4 @@ class LocalPipeline:
 
     def close(self) -> None:
         self.stages = []
+        self.matchers.close()

@@ -15,6 +15,26 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+MAX_LOGIT_BIAS = 1024  # entries; they travel with every step
+
+
+def _bias_pairs(pairs) -> tuple[tuple[int, float], ...]:
+    """Checked (id, bias) pairs, by id; from a wire dict they arrive as lists."""
+    if not isinstance(pairs, (tuple, list)) or len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError("logit_bias entries are (token id, bias) pairs")
+        token, bias = pair
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 1 << 31:
+            raise ValueError("logit_bias token ids must be non-negative ints")
+        number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not number or not (-100 <= bias <= 100 or bias == -math.inf):
+            raise ValueError("a logit_bias value must be in [-100, 100], or -inf to ban the token")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,8 +48,10 @@ class SamplingParams:
     repeat_last_n: int = 64
     seed: int = 0
     logprobs: int | None = None  # how many top alternatives to report; None: no logprobs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf bans it
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
@@ -46,6 +68,11 @@ class SamplingParams:
                 raise ValueError(message)
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply first: one argmax over a batch can serve it."""
+        return self.greedy and self.logprobs is None and not self.logit_bias
+
+    @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
@@ -54,7 +81,10 @@ class SamplingParams:
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not self.logit_bias:
+            del out["logit_bias"]  # the common case stays off the wire
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -137,13 +167,34 @@ def _candidates(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | 
     return ids
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int, recent: list[int] | None = None) -> Sampled:
-    """Pick the token at `position` from the logits [vocab] of one sequence.
+def _bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    ids = [i for i, _ in params.logit_bias if i < logits.numel()]
+    if not ids:
+        return logits
+    logits = logits.clone()
+    logits[ids] += torch.tensor([b for i, b in params.logit_bias if i < logits.numel()], dtype=logits.dtype)
+    return logits
 
-    Order as llama.cpp's default chain: penalties, top-k, top-p, min-p, temperature, draw.
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    recent: list[int] | None = None,
+    allowed: torch.Tensor | None = None,
+) -> Sampled:
+    """Pick the token at `position` from the logits [vocab] of one sequence; `allowed`, a bool
+    mask over them, is what a grammar permits.
+
+    Order as llama.cpp's default chain: logit bias, grammar, penalties, top-k, top-p, min-p,
+    temperature, draw. Logprobs are the model's own, before any of these.
     """
     logits = logits.detach().float().cpu().contiguous()
     raw = logits
+    if params.logit_bias:
+        logits = _bias(logits, params)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -math.inf)
     if params.penalized and recent:
         logits = _penalize(logits, params, recent)
     if params.greedy:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .backend import ServerSettings
+from .chat_templates import chosen_template
 from .coordinator.launch import build_pipeline
 from .devices import set_threads
 from .engine import Engine
@@ -24,6 +26,9 @@ def run_serve(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     model = open_model(args.model)
     tokenizer = load_tokenizer(model)
+    template = chosen_template(args.chat_template, args.chat_template_file)
+    if template is not None:
+        tokenizer.chat_template = template
     name = args.alias or Path(args.model).name
     cfg = model.config
     backend = Backend(
@@ -36,8 +41,39 @@ def run_serve(args: argparse.Namespace) -> int:
             "vocab_size": cfg.vocab_size,
             "context_length": cfg.context_length,
         },
+        settings(args),
     )
     return asyncio.run(_serve(args, model, backend))
+
+
+_SAMPLING_FLAGS = {
+    "temperature": "temp",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "seed": "seed",
+}
+
+
+def settings(args: argparse.Namespace) -> ServerSettings:
+    """The flags that set request defaults: only those given (a --seed of -1 is no seed)."""
+    sampling = {
+        field: getattr(args, flag) for field, flag in _SAMPLING_FLAGS.items() if getattr(args, flag) is not None
+    }
+    if sampling.get("seed") == -1:
+        del sampling["seed"]
+    return ServerSettings(
+        sampling=sampling,
+        n_predict=None if args.n_predict < 0 else args.n_predict,
+        model_path=str(args.model),
+        metrics=args.metrics,
+    )
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
@@ -48,7 +84,9 @@ async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C raises KeyboardInterrupt instead
             pass
-    runner = web.AppRunner(create_app(backend, args.api_key), handler_cancellation=True, shutdown_timeout=3)
+    runner = web.AppRunner(
+        create_app(backend, args.api_key, _origins(args.cors_origins)), handler_cancellation=True, shutdown_timeout=3
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()

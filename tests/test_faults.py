@@ -316,9 +316,9 @@ def test_a_restarted_coordinator_ships_no_weights_to_the_workers_that_kept_runni
     """`shardwire serve` killed outright (its connections close), or frozen (they stay open and
     silent, as when its machine dies), and started again against the same worker processes:
     they kept their caches, so the second start sends zero weight bytes and answers alike."""
-    from test_server import ServeProcess, call
-
     from shardwire.worker.server import COORDINATOR_SILENT
+
+    from test_server import ServeProcess, call
 
     path = model_path("qwen2", "F32")
     workers = [WorkerProcess(tmp_path / f"cache{i}").start() for i in range(2)]

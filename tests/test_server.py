@@ -20,10 +20,12 @@ pytestmark = pytest.mark.slow  # worker processes
 
 openai = pytest.importorskip("openai")
 
+from shardwire.devices import default_dtype  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.loading import load_stage  # noqa: E402
 from shardwire.pipeline import LocalPipeline, PipelineError  # noqa: E402
+from shardwire.quant.measure import fastest_formats  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
 from shardwire.tokenizer import load_tokenizer  # noqa: E402
 
@@ -71,6 +73,7 @@ class ServeProcess:
             "1",
             "--dtype",
             "float32",
+            "--metrics",
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
@@ -143,7 +146,10 @@ def reference(model):
     """The same model in this process, one request at a time: what the server must produce."""
     m = open_model(model)
     tokenizer = load_tokenizer(m)
-    engine = Engine(LocalPipeline([load_stage(m, 0, m.config.n_layers)], n_slots=1, ctx=CTX), tokenizer)
+    # the kernels the workers measured fastest here: seeded sampling over the whole vocabulary
+    # follows the last bits of the logits
+    stage = load_stage(m, 0, m.config.n_layers, weights="fast", fastest=fastest_formats("cpu", default_dtype("cpu")))
+    engine = Engine(LocalPipeline([stage], n_slots=1, ctx=CTX), tokenizer)
 
     def run(prompt: list[int], n: int, sampling=SamplingParams(temperature=0.0)) -> str:
         return engine.submit(Request(prompt, sampling, max_tokens=n)).result()
@@ -274,14 +280,15 @@ def test_llama_server_clients_find_what_they_call(server, client, model):
             "Access-Control-Request-Headers": "authorization, content-type",
         },
     )
-    with urllib.request.urlopen(preflight, timeout=30) as r:
-        assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "*"
+    with urllib.request.urlopen(preflight, timeout=30) as r:  # any origin by default, as llama-server
+        assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
         assert "POST" in r.headers["Access-Control-Allow-Methods"]
-        assert "authorization" in r.headers["Access-Control-Allow-Headers"]
+        assert "authorization" in r.headers["Access-Control-Allow-Headers"].lower()
     request = urllib.request.Request(url + "/v1/models", headers={"Origin": "http://localhost:3000"})
     with pytest.raises(urllib.error.HTTPError) as refused:  # the key is still required
         urllib.request.urlopen(request, timeout=30)
-    assert refused.value.code == 401 and refused.value.headers["Access-Control-Allow-Origin"] == "*"
+    assert refused.value.code == 401
+    assert refused.value.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
 
 
 def test_eight_concurrent_streams_match_the_same_requests_one_at_a_time(client, model):
@@ -339,6 +346,28 @@ def test_health_and_cluster_status(server):
     while any(w["latency_ms"] is None for w in status(server)["cluster"]["workers"]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(w["latency_ms"] is not None for w in status(server)["cluster"]["workers"])
+
+
+def test_metrics_show_each_worker(server, client, model):
+    """GET /metrics (--metrics): llama-server's counters, and per worker its heartbeat latency and
+    the bytes on the coordinator's connection to it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=model.name, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    names = [w["name"] for w in status(server)["cluster"]["workers"]]
+
+    def per_worker(family: str) -> dict:
+        return {s.labels["worker"]: s.value for s in families[family].samples if "worker" in s.labels}
+
+    assert families["llamacpp:tokens_predicted"].samples[0].value >= 3
+    assert sorted(per_worker("shardwire:worker_latency_seconds")) == sorted(names)
+    assert per_worker("shardwire:worker_alive") == dict.fromkeys(names, 1.0)
+    assert all(v > 0 for v in per_worker("shardwire:wire_sent_bytes").values())
+    assert all(v > 0 for v in per_worker("shardwire:wire_received_bytes").values())
+    assert "shardwire:recoveries" in families
 
 
 def test_a_lost_worker_is_survived_then_readmitted_and_new_workers_join(server, workers, client, model, tmp_path):

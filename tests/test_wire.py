@@ -45,6 +45,7 @@ from shardwire.wire.messages import (
     StageReport,
     StageSpec,
     TensorSpec,
+    Vocab,
     Weights,
     Welcome,
     parse_message,
@@ -264,6 +265,17 @@ EXAMPLES = [
     Ready([StageReport(0, 1000, 200), StageReport(1, 50, 20)], {"file": 10, "cache": 0, "streamed": 5}),
     Forward("plan1", 7, [(0, 0, 4), (2, 10, 4)], [None, {"temperature": 0.0}], [[], [1, 2]], "float32", [2, 4, 16]),
     Result(7, [None, 42], [None, [-0.5, [[42, -0.5], [7, -1.25]]]]),
+    Forward(
+        "plan1",
+        8,
+        [(0, 4, 1), (1, 9, 1)],
+        [{"temperature": 1.0}, {"temperature": 0.0}],
+        [[], []],
+        "int32",
+        [2, 1],
+        [{"key": "c" * 64, "consumed": 2, "grammar": '{"grammars": []}', "tokens": [5, 6]}, None],
+    ),
+    Vocab("plan1", 3, [2]),
 ]
 
 

@@ -14,9 +14,10 @@ from typing import Callable
 
 import numpy as np
 
+from ..constrain import Vocabulary
 from ..pipeline import PipelineError, Step, StepResult
 from ..wire.conn import RemoteError
-from ..wire.messages import Forward, Free, Result
+from ..wire.messages import Forward, Free, Result, Vocab
 from .links import LinkEvents, WorkerLink
 
 log = logging.getLogger("shardwire.cluster")
@@ -33,6 +34,7 @@ class RemotePipeline:
         self._in_flight: dict[int, Step] = {}
         self._lock = threading.Lock()
         self._last_progress = time.monotonic()
+        self._vocabulary: Vocabulary | None = None
 
     def attach(
         self, links: list[WorkerLink], plan_id: str, n_slots: int, ctx: int, n_stages: int, vocab_size: int
@@ -41,6 +43,8 @@ class RemotePipeline:
         self.links, self.plan_id = links, plan_id
         self.n_slots, self.ctx, self.n_stages, self.vocab_size = n_slots, ctx, n_stages, vocab_size
         self.broken, self.rebalance_due = None, False
+        if self._vocabulary is not None:
+            self._send_vocabulary()
 
     @property
     def events(self) -> LinkEvents:
@@ -61,6 +65,18 @@ class RemotePipeline:
             first.conn.send(Forward.of_rows(self.plan_id, step.id, step.rows), payload, request=step.id)
         except OSError as e:
             self.link_lost(first, f"worker {first.name} is gone ({e})")
+
+    def use_vocabulary(self, vocabulary: Vocabulary) -> None:
+        """Send the grammar matchers' vocabulary to the worker that samples, now and after every recovery."""
+        self._vocabulary = vocabulary
+        self._send_vocabulary()
+
+    def _send_vocabulary(self) -> None:
+        last, vocab = self.links[-1], self._vocabulary
+        try:
+            last.conn.send(Vocab(self.plan_id, len(vocab.tokens), list(vocab.eos)), vocab.to_payload())
+        except OSError as e:
+            self.link_lost(last, f"worker {last.name} is gone ({e})")
 
     def free(self, slot: int) -> None:
         if self.broken is not None:

@@ -84,6 +84,10 @@ class HFTokenizer(Tokenizer):
             stop_ids=[ids[k] for k in ("eot", "eom") if ids[k] is not None],
         )
 
+    @property
+    def tokenizer_json(self) -> str:
+        return self._hf.to_str()
+
     def _encode(self, text: str, parse_special: bool) -> list[int]:
         hf = self._hf if parse_special else self._plain()
         return hf.encode(text, add_special_tokens=False).ids

@@ -23,7 +23,9 @@ from enum import IntEnum
 import msgpack
 
 MAGIC = b"SHWR"
-PROTOCOL_VERSION = 3  # 2: DEVICES reports kernels, ASSIGN carries prefill_chunk; 3: ASSIGN stages carry -ot overrides
+# 2: DEVICES reports kernels, ASSIGN carries prefill_chunk; 3: ASSIGN stages carry -ot overrides;
+# 4: VOCAB, and FORWARD rows may carry grammar constraints
+PROTOCOL_VERSION = 4
 _FIXED = struct.Struct("<4sHHHHQIQ")
 FIXED_SIZE = _FIXED.size
 
@@ -47,6 +49,7 @@ class MessageType(IntEnum):
     PONG = 16
     RELEASE = 17  # drop the plan and its memory
     OK = 18
+    VOCAB = 19  # the tokens' bytes, for the grammar matchers of the stage that samples
 
 
 @dataclass

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..constrain import MAX_VOCAB, RowConstraint
 from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, STAGE_WEIGHT_MODES, STORED_TYPES, WEIGHT_FORMATS
 from ..sampling import Sampled
 from .frames import Frame, FrameError, MessageType
@@ -506,6 +507,7 @@ class Forward(Message):
     recent: list[list[int]]  # per row: tokens for repetition penalties
     dtype: str  # payload: "int32" token ids, or hidden states
     shape: list[int]  # [rows, tokens per row] for ids, [rows, tokens per row, dim] for hidden
+    constraints: list[dict | None] | None = None  # per row, a RowConstraint's dict; None: no row has one
 
     @classmethod
     def parse(cls, h: dict) -> "Forward":
@@ -546,11 +548,24 @@ class Forward(Message):
             raise FrameError(f"{what}: shape {shape} has more than {MAX_ELEMENTS} elements")
         if (dtype == "int32") != (len(shape) == 2):
             raise FrameError(f"{what}: token ids are [rows, n] int32; hidden states are [rows, n, dim]")
-        return cls(_str(h, "plan", what, 64), _int(h, "step", what), parsed, sampling, recent, dtype, shape)
+        constraints = h.get("constraints")
+        if constraints is not None:
+            constraints = _list(h, "constraints", what, MAX_ROWS)
+            if len(constraints) != len(parsed):
+                raise FrameError(f"{what}: constraints must have one entry per row")
+            for c in constraints:
+                try:
+                    c is None or RowConstraint.from_dict(c)
+                except ValueError as e:
+                    raise FrameError(f"{what}: {e}") from None
+        return cls(
+            _str(h, "plan", what, 64), _int(h, "step", what), parsed, sampling, recent, dtype, shape, constraints
+        )
 
     @classmethod
     def of_rows(cls, plan: str, step: int, rows) -> "Forward":
-        """The first stage's FORWARD for rows with .slot, .start, .tokens, .sampling and .recent."""
+        """The first stage's FORWARD for rows with .slot, .start, .tokens, .sampling, .recent and .constraint."""
+        constraints = [r.constraint.to_dict() if r.constraint is not None else None for r in rows]
         return cls(
             plan,
             step,
@@ -559,7 +574,11 @@ class Forward(Message):
             [list(r.recent) for r in rows],
             "int32",
             [len(rows), len(rows[0].tokens)],
+            constraints if any(c is not None for c in constraints) else None,
         )
+
+    def row_constraints(self) -> list[RowConstraint | None]:
+        return [None if c is None else RowConstraint.from_dict(c) for c in self.constraints or [None] * len(self.rows)]
 
     def passing_on(self, dtype: str, shape: list[int]) -> "Forward":
         """The same step, carrying hidden states of `dtype` and `shape` to the next stage."""
@@ -569,7 +588,7 @@ class Forward(Message):
         return PAYLOAD_DTYPES[self.dtype] * math.prod(self.shape)
 
     def to_wire(self) -> dict:
-        return {
+        out = {
             "plan": self.plan,
             "step": self.step,
             "rows": [list(r) for r in self.rows],
@@ -578,6 +597,29 @@ class Forward(Message):
             "dtype": self.dtype,
             "shape": self.shape,
         }
+        if self.constraints is not None:
+            out["constraints"] = self.constraints
+        return out
+
+
+@message(MessageType.VOCAB)
+@dataclass
+class Vocab(Message):
+    """Coordinator -> the worker whose stage samples: what its grammar matchers match against. The
+    payload is constrain.Vocabulary.to_payload(): n token lengths (uint32), then the tokens' bytes."""
+
+    plan: str
+    n: int  # tokens
+    eos: list[int]  # the ids that end generation
+
+    @classmethod
+    def parse(cls, h: dict) -> "Vocab":
+        what = "VOCAB"
+        n = _int(h, "n", what, 1, MAX_VOCAB)
+        eos = _list(h, "eos", what, 64)
+        if not eos or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in eos):
+            raise FrameError(f"{what}: eos must be token ids of the vocabulary")
+        return cls(_str(h, "plan", what, 64), n, eos)
 
 
 @message(MessageType.RESULT)

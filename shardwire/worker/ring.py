@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
+from ..constrain import Matchers
 from ..devices import TORCH_DTYPES
 from ..model import Stage
 from ..pipeline import Row, sample_rows
@@ -57,6 +58,7 @@ class Ring:
         self.next_address = assign.next.address if assign.next is not None else None
         self.weights, self.worker_id, self.idle_timeout = weights, worker_id, idle_timeout
         self.filled = [0] * assign.n_slots  # per slot: positions already sent through the first stage
+        self.matchers = Matchers()  # grammar matchers, used when this worker's last stage samples
         self.released = threading.Event()
 
     @property
@@ -154,10 +156,13 @@ class Ring:
 
     def _send_result(self, msg: Forward, logits: torch.Tensor) -> None:
         rows = [
-            Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent)
-            for (slot, start, n), s, recent in zip(msg.rows, msg.sampling, msg.recent)
+            Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent, constraint)
+            for (slot, start, n), s, recent, constraint in zip(
+                msg.rows, msg.sampling, msg.recent, msg.row_constraints()
+            )
         ]
-        self.coordinator.send(Result.of_sampled(msg.step, sample_rows(logits, rows)), request=msg.step)
+        sampled = sample_rows(logits, rows, self.matchers)
+        self.coordinator.send(Result.of_sampled(msg.step, sampled), request=msg.step)
 
     def _watch_next(self) -> None:
         """Keep the link to the next stage alive and read what comes back on it: PONGs, or an
@@ -204,6 +209,7 @@ class Ring:
                 runner.thread.join(timeout=30)
             runner.stage.cache = None
         self.runners.clear()
+        self.matchers.close()
         self.weights.reader.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -20,6 +20,7 @@ import torch
 from .. import __version__
 from ..cache import WeightCache, default_cache_dir
 from ..config import ConfigError, ModelConfig
+from ..constrain import Vocabulary
 from ..devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
 from ..quant.kernels import kernels_on
 from ..quant.measure import fastest_formats
@@ -38,6 +39,7 @@ from ..wire.messages import (
     Ready,
     Release,
     StageReport,
+    Vocab,
     parse_message,
 )
 from ..wire.tls import ClientTLS, ServerTLS
@@ -307,6 +309,15 @@ class Worker:
                 # attends only to what it wrote. FREE travels outside the ring and may overtake
                 # the next sequence's first FORWARD, so it must not touch what the ring holds.
                 log.debug("slot %d is free", msg.slot)
+            elif isinstance(msg, Vocab):
+                ring = self._ring
+                if ring is None or ring.id != msg.plan:
+                    log.warning("ignoring the vocabulary for plan %s, which this worker does not hold", msg.plan)
+                    continue
+                try:
+                    ring.matchers.use_vocabulary(Vocabulary.from_payload(frame.payload, msg.n, msg.eos))
+                except ValueError as e:
+                    raise FrameError(f"VOCAB: {e}") from None
             elif isinstance(msg, Release):
                 self._release(owner=conn)
                 conn.send(Ok(), request=frame.request)

@@ -1,0 +1,438 @@
+"""llama-server's native API (/completion, /apply-template, /props, /slots, /metrics) and the
+server flags that set request defaults: a real model, its real tokenizer, real HTTP on loopback.
+
+Most tests drive the app in this process over one engine (quick); the last ones start
+`shardwire serve` itself to see its flags arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from shardwire.backend import Backend, ServerSettings
+from shardwire.chat_templates import BUILTIN
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.loading import load_stage
+from shardwire.pipeline import LocalPipeline
+from shardwire.sampling import SamplingParams
+from shardwire.server import create_app
+from shardwire.tokenizer import load_tokenizer
+
+from models import model_path
+
+CTX = 128
+SLOTS = 2
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_path("qwen2", "F32")  # Qwen's vocabulary and chat template
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    m = open_model(model)
+    tokenizer = load_tokenizer(m)
+    engine = Engine(LocalPipeline([load_stage(m, 0, m.config.n_layers)], n_slots=SLOTS, ctx=CTX), tokenizer)
+    yield engine
+    engine.close()
+
+
+class AppThread:
+    """create_app over the shared engine, served from an event loop on a thread of its own."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings | None = None, **app_options):
+        self.backend = Backend("tiny", engine.tokenizer, set(), {}, settings)
+        self.backend.attach(engine.pipeline, None, engine)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def start():
+            self.runner = web.AppRunner(create_app(self.backend, **app_options))
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+            self.url = "http://%s:%d" % self.runner.addresses[0][:2]
+            started.set()
+
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        started.wait(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def call(url: str, path: str, body=None, headers: dict | None = None, raw: bool = False):
+    data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
+    req = urllib.request.Request(
+        url + path,
+        data=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method="POST" if data is not None else "GET",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read().decode()
+            return r.status, (text if raw else json.loads(text)), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def events(url: str, path: str, body: dict) -> list[dict]:
+    """The `data:` lines of a server-sent event stream, decoded."""
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        lines = r.read().decode().split("\n\n")
+    assert "data: [DONE]" not in lines  # the OpenAI endpoints' end, not llama-server's native one
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = AppThread(engine)
+    yield app
+    app.stop()
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> tuple[str, list[int]]:
+    handle = engine.submit(Request(prompt, SamplingParams(temperature=0.0), max_tokens=n))
+    text = handle.result()
+    return text, handle.tokens
+
+
+# -- POST /completion --------------------------------------------------------------------------
+
+
+def test_completion_answers_in_llama_servers_shape(server, engine):
+    tok = engine.tokenizer
+    ids = tok.encode(PROMPT, add_special=True, parse_special=True)
+    text, tokens = greedy(engine, ids, 8)
+    code, body, _ = call(server.url, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})
+    assert code == 200, body
+    assert body["content"] == text and body["tokens"] == []  # tokens only with return_tokens
+    assert body["stop"] is True and body["stop_type"] == "limit" and body["stopping_word"] == ""
+    assert body["tokens_predicted"] == 8 and body["tokens_evaluated"] == len(ids)
+    assert body["truncated"] is False and isinstance(body["has_new_line"], bool)
+    timings = body["timings"]
+    assert timings["prompt_n"] == len(ids) and timings["predicted_n"] == 8
+    assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
+    settings = body["generation_settings"]
+    assert settings["n_predict"] == 8 and settings["temperature"] == 0 and settings["n_ctx"] == CTX
+    assert body["model"] == "tiny" and body["prompt"] == tok.decode(ids, skip_special=False)
+
+    returned = call(
+        server.url, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "return_tokens": True}
+    )
+    assert returned[1]["tokens"] == tokens
+    assert call(server.url, "/detokenize", {"tokens": tokens})[1]["content"] == text
+
+
+def test_prompt_as_tokens_mixed_and_several(server, engine):
+    tok = engine.tokenizer
+    ids = call(server.url, "/tokenize", {"content": PROMPT, "add_special": True})[1]["tokens"]
+    one = {"n_predict": 6, "temperature": 0, "cache_prompt": False}
+    by_text = call(server.url, "/completion", {**one, "prompt": PROMPT})[1]
+    by_ids = call(server.url, "/completion", {**one, "prompt": ids})[1]
+    assert by_ids["content"] == by_text["content"] and by_ids["tokens_evaluated"] == len(ids)
+
+    both = call(server.url, "/completion", {**one, "prompt": [ids, PROMPT]})[1]
+    assert isinstance(both, list) and [r["index"] for r in both] == [0, 1]
+    assert both[0]["content"] == both[1]["content"] == by_text["content"]
+
+    head, tail = "Once upon", " a time"
+    mixed = [*tok.encode(head, add_special=True), tail]  # a string after ids gets no BOS
+    code, body, _ = call(server.url, "/completion", {**one, "prompt": mixed})
+    expected = tok.encode(head, add_special=True) + tok.encode(tail, add_special=False)
+    assert code == 200 and body["tokens_evaluated"] == len(expected)
+
+
+def test_stream_sends_each_token_then_the_totals(server):
+    request = {"prompt": PROMPT, "n_predict": 8, "temperature": 0}
+    whole = call(server.url, "/completion", request)[1]
+    chunks = events(server.url, "/completion", {**request, "stream": True})
+    assert all(isinstance(c["stop"], bool) for c in chunks)
+    *tokens, last = chunks
+    assert all(len(c["tokens"]) == 1 and not c["stop"] for c in tokens) and len(tokens) == 8
+    assert "".join(c["content"] for c in chunks) == whole["content"]
+    assert last["stop"] and last["stop_type"] == "limit" and last["timings"]["predicted_n"] == 8
+    assert last["generation_settings"]["n_predict"] == 8 and last["content"] == ""
+
+
+def test_n_probs_whole_streamed_and_post_sampling(server):
+    request = {"prompt": PROMPT, "n_predict": 5, "n_probs": 3, "temperature": 0}
+    body = call(server.url, "/completion", request)[1]
+    probs = body["completion_probabilities"]
+    assert len(probs) == 5
+    for entry in probs:
+        assert {"id", "token", "bytes", "logprob", "top_logprobs"} <= set(entry) and entry["logprob"] <= 0
+        assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["id"] == entry["id"]  # greedy
+        assert all(t["logprob"] <= 0 and isinstance(t["bytes"], list) for t in entry["top_logprobs"])
+    assert "".join(e["token"] for e in probs) == body["content"]
+
+    streamed = events(server.url, "/completion", {**request, "stream": True})
+    assert [len(c["completion_probabilities"]) for c in streamed if not c["stop"]] == [1] * 5
+
+    post = call(server.url, "/completion", {**request, "post_sampling_probs": True})[1]["completion_probabilities"]
+    assert all(0 < e["prob"] <= 1 and len(e["top_probs"]) == 3 for e in post)
+
+
+def test_stop_words_more_than_four(server):
+    full = call(server.url, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0})[1]["content"]
+    cut = full[len(full) // 2 :][:3]
+    assert cut.strip()
+    stops = ["zq#1", "zq#2", "zq#3", "zq#4", "zq#5", cut]
+    body = call(server.url, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "stop": stops})[1]
+    assert body["content"] == full[: full.index(cut)]
+    assert body["stop_type"] == "word" and body["stopping_word"] == cut
+    assert body["generation_settings"]["stop"] == stops
+    openai_style = call(
+        server.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": stops}
+    )
+    assert openai_style[0] == 200 and openai_style[1]["choices"][0]["text"] == body["content"]
+
+
+def test_seed_makes_sampling_repeatable(server):
+    request = {"prompt": PROMPT, "n_predict": 10, "temperature": 1.0, "seed": 42}
+    first, again = (call(server.url, "/completion", request)[1] for _ in range(2))
+    assert first["content"] == again["content"] and first["generation_settings"]["seed"] == 42
+    randoms = {
+        call(server.url, "/completion", {**request, "seed": -1})[1]["generation_settings"]["seed"] for _ in range(3)
+    }
+    assert len(randoms) > 1  # -1: a new seed each time
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": {"text": "hi"}}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": [1, None]}, "prompt"),
+        ({"prompt": "hi", "n_predict": -2}, "n_predict"),
+        ({"prompt": "hi", "n_predict": "8"}, "n_predict"),
+        ({"prompt": "hi", "n_probs": 21}, "n_probs"),
+        ({"prompt": "hi", "cache_prompt": "yes"}, "cache_prompt"),
+        ({"prompt": "hi", "stop": [1]}, "stop"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ({"prompt": "tick tock " * 100}, "prompt"),
+    ],
+)
+def test_bad_completion_requests_are_clear_400s(server, body, param):
+    code, answer, _ = call(server.url, "/completion", body)
+    assert code == 400, answer
+    assert answer["error"]["message"] and answer["error"]["param"] == param
+
+
+def test_bad_json_and_bad_messages(server):
+    assert call(server.url, "/completion", b'{"prompt": ')[0] == 400
+    assert call(server.url, "/completion", b"[1, 2]")[0] == 400
+    assert call(server.url, "/apply-template", {"messages": "hi"})[0] == 400
+    assert call(server.url, "/apply-template", {"messages": [{"role": "robot", "content": "x"}]})[0] == 400
+
+
+# -- templates and server state ----------------------------------------------------------------
+
+
+def test_apply_template_is_what_chat_continues(server, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    code, body, _ = call(server.url, "/apply-template", {"messages": messages})
+    assert code == 200 and body["prompt"] == engine.tokenizer.apply_chat_template(messages)
+    assert "<|im_start|>user\nHi" in body["prompt"]
+
+
+def test_props_and_slots(server, engine):
+    code, props, _ = call(server.url, "/props")
+    assert code == 200 and props["total_slots"] == SLOTS and props["n_ctx"] == CTX
+    assert props["chat_template"] == engine.tokenizer.chat_template
+    params = props["default_generation_settings"]["params"]
+    assert params["temperature"] == 0.8 and params["top_k"] == 40 and params["n_predict"] == -1  # llama.cpp's
+
+    wait_idle(server.url)
+    code, slots, _ = call(server.url, "/slots")
+    assert code == 200 and [s["id"] for s in slots] == list(range(SLOTS))
+    assert all(s["n_ctx"] == CTX and s["next_token"]["n_decoded"] == 0 for s in slots)
+
+    req = urllib.request.Request(
+        server.url + "/completion",
+        data=json.dumps({"prompt": PROMPT, "n_predict": 100, "stream": True, "ignore_eos": True}).encode(),
+    )
+    with urllib.request.urlopen(req, timeout=60) as stream:
+        stream.readline()  # the first token is out: the sequence holds a slot
+        busy = [s for s in call(server.url, "/slots")[1] if s["is_processing"]]
+        assert len(busy) == 1 and busy[0]["params"]["n_predict"] == 100
+        assert busy[0]["n_prompt_tokens"] == len(engine.tokenizer.encode(PROMPT))
+    wait_idle(server.url)  # the client left: its sequence is cancelled
+
+
+def wait_idle(url: str, timeout: float = 10) -> None:
+    """Until no slot is processing (the engine frees a slot just after a request's last token)."""
+    deadline = time.monotonic() + timeout
+    while any(s["is_processing"] for s in call(url, "/slots")[1]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_metrics_need_the_flag(server):
+    code, body, _ = call(server.url, "/metrics")
+    assert code == 501 and "--metrics" in body["error"]["message"]
+
+
+def test_metrics_in_prometheus_format(engine):
+    app = AppThread(engine, ServerSettings(metrics=True))
+    try:
+        call(app.url, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0})
+        call(app.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+        deadline = time.monotonic() + 5
+        while True:  # the engine frees a slot just after it hands out the last token
+            code, text, headers = call(app.url, "/metrics", raw=True)
+            samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+            if samples["llamacpp:requests_processing"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        app.stop()
+    assert code == 200 and headers["Content-Type"].startswith("text/plain")
+    prompt_n = len(engine.tokenizer.encode(PROMPT))
+    assert samples["llamacpp:prompt_tokens_total"] == 2 * prompt_n
+    assert samples["llamacpp:tokens_predicted_total"] == 7
+    assert samples["llamacpp:prompt_seconds_total"] > 0 and samples["llamacpp:tokens_predicted_seconds_total"] > 0
+    assert samples["llamacpp:predicted_tokens_seconds"] > 0
+    assert samples["llamacpp:requests_processing"] == 0 and samples["llamacpp:requests_deferred"] == 0
+    assert samples["shardwire:slots"] == SLOTS and samples["shardwire:ready"] == 1
+    assert 'shardwire:requests_total{outcome="served"} 2.0' in text
+
+
+# -- server settings, keys, CORS ----------------------------------------------------------------
+
+
+def test_server_defaults_and_n_predict_cap(engine):
+    settings = ServerSettings(sampling={"temperature": 0.0, "seed": 7}, n_predict=3)
+    app = AppThread(engine, settings)
+    try:
+        native = call(app.url, "/completion", {"prompt": PROMPT})[1]
+        assert native["tokens_predicted"] == 3 and native["generation_settings"]["seed"] == 7
+        assert native["generation_settings"]["temperature"] == 0
+        assert call(app.url, "/completion", {"prompt": PROMPT, "n_predict": 50})[1]["tokens_predicted"] == 3
+        openai_style = call(app.url, "/v1/completions", {"prompt": PROMPT})[1]
+        assert openai_style["usage"]["completion_tokens"] == 3
+        chat = call(app.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9})
+        assert chat[1]["usage"]["completion_tokens"] <= 3
+        ids = engine.tokenizer.encode(PROMPT, add_special=True, parse_special=True)
+        assert openai_style["choices"][0]["text"] == greedy(engine, ids, 3)[0]  # --temp 0 applies to /v1 too
+        props = call(app.url, "/props")[1]["default_generation_settings"]["params"]
+        assert props["n_predict"] == 3 and props["seed"] == 7 and props["temperature"] == 0
+    finally:
+        app.stop()
+
+
+def test_api_key_by_either_header_and_cors_origins(engine):
+    app = AppThread(engine, api_key="k", cors_origins=("http://ok.example",))
+    try:
+        assert call(app.url, "/props")[0] == 401
+        assert call(app.url, "/props", headers={"X-Api-Key": "k"})[0] == 200
+        assert call(app.url, "/props", headers={"Authorization": "Bearer k"})[0] == 200
+        assert call(app.url, "/props", headers={"X-Api-Key": "wrong"})[0] == 401
+        assert call(app.url, "/health")[0] == 200
+
+        def preflight(origin):
+            req = urllib.request.Request(
+                app.url + "/completion",
+                method="OPTIONS",
+                headers={
+                    "Origin": origin,
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "x-api-key, content-type",
+                },
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status, r.headers
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers
+
+        code, headers = preflight("http://ok.example")
+        assert code == 200 and headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert "x-api-key" in headers["Access-Control-Allow-Headers"].lower()
+        assert preflight("http://evil.example")[0] == 403
+        code, _, headers = call(app.url, "/props", headers={"X-Api-Key": "k", "Origin": "http://ok.example"})
+        assert code == 200 and headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        code, _, headers = call(app.url, "/props", headers={"X-Api-Key": "k", "Origin": "http://evil.example"})
+        assert "Access-Control-Allow-Origin" not in headers
+    finally:
+        app.stop()
+
+
+# -- `shardwire serve` and its flags -------------------------------------------------------------
+
+
+def serve(model, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "shardwire", "serve", str(model), "--port", "0", "-c", str(CTX), "-np", "1"]
+    cmd += ["--threads", "1", "--dtype", "float32", *flags]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+
+@pytest.mark.slow
+def test_serve_flags(model, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(BUILTIN["llama3"])
+    proc = serve(
+        model,
+        *("--temp", "0", "--seed", "7", "-n", "4", "--chat-template-file", str(template), "--jinja"),
+        *("--metrics", "--cors-origins", "http://ok.example", "--api-key", "k"),
+    )
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if m := re.search(r"ready: .* at (http://\S+)/v1", line):
+                url = m[1]
+                break
+        else:
+            raise AssertionError("serve did not get ready:\n" + "".join(log))
+        key = {"X-Api-Key": "k"}
+        body = call(url, "/completion", {"prompt": PROMPT}, key)[1]
+        assert body["tokens_predicted"] == 4 and body["generation_settings"]["temperature"] == 0
+        assert body["generation_settings"]["seed"] == 7
+        assert call(url, "/v1/completions", {"prompt": PROMPT}, key)[1]["usage"]["completion_tokens"] == 4
+        prompt = call(url, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}, key)[1]["prompt"]
+        assert prompt.endswith(
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
+        props = call(url, "/props", None, key)[1]
+        assert props["chat_template"] == BUILTIN["llama3"] and props["model_path"] == str(model)
+        code, text, _ = call(url, "/metrics", None, key, raw=True)
+        assert code == 200 and "llamacpp:tokens_predicted_total 8.0" in text
+        code, _, headers = call(url, "/props", None, {**key, "Origin": "http://ok.example"})
+        assert headers["Access-Control-Allow-Origin"] == "http://ok.example"
+    finally:
+        proc.send_signal(2)
+        proc.wait(30)
+
+
+def test_serve_refuses_an_unknown_chat_template(model):
+    proc = serve(model, "--chat-template", "no-such-template")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "no built-in template named 'no-such-template'" in out and "llama3" in out
