@@ -42,6 +42,24 @@ _MOE = dict(
     expert_ffn_dim=512,
     context_length=2048,
 )
+# A small Qwen3.5-MoE: gated delta-net blocks with gated attention every fourth, 32 experts (4
+# per token) and a shared expert; a Llama 2-sized vocabulary keeps the head from dominating.
+_MOE35 = dict(
+    arch="qwen35moe",
+    n_layers=8,
+    dim=512,
+    n_heads=8,
+    n_kv_heads=2,
+    head_dim=64,
+    ffn_dim=256,
+    n_experts=32,
+    n_experts_used=4,
+    expert_ffn_dim=256,
+    shared_expert_ffn_dim=256,
+    linear_heads=(4, 8),
+    linear_head_dims=(64, 64),
+    context_length=2048,
+)
 LAYOUTS = {
     # A model small enough that the network, not the arithmetic, dominates decode.
     "small": Layout(
@@ -54,6 +72,7 @@ LAYOUTS = {
     # A 1B-class mixture of experts shaped like Qwen3-MoE: 32 experts, 4 per token (with the same
     # weights routed to 2 and to 8, so a step's cost can be set against the experts it runs).
     **{name: Layout(name, dict(_MOE, n_experts_used=k)) for name, k in (("moe", 4), ("moe-top2", 2), ("moe-top8", 8))},
+    "moe35": Layout("moe35", _MOE35),
 }
 
 
@@ -80,6 +99,8 @@ WORKLOADS = {
         Workload("moe-q8_0", "moe", "Q8_0"),
         Workload("moe-top2-q4_0", "moe-top2", "Q4_0"),
         Workload("moe-top8-q4_0", "moe-top8", "Q4_0"),
+        Workload("moe35-q8_0", "moe35", "Q8_0"),
+        Workload("moe35-f16", "moe35", "F16"),
     ]
 }
 

@@ -169,13 +169,20 @@ def weight_formats(pipeline, cluster) -> list[str]:
             f"{s.weights} ({' '.join(f'{t}:{f}' for t, f in sorted(s.formats.items()))})" for s in cluster.plan.stages
         ]
     from .model import Linear
-    from .quant.packed import PackedLinear
 
     kinds = [
-        sorted({getattr(m, "fmt", "dense") for m in stage.modules() if isinstance(m, (Linear, PackedLinear))})
+        sorted(
+            {
+                f"{m.stored}:{m.fmt}" if hasattr(m, "stored") else f"{m.weight.dtype}:dense".removeprefix("torch.")
+                for m in stage.modules()
+                if isinstance(m, Linear) or hasattr(m, "fmt")
+            }
+        )
         for stage in pipeline.stages
     ]
-    return ["+".join(k) for k in kinds]
+    return [
+        f"{stage.dtype} activations ({' '.join(k)})".removeprefix("torch.") for stage, k in zip(pipeline.stages, kinds)
+    ]
 
 
 def markdown(report: dict) -> str:

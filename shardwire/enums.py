@@ -13,8 +13,9 @@ WEIGHT_MODES = ("auto", "fast", "dequant", "packed", "compact")
 STAGE_WEIGHT_MODES = ("fast", "dequant", "packed", "compact")
 
 # How a weight matrix lives on its device (quant/): dense in the compute dtype, PyTorch's packed
-# kernels' layouts, the stored blocks dequantized before use, or the stored blocks under ggml's kernels.
-WEIGHT_FORMATS = ("dense", "int4", "int8x2", "int8", "gguf", "ggml")
+# kernels' layouts, the stored blocks dequantized before use, the stored blocks under ggml's kernels,
+# or those blocks in ggml's repacked layout for the CPU.
+WEIGHT_FORMATS = ("dense", "int4", "int8x2", "int8", "gguf", "ggml", "repacked")
 
 # Tensor types as GGUF stores them.
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")

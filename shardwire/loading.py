@@ -1,5 +1,5 @@
 """Build a Stage from stored tensors: read only its layers, decode or pack them, undo llama.cpp's
-Q/K order."""
+Q/K order, bring a transformers Qwen3.5 checkpoint's tensors to the converter's form."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .deltanet import GatedDeltaNet, from_transformers, needs_float32
 from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
 from .model import Elsewhere, Linear, Stage
 from .plan import placed_apart
-from .quant.codecs import raw_rows, to_torch
+from .quant.codecs import PLAIN, raw_rows, to_torch
+from .quant.ggml_block import BlockGraphs
 from .quant.ggml_cpu import GGMLExperts
 from .quant.kernels import kernels_on
 from .quant.packed import pack_matrix
@@ -30,8 +32,17 @@ def undo_qk_interleave(t, n_heads: int):
     return t.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def model_rows(cfg: ModelConfig, name: str, t: torch.Tensor, qk_interleaved: bool) -> torch.Tensor:
-    """Rows of a stored tensor (decoded, or raw GGUF rows: blocks never cross rows) in model order."""
+# Tensors the model uses as they are, not as a matrix product: never packed
+_USED_AS_TENSORS = ("ssm_conv1d.weight",)
+# Tensors kept in float32 whatever the stage's dtype (small, and precision matters)
+_FULL_PRECISION = ("rope_freqs.weight", ".ssm_a", ".ssm_dt.bias")
+
+
+def model_rows(cfg: ModelConfig, name: str, t: torch.Tensor, qk_interleaved: bool, itemsize: int = 0) -> torch.Tensor:
+    """Rows of a stored tensor (decoded, or raw GGUF rows: blocks never cross rows) in model order;
+    `itemsize`: raw rows of a plain type, elements of that many bytes."""
+    if cfg.hf_layout:
+        return from_transformers(cfg, name, t, itemsize)
     if qk_interleaved:
         kind = name.split(".")[-2]
         if kind == "attn_q":
@@ -44,6 +55,9 @@ def model_rows(cfg: ModelConfig, name: str, t: torch.Tensor, qk_interleaved: boo
 def decode_tensor(
     cfg: ModelConfig, info: TensorInfo, raw: np.ndarray, qk_interleaved: bool, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
+    if needs_float32(cfg, info.name):  # arithmetic on the stored values before rounding to dtype
+        t = model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape, torch.float32), qk_interleaved)
+        return t if dtype is None else t.to(dtype)
     return model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape, dtype), qk_interleaved)
 
 
@@ -95,6 +109,9 @@ def build_stage(
         formats.update(
             weight_formats(group, False, False, False, weights, o.device.type, kernels_on(o.device), o.fastest)
         )
+    for name in formats:
+        if name.endswith(_USED_AS_TENSORS):
+            formats[name] = "dense"
     built, embedding = {}, None
     stacks: dict[tuple[int, str], tuple[torch.Tensor, str, Placement | None]] = {}
     for name, info in tensors.items():
@@ -102,15 +119,16 @@ def build_stage(
         fmt, where = formats[name], apart.get(name)
         on, dt = (where.device, where.dtype) if where else (device, dtype)
         expert = expert_of(name)
-        if fmt == "ggml" and expert is not None:
+        if fmt in ("ggml", "repacked") and expert is not None:  # experts run as one ggml graph
             _stack(stacks, expert, raw, info, cfg.n_experts, where)
         elif fmt == "dense":
-            # rope frequency factors keep full precision; everything else runs in the stage dtype.
-            t = decode_tensor(cfg, info, raw, qk_interleaved, torch.float32 if name == "rope_freqs.weight" else dt)
+            # a few small tensors keep full precision; everything else runs in the stage dtype.
+            t = decode_tensor(cfg, info, raw, qk_interleaved, torch.float32 if name.endswith(_FULL_PRECISION) else dt)
             t = t.to(device=on)
             built[name] = where.hold(Linear(t)) if where else t
         else:
-            rows = model_rows(cfg, name, raw_rows(raw, info.dtype, tuple(info.shape)), qk_interleaved)
+            itemsize = PLAIN[info.dtype].itemsize if info.dtype in PLAIN else 0
+            rows = model_rows(cfg, name, raw_rows(raw, info.dtype, tuple(info.shape)), qk_interleaved, itemsize)
             module = pack_matrix(rows, info.dtype, fmt, on, dt)
             if name == "token_embd.weight" and not (last and cfg.tied_embeddings):
                 embedding = module
@@ -126,7 +144,12 @@ def build_stage(
             progress(info.nbytes)
     built.update(_experts_from_stacks(stacks, device, dtype))
     release_memory()
-    return Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
+    stage = Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
+    if device.type == "cpu" and dtype == torch.float32:
+        for block in stage.blocks:
+            if not isinstance(block.attn, GatedDeltaNet):  # ggml's graphs take attention blocks only
+                block.graphs = BlockGraphs.of(block)
+    return stage
 
 
 def _stack(

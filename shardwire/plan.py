@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ModelConfig
+from .deltanet import CHUNK
 from .devices import parse_dtype
 from .formats import ModelFile
-from .kvcache import KVCache
+from .kvcache import stage_cache_nbytes
 from .quant.packed import CHUNK_ELEMENTS
 from .quant.policy import EMBEDDING, WeightModeError, modes_for, weight_formats, weight_nbytes
 
@@ -242,6 +243,10 @@ def workspace_bytes(
     size = torch.empty((), dtype=dtype).element_size()
     ffn = 3 * chunk * cfg.ffn_dim * size
     scores = 0 if device_type == "cpu" else cfg.n_heads * chunk * chunk * 4
+    if cfg.linear_blocks:  # the chunked delta rule, per value head and token: float32 vectors and
+        # three rows of the chunk's [CHUNK, CHUNK] matrices
+        per_token = 8 * max(cfg.ssm_k_dim, cfg.ssm_v_dim) + 3 * CHUNK
+        scores = max(scores, chunk * cfg.ssm_v_heads * per_token * 4)
     logits = cfg.vocab_size * 4 * 2 if last else 0
     dequant = (CHUNK_ELEMENTS * DEQUANT_BYTES_PER_VALUE + 2 * chunk * max(cfg.ffn_dim, cfg.dim) * 2) if packed else 0
     return ffn + scores + logits + 4 * chunk * cfg.dim * size + dequant
@@ -293,7 +298,7 @@ def stage_cost(
     packed = any(f != "dense" for f in formats.values())  # a prompt chunk dequantizes rows into a GEMM
     return StageCost(
         weight_bytes,
-        KVCache.nbytes_for(stage.end - stage.start, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, dtype),
+        stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, ctx, dtype),  # KV, and delta-net state
         workspace_bytes(cfg, chunk, stage.last, dtype, stage.device.type, packed=packed),
         by_type,
         elsewhere,

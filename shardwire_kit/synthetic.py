@@ -258,12 +258,15 @@ def load_vocab(name: str) -> Vocab:
 # ---------------------------------------------------------------------------------------------
 # Random weights
 
-_DEFAULT_THETA = {"llama": 10000.0, "mistral": 1e6, "mixtral": 1e6} | dict.fromkeys(
-    ("qwen2", "qwen2moe", "qwen3", "qwen3moe"), 1e6
+_DEFAULT_THETA = (
+    {"llama": 10000.0, "mistral": 1e6, "mixtral": 1e6}
+    | dict.fromkeys(("qwen2", "qwen2moe", "qwen3", "qwen3moe"), 1e6)
+    | dict.fromkeys(("qwen35", "qwen35moe"), 1e7)
 )
 _DEFAULT_EPS = {"llama": 1e-5, "mistral": 1e-5, "mixtral": 1e-5} | dict.fromkeys(
-    ("qwen2", "qwen2moe", "qwen3", "qwen3moe"), 1e-6
+    ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe"), 1e-6
 )
+_HYBRID = ("qwen35", "qwen35moe")
 
 
 def random_model(
@@ -285,9 +288,18 @@ def random_model(
     n_experts_used: int = 0,
     expert_ffn_dim: int | None = None,
     shared_expert_ffn_dim: int = 0,
+    full_attention_interval: int = 4,
+    linear_heads: tuple[int, int] = (2, 6),
+    linear_head_dims: tuple[int, int] = (16, 16),
+    conv_kernel: int = 4,
+    partial_rotary: float = 0.25,
     seed: int = 0,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """A config and float32 tensors (canonical names, Hugging Face order) with random weights.
+
+    Qwen3.5 hybrids (qwen35, qwen35moe) get a gated delta-net block but every
+    `full_attention_interval`-th, with `linear_heads` (query/key, value) heads of
+    `linear_head_dims`; their tensors hold transformers' values (ModelConfig.hf_layout).
 
     Scales keep activations of order one: attention scores and FFN pre-activations near unit
     variance, block outputs on the embedding's scale, and logits with a standard deviation of
@@ -315,6 +327,13 @@ def random_model(
         expert_ffn_dim=(expert_ffn_dim or dim) if n_experts else 0,
         expert_norm=arch != "qwen2moe",  # as llama.cpp routes each architecture
         shared_expert_ffn_dim=shared_expert_ffn_dim,
+        **(
+            _hybrid_fields(
+                head_dim, n_layers, full_attention_interval, linear_heads, linear_head_dims, conv_kernel, partial_rotary
+            )
+            if arch in _HYBRID
+            else {}
+        ),
     )
     rng = np.random.default_rng(seed)
 
@@ -324,12 +343,19 @@ def random_model(
     def norm(n):
         return 1.0 + normal(n, 0.1)
 
-    q, kv, f = cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim, cfg.ffn_dim
+    q, kv = cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim
     t = {"token_embd.weight": normal((vocab_size, dim), 3.0 / np.sqrt(dim))}
+    if arch in _HYBRID:  # norms scale by 1 + w
+        norm = lambda n: normal(n, 0.1)  # noqa: E731
     for i in range(n_layers):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(dim)
-        t[p + "attn_q.weight"] = normal((q, dim), 1 / np.sqrt(dim))
+        if cfg.linear(i):
+            t.update(_deltanet(cfg, p, normal, rng))
+            _ffn(cfg, t, i, normal, norm)
+            continue
+        # gated attention: each head's query rows, then its gate's
+        t[p + "attn_q.weight"] = normal((2 * q if arch in _HYBRID else q, dim), 1 / np.sqrt(dim))
         t[p + "attn_k.weight"] = normal((kv, dim), 1 / np.sqrt(dim))
         t[p + "attn_v.weight"] = normal((kv, dim), 1 / np.sqrt(dim))
         t[p + "attn_output.weight"] = normal((dim, q), 1 / np.sqrt(q))
@@ -337,34 +363,71 @@ def random_model(
             t[p + "attn_q.bias"] = normal(q, 0.3)
             t[p + "attn_k.bias"] = normal(kv, 0.3)
             t[p + "attn_v.bias"] = normal(kv, 0.1)
-        if arch in ("qwen3", "qwen3moe"):
+        if arch in ("qwen3", "qwen3moe", *_HYBRID):
             t[p + "attn_q_norm.weight"] = norm(head_dim)
             t[p + "attn_k_norm.weight"] = norm(head_dim)
-        t[p + "ffn_norm.weight"] = norm(dim)
-        if cfg.sparse(i):
-            # router scores spread over a few units, so each token's choice of experts is clear-cut
-            t[p + "ffn_gate_inp.weight"] = normal((n_experts, dim), 2 / np.sqrt(dim))
-            fe = cfg.expert_ffn_dim
-            for e in range(n_experts):
-                t[expert_name(i, "ffn_gate_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
-                t[expert_name(i, "ffn_up_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
-                t[expert_name(i, "ffn_down_exps", e)] = normal((dim, fe), 1 / np.sqrt(fe))
-            if shared_expert_ffn_dim:
-                fs = shared_expert_ffn_dim
-                t[p + "ffn_gate_inp_shexp.weight"] = normal((1, dim), 2 / np.sqrt(dim))
-                t[p + "ffn_gate_shexp.weight"] = normal((fs, dim), 1 / np.sqrt(dim))
-                t[p + "ffn_up_shexp.weight"] = normal((fs, dim), 1 / np.sqrt(dim))
-                t[p + "ffn_down_shexp.weight"] = normal((dim, fs), 1 / np.sqrt(fs))
-        else:
-            t[p + "ffn_gate.weight"] = normal((f, dim), 1 / np.sqrt(dim))
-            t[p + "ffn_up.weight"] = normal((f, dim), 1 / np.sqrt(dim))
-            t[p + "ffn_down.weight"] = normal((dim, f), 1 / np.sqrt(f))
+        _ffn(cfg, t, i, normal, norm)
     # Random signs on the final norm: with all-positive gains a tied model's logits favour the
     # token just read (its own embedding), and greedy decoding gets stuck repeating it.
-    t["output_norm.weight"] = norm(dim) * rng.choice(np.float32([-1, 1]), dim)
+    gains = norm(dim) + (1 if arch in _HYBRID else 0)
+    gains = gains * rng.choice(np.float32([-1, 1]), dim)
+    t["output_norm.weight"] = gains - 1 if arch in _HYBRID else gains
     if not tied:
         t["output.weight"] = normal((vocab_size, dim), 3.0 / np.sqrt(dim))
     return cfg, t
+
+
+def _hybrid_fields(head_dim, n_layers, interval, heads, head_dims, kernel, partial) -> dict:
+    return dict(
+        linear_blocks=tuple(i for i in range(n_layers) if (i + 1) % interval),
+        ssm_conv_kernel=kernel,
+        ssm_k_heads=heads[0],
+        ssm_v_heads=heads[1],
+        ssm_k_dim=head_dims[0],
+        ssm_v_dim=head_dims[1],
+        rope_dim=int(head_dim * partial) if partial < 1 else 0,
+        hf_layout=True,
+    )
+
+
+def _deltanet(cfg: ModelConfig, p: str, normal, rng) -> dict[str, np.ndarray]:
+    """A gated delta-net block's token mixer, as transformers initializes and holds it."""
+    dim, v = cfg.dim, cfg.ssm_v_heads * cfg.ssm_v_dim
+    return {
+        p + "attn_qkv.weight": normal((cfg.conv_channels, dim), 1 / np.sqrt(dim)),
+        p + "attn_gate.weight": normal((v, dim), 1 / np.sqrt(dim)),
+        p + "ssm_beta.weight": normal((cfg.ssm_v_heads, dim), 1 / np.sqrt(dim)),
+        p + "ssm_alpha.weight": normal((cfg.ssm_v_heads, dim), 1 / np.sqrt(dim)),
+        p + "ssm_conv1d.weight": normal((cfg.conv_channels, cfg.ssm_conv_kernel), 0.5),
+        p + "ssm_a": np.log(rng.uniform(0.01, 16, cfg.ssm_v_heads)).astype(np.float32),  # A_log
+        p + "ssm_dt.bias": 1.0 + normal(cfg.ssm_v_heads, 0.3),
+        p + "ssm_norm.weight": 1.0 + normal(cfg.ssm_v_dim, 0.1),
+        p + "ssm_out.weight": normal((dim, v), 1 / np.sqrt(v)),
+    }
+
+
+def _ffn(cfg: ModelConfig, t: dict, i: int, normal, norm) -> None:
+    p, dim, f = f"blk.{i}.", cfg.dim, cfg.ffn_dim
+    n_experts = cfg.n_experts
+    t[p + "ffn_norm.weight"] = norm(dim)
+    if cfg.sparse(i):
+        # router scores spread over a few units, so each token's choice of experts is clear-cut
+        t[p + "ffn_gate_inp.weight"] = normal((n_experts, dim), 2 / np.sqrt(dim))
+        fe = cfg.expert_ffn_dim
+        for e in range(n_experts):
+            t[expert_name(i, "ffn_gate_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
+            t[expert_name(i, "ffn_up_exps", e)] = normal((fe, dim), 1 / np.sqrt(dim))
+            t[expert_name(i, "ffn_down_exps", e)] = normal((dim, fe), 1 / np.sqrt(fe))
+        if cfg.shared_expert_ffn_dim:
+            fs = cfg.shared_expert_ffn_dim
+            t[p + "ffn_gate_inp_shexp.weight"] = normal((1, dim), 2 / np.sqrt(dim))
+            t[p + "ffn_gate_shexp.weight"] = normal((fs, dim), 1 / np.sqrt(dim))
+            t[p + "ffn_up_shexp.weight"] = normal((fs, dim), 1 / np.sqrt(dim))
+            t[p + "ffn_down_shexp.weight"] = normal((dim, fs), 1 / np.sqrt(fs))
+    else:
+        t[p + "ffn_gate.weight"] = normal((f, dim), 1 / np.sqrt(dim))
+        t[p + "ffn_up.weight"] = normal((f, dim), 1 / np.sqrt(dim))
+        t[p + "ffn_down.weight"] = normal((dim, f), 1 / np.sqrt(f))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,6 +488,30 @@ TEST_MODELS = {
                 n_experts=16,
                 n_experts_used=4,
                 expert_ffn_dim=32,
+            ),
+        ),
+        # Qwen3.5 hybrids: gated delta-net blocks with a gated attention block every fourth (as
+        # the real ones), 2 query/key heads serving 6 value heads (so their order matters)
+        ModelSpec(
+            "qwen35",
+            "qwen2",
+            dict(arch="qwen35", n_layers=5, dim=64, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=128),
+        ),
+        ModelSpec(
+            "qwen35moe",
+            "qwen2",
+            dict(
+                arch="qwen35moe",
+                n_layers=4,
+                dim=64,
+                n_heads=4,
+                n_kv_heads=2,
+                head_dim=64,
+                n_experts=8,
+                n_experts_used=2,
+                ffn_dim=32,  # transformers' Qwen3.5-MoE config has no dense FFN size
+                expert_ffn_dim=32,
+                shared_expert_ffn_dim=48,
             ),
         ),
         ModelSpec(

@@ -46,10 +46,13 @@ GGUF_ARCH = {
     "qwen2moe": "qwen2moe",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
+    "qwen35": "qwen35",
+    "qwen35moe": "qwen35moe",
 }
+HYBRID_ARCHS = ("qwen35", "qwen35moe")
 PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
 # Tensors the converter keeps in float32 whatever the file type (llama-quantize skips them too)
-KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 _FILE_TYPES = {
     "F32": LlamaFileType.ALL_F32,
@@ -120,6 +123,7 @@ def gguf_config(cfg: ModelConfig) -> ModelConfig:
             "rope_scaling": scaling,
             "norm_eps": f32(cfg.norm_eps),
             "rope_theta": f32(cfg.rope_theta),
+            "hf_layout": False,  # the converter's form: norms 1 + w, A = -exp(A_log), value heads tiled
         }
     )
 
@@ -338,6 +342,36 @@ def _stacked_experts(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[s
     return out
 
 
+def _tiled_v_heads(cfg: ModelConfig, w: np.ndarray, axis: int, width: int) -> np.ndarray:
+    """The converter's _LinearAttentionVReorderBase: value heads grouped by key head -> tiled."""
+    r = cfg.ssm_v_heads // cfg.ssm_k_heads
+    shape = w.shape
+    split = shape[:axis] + (cfg.ssm_k_heads, r, width) + shape[axis + 1 :]
+    return np.ascontiguousarray(np.swapaxes(w.reshape(split), axis, axis + 1)).reshape(shape)
+
+
+def _converted_hybrid(cfg: ModelConfig, name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+    """A Qwen3.5 tensor as convert_hf_to_gguf.py writes it: norms + 1 (but the delta-net's own),
+    A_log -> -exp(A_log), value heads tiled, the pre-FFN norm named post_attention_norm."""
+    if name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+        w = w + 1
+    qk = 2 * cfg.ssm_k_heads * cfg.ssm_k_dim
+    short = name.split(".", 2)[-1]
+    if short in ("attn_qkv.weight", "ssm_conv1d.weight"):
+        w = np.concatenate([w[:qk], _tiled_v_heads(cfg, w[qk:], 0, cfg.ssm_v_dim)])
+    elif short == "attn_gate.weight":
+        w = _tiled_v_heads(cfg, w, 0, cfg.ssm_v_dim)
+    elif short in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
+        w = _tiled_v_heads(cfg, w, 0, 1)
+    elif short == "ssm_a":
+        w = _tiled_v_heads(cfg, -np.exp(w), 0, 1)
+    elif short == "ssm_out.weight":
+        w = _tiled_v_heads(cfg, w, 1, cfg.ssm_v_dim)
+    elif short == "ffn_norm.weight":
+        name = name.replace(".ffn_norm.", ".post_attention_norm.")
+    return name, w.astype(np.float32)
+
+
 def _gguf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Canonical HF-order tensors -> what the converter stores, in its order."""
     out: dict[str, np.ndarray] = {}
@@ -350,6 +384,8 @@ def _gguf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str,
             w = permute_qk(w, cfg.n_heads)
         elif cfg.arch in PERMUTED_ARCHS and name.endswith((".attn_k.weight", ".attn_k.bias")):
             w = permute_qk(w, cfg.n_kv_heads)
+        elif cfg.arch in HYBRID_ARCHS:
+            name, w = _converted_hybrid(cfg, name, w)
         out[name] = w
     return out
 
@@ -397,18 +433,21 @@ def _add_model_metadata(writer: GGUFWriter, cfg: ModelConfig, name: str, weight_
     writer.add_block_count(cfg.n_layers)
     writer.add_context_length(cfg.context_length)
     writer.add_embedding_length(cfg.dim)
-    writer.add_feed_forward_length(cfg.ffn_dim)
+    if cfg.arch != "qwen35moe":  # its config.json has no intermediate_size for the converter to write
+        writer.add_feed_forward_length(cfg.ffn_dim)
     writer.add_head_count(cfg.n_heads)
     writer.add_head_count_kv(cfg.n_kv_heads)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     # The converter writes these whenever config.json has head_dim, which Qwen3's always has.
-    if cfg.head_dim * cfg.n_heads != cfg.dim or cfg.arch in ("qwen3", "qwen3moe"):
+    if cfg.head_dim * cfg.n_heads != cfg.dim or cfg.arch in ("qwen3", "qwen3moe", *HYBRID_ARCHS):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     writer.add_file_type(_FILE_TYPES[weight_type])
     writer.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.rope_dim or cfg.head_dim)
+    if cfg.arch in HYBRID_ARCHS:
+        _add_hybrid_metadata(writer, cfg)
     if cfg.n_experts:
         writer.add_expert_count(cfg.n_experts)
         writer.add_expert_used_count(cfg.n_experts_used)
@@ -420,6 +459,23 @@ def _add_model_metadata(writer: GGUFWriter, cfg: ModelConfig, name: str, weight_
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
     writer.add_quantization_version(GGML_QUANT_VERSION)
+
+
+def _add_hybrid_metadata(writer: GGUFWriter, cfg: ModelConfig) -> None:
+    """Qwen3NextModel's and _Qwen35MRopeMixin's keys in convert_hf_to_gguf.py."""
+    full = [b for b in range(cfg.n_layers) if not cfg.linear(b)]
+    interval = full[0] + 1 if full else cfg.n_layers + 1
+    if cfg.linear_blocks != tuple(b for b in range(cfg.n_layers) if (b + 1) % interval):
+        raise ValueError("GGUF describes linear-attention blocks by a full_attention_interval alone")
+    writer.add_ssm_conv_kernel(cfg.ssm_conv_kernel)
+    writer.add_ssm_state_size(cfg.ssm_k_dim)
+    writer.add_ssm_group_count(cfg.ssm_k_heads)
+    writer.add_ssm_time_step_rank(cfg.ssm_v_heads)
+    writer.add_ssm_inner_size(cfg.ssm_v_dim * cfg.ssm_v_heads)
+    writer.add_full_attention_interval(interval)
+    pairs = (cfg.rope_dim or cfg.head_dim) // 2  # M-RoPE sections (t, h, w, e) in the ratio of [11, 11, 10, 0]
+    t = pairs * 11 // 32
+    writer.add_rope_dimension_sections([t, t, pairs - 2 * t, 0])
 
 
 def _check_type(name: str) -> str:
@@ -486,8 +542,15 @@ _HF_CLASSES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
-_HF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_HF_MODEL_TYPES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
+}
 
 
 def _token_ids(tokenizer_json: str | None, *tokens) -> list[int | None]:
@@ -554,6 +617,8 @@ def hf_config(
         out["intermediate_size"] = cfg.expert_ffn_dim
     if cfg.arch == "qwen2moe":
         out.update(qkv_bias=True, shared_expert_intermediate_size=cfg.shared_expert_ffn_dim)
+    if cfg.arch in HYBRID_ARCHS:
+        _hybrid_hf_config(cfg, out)
     if cfg.arch in ("qwen2moe", "qwen3moe"):
         out.update(
             num_experts=cfg.n_experts,
@@ -564,6 +629,40 @@ def hf_config(
             mlp_only_layers=list(cfg.dense_blocks),
         )
     return dict(sorted(out.items()))
+
+
+def _hybrid_hf_config(cfg: ModelConfig, out: dict) -> None:
+    """Qwen3_5TextConfig / Qwen3_5MoeTextConfig as transformers saves them."""
+    for key in ("rope_scaling", "rope_theta", "max_window_layers", "sliding_window", "use_sliding_window"):
+        out.pop(key, None)
+    rotary = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+    pairs = (cfg.rope_dim or cfg.head_dim) // 2
+    t = pairs * 11 // 32
+    out.update(
+        attention_bias=False,
+        head_dim=cfg.head_dim,
+        layer_types=["linear_attention" if cfg.linear(i) else "full_attention" for i in range(cfg.n_layers)],
+        linear_conv_kernel_dim=cfg.ssm_conv_kernel,
+        linear_key_head_dim=cfg.ssm_k_dim,
+        linear_value_head_dim=cfg.ssm_v_dim,
+        linear_num_key_heads=cfg.ssm_k_heads,
+        linear_num_value_heads=cfg.ssm_v_heads,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": rotary,
+            "mrope_section": [t, t, pairs - 2 * t],
+            "mrope_interleaved": True,
+        },
+    )
+    if cfg.arch == "qwen35moe":
+        del out["intermediate_size"]
+        out.update(
+            num_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.n_experts_used,
+            moe_intermediate_size=cfg.expert_ffn_dim,
+            shared_expert_intermediate_size=cfg.shared_expert_ffn_dim,
+        )
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -594,6 +693,9 @@ def write_hf(
         hf_name(n, cfg.arch): torch.from_numpy(np.asarray(tensors[n], dtype=np.float32)).to(torch_dtype).contiguous()
         for n in _stored_names(cfg, tensors)
     }
+    for name, t in hf.items():
+        if name.endswith("linear_attn.conv1d.weight"):  # a depthwise Conv1d: [channels, 1, taps]
+            hf[name] = t[:, None]
 
     groups = [list(hf)]
     if shard_max_tensors:

@@ -182,17 +182,28 @@ def test_glassllm_split_across_two_workers_continues_like_glassllm(worker_pool, 
 def test_each_worker_reports_the_dtype_its_hardware_computes_best_and_the_plan_uses_it(worker_pool, tmp_path):
     from shardwire.devices import default_dtype
 
-    model = open_model(model_path("llama", "F32"))
-    cluster = Cluster([w.address for w in worker_pool(2)], cache_dir=tmp_path, show_progress=False)
+    addresses = [w.address for w in worker_pool(2)]
+    cluster = Cluster(addresses, cache_dir=tmp_path, show_progress=False)
     try:
-        cluster.connect(model)
+        cluster.connect(open_model(model_path("llama", "F16")))
         assert [d.dtype for link in cluster.links for d in link.devices] == [default_dtype("cpu")] * 2
         cluster.links[1].devices[0].dtype = "float16"  # as a worker on a machine with other hardware says
         plan = cluster.make_plan(ctx=64)
         assert [s.device.dtype for s in plan.stages] == [default_dtype("cpu"), "float16"]
-        assert {s.device.dtype for s in cluster.make_plan(ctx=64, dtype="float32").stages} == {
-            "float32"
+        # bf16 would round F16 weights: a CPU computes them in float32 instead
+        cluster.links[1].devices[0].dtype = "bfloat16"
+        assert [s.device.dtype for s in cluster.make_plan(ctx=64).stages] == [default_dtype("cpu"), "float32"]
+        assert {s.device.dtype for s in cluster.make_plan(ctx=64, dtype="bfloat16").stages} == {
+            "bfloat16"
         }  # --dtype wins
+    finally:
+        cluster.close()
+    cluster = Cluster(addresses, cache_dir=tmp_path, show_progress=False)
+    try:
+        cluster.connect(open_model(model_path("llama", "F32")))
+        cluster.links[1].devices[0].dtype = "float16"
+        # an F32 file computes in float32 whatever a worker's own dtype
+        assert {s.device.dtype for s in cluster.make_plan(ctx=64).stages} == {"float32"}
     finally:
         cluster.close()
 

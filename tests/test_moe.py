@@ -19,7 +19,7 @@ from shardwire.quant import ggml_cpu
 from shardwire.quant.packed import PackedLinear
 from shardwire_kit.writer import write_gguf
 
-from models import PROMPT, hf_path, model_path, model_source
+from models import PROMPT, hf_path, llama_cpp_logits, model_path, model_source
 
 
 def logits(stage, ids):
@@ -241,21 +241,8 @@ def test_matrices_kept_elsewhere_compute_there_and_give_the_same_logits():
 def test_llama_cpp_reads_our_files_and_predicts_the_same_tokens(name):
     """Where llama.cpp is built (benchmarks/build_llama_cpp.sh): its logits for the F32 file equal
     ours to within its own arithmetic, and it picks the same token at every prompt position."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    numerics = pytest.importorskip("numerics_llamacpp")
-    try:
-        llama = numerics.llama_cpp()
-    except ImportError as e:
-        pytest.skip(f"llama.cpp's Python bindings do not import: {e}")
-    if llama is None:
-        pytest.skip("llama.cpp is not built (benchmarks/build_llama_cpp.sh)")
     path = model_path(name, "F32")
-    llm = llama.Llama(model_path=str(path), n_ctx=128, logits_all=True, n_threads=1, n_gpu_layers=0, verbose=False)
-    llm.eval(PROMPT)
-    theirs = torch.tensor(np.array(llm.scores[: len(PROMPT)]))
+    theirs = llama_cpp_logits(path, PROMPT)
     ours = logits(whole(path), PROMPT)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     assert float((ours - theirs).abs().max()) <= 2e-3 * float(theirs.max() - theirs.min())

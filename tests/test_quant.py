@@ -240,12 +240,17 @@ def test_fastest_formats_are_measured_once_per_machine_and_kept(tmp_path, monkey
     try:
         first = measure.fastest_formats("cpu", "float32")
         assert set(first) == set(measure.MEASURED_TYPES)
-        assert all(f in ("dense", "ggml", policy.FAST.get(t)) for t, f in first.items())
+        assert all(f in ("dense", "ggml", "repacked", policy.FAST.get(t)) for t, f in first.items())
         saved = json.loads((tmp_path / "kernels.json").read_text())
         ((key, entry),) = saved.items()
         assert measure.cpu_model() in key and "float32" in key
         for timings in entry.values():
-            assert timings["fastest"] == min(timings["seconds"], key=timings["seconds"].get)
+            one_row = timings["seconds"]
+            # the fastest for one row, or one as fast within the noise that is faster on a prompt
+            assert one_row[timings["fastest"]] <= measure.TIE * min(one_row.values())
+            if "prompt_seconds" in timings:
+                chunk = timings["prompt_seconds"]
+                assert timings["fastest"] == min(chunk, key=chunk.get)
         entry["Q4_0"]["fastest"] = "dense"  # what is on disk is what a new process uses
         (tmp_path / "kernels.json").write_text(json.dumps(saved))
         measure.fastest_formats.cache_clear()

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..cache import HashIndex, default_cache_dir
+from ..devices import stored_precision_dtype
 from ..formats import ModelFile, TensorReader
 from ..pipeline import PipelineError
 from ..plan import Plan, PlanDevice, PlanError, PlannedStage, make_plan
@@ -143,7 +144,8 @@ class Cluster:
         devices, cpu = [], None
         for link in self.links if links is None else links:
             for d in link.devices:
-                pd = PlanDevice(link.name, d.name, d.free, dtype or d.dtype, d.kernels, d.fastest)
+                own = stored_precision_dtype(d.dtype, d.name, self.model and self.model.matrix_type)
+                pd = PlanDevice(link.name, d.name, d.free, dtype or own, d.kernels, d.fastest)
                 if link.name == "local:cpu":
                     cpu = pd
                 else:

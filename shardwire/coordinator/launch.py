@@ -8,7 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-from ..devices import check_device, default_devices, default_dtype, free_memory, parse_dtype, torch_device
+from ..devices import (
+    check_device,
+    default_devices,
+    default_dtype,
+    free_memory,
+    parse_dtype,
+    stored_precision_dtype,
+    torch_device,
+)
 from ..formats import ModelFile
 from ..loading import load_stage
 from ..pipeline import LocalPipeline, Pipeline
@@ -156,7 +164,8 @@ def build_pipeline(
     overrides = parse_overrides(args.override_tensor)
     if not workers and (ngl is None or ngl >= model.config.n_layers) and not overrides:
         device = check_device(args.device or default_devices()[0])
-        return local_pipeline(model, device, args.dtype or default_dtype(device), args.weights, n_slots, ctx), None
+        dtype = args.dtype or stored_precision_dtype(default_dtype(device), device, model.matrix_type)
+        return local_pipeline(model, device, dtype, args.weights, n_slots, ctx), None
     accelerators = [d for d in default_devices() if d != "cpu"]
     # one process with -ot: its device takes the blocks, the -ot devices what the patterns name
     local = _local_devices(args, accelerators or ([] if workers or not overrides else ["cpu"]), overrides)

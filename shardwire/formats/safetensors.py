@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 from pathlib import Path
 
 from .names import EXPERT_MATRICES, expert_name
 from .tensors import TensorInfo
+
+log = logging.getLogger("shardwire.formats")
 
 _DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MAX_HEADER = 100 << 20
@@ -37,8 +40,21 @@ _BLOCK_NAMES = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "block_sparse_moe.gate": "ffn_gate_inp",  # (Mixtral)
+    # Qwen3.5's gated delta-net (values as transformers has them: see ModelConfig.hf_layout)
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
 }
+# Delta-net parameters that are neither a weight nor a bias
+_BLOCK_PARAMS = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
 _BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_PARAM_RE = re.compile(r"^model\.layers\.(\d+)\.(linear_attn\.\w+)$")
+# Qwen3.5's multimodal checkpoints keep the language model under model.language_model
+_LANGUAGE_MODEL = "model.language_model."
 # One matrix per expert, as transformers saves Qwen3-MoE and Mixtral checkpoints
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _EXPERT_NAMES = {
@@ -60,11 +76,16 @@ class SafetensorsError(ValueError):
 
 def canonical_name(hf_name: str) -> str | None:
     """The GGUF-style name of a Hugging Face parameter, or None for parameters we do not use."""
+    if hf_name.startswith(_LANGUAGE_MODEL):
+        hf_name = "model." + hf_name[len(_LANGUAGE_MODEL) :]
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _BLOCK_RE.match(hf_name)
     if m and m[2] in _BLOCK_NAMES:
         return f"blk.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    m = _PARAM_RE.match(hf_name)
+    if m and m[2] in _BLOCK_PARAMS:
+        return f"blk.{m[1]}.{_BLOCK_PARAMS[m[2]]}"
     m = _EXPERT_RE.match(hf_name)
     if m and m[4] in _EXPERT_NAMES:
         return expert_name(int(m[1]), _EXPERT_NAMES[m[4]], int(m[3]))
@@ -74,10 +95,19 @@ def canonical_name(hf_name: str) -> str | None:
 def canonical_tensors(info: TensorInfo) -> dict[str, TensorInfo]:
     """The canonical tensors a Hugging Face tensor holds: none, itself renamed, or (fused experts)
     one matrix per expert."""
-    m = _FUSED_EXPERTS_RE.match(info.name)
+    name = info.name
+    if name.startswith(_LANGUAGE_MODEL):
+        name = "model." + name[len(_LANGUAGE_MODEL) :]
+    m = _FUSED_EXPERTS_RE.match(name)
     if m is None:
-        name = canonical_name(info.name)
-        return {} if name is None else {name: info.renamed(name)}
+        name = canonical_name(name)
+        if name is None:
+            return {}
+        if name.endswith(".ssm_conv1d.weight") and len(info.shape) == 3 and info.shape[1] == 1:
+            # a depthwise Conv1d's [channels, 1, taps]: the same bytes as GGUF's [channels, taps]
+            shape = (info.shape[0], info.shape[2])
+            info = TensorInfo(info.name, info.dtype, shape, info.path, info.offset, info.nbytes)
+        return {name: info.renamed(name)}
     block, experts = int(m[1]), info.split(info.shape[0])
     if m[2] == "down_proj":
         parts = {expert_name(block, "ffn_down_exps", e): t for e, t in enumerate(experts)}
@@ -101,6 +131,9 @@ def hf_name(canonical: str, arch: str) -> str:
         kinds = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         kind = dict(zip(EXPERT_MATRICES, kinds))[parts[2]]
         return f"model.layers.{parts[1]}.{moe}.experts.{parts[3]}.{kind}.weight"
+    for hf, param in _BLOCK_PARAMS.items():
+        if canonical == f"blk.{parts[1]}.{param}":
+            return f"model.layers.{parts[1]}.{hf}"
     _, layer, short, kind = parts
     hf_short = f"{moe}.gate" if short == "ffn_gate_inp" else {v: k for k, v in _BLOCK_NAMES.items()}[short]
     return f"model.layers.{layer}.{hf_short}.{kind}"
@@ -159,12 +192,18 @@ def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
     else:
         raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
     tensors: dict[str, TensorInfo] = {}
+    skipped_mtp = 0
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{file}: shard listed in {index_path.name} is missing")
         for info in read_safetensors_header(file).values():
+            skipped_mtp += info.name.startswith("mtp.")
             try:
                 tensors.update(canonical_tensors(info))
             except ValueError as e:
                 raise SafetensorsError(str(e)) from None
+    if skipped_mtp:
+        log.info(
+            "%s: skipping %d multi-token-prediction (mtp.*) tensors: shardwire does not run them", folder, skipped_mtp
+        )
     return config, tensors

@@ -3,6 +3,10 @@ GGUF type, weights used as stored, float32 activations (quantized inside the ker
 does it, as llama.cpp's CPU backend does). A block's experts run as one graph over all of them
 (mul_mat_id), as llama.cpp runs them.
 
+Where ggml has a repacked layout for a type on this CPU (its CPU_REPACK buffer: Q4_0 and Q4_K
+interleaved 8 rows at a time on x86, other layouts on ARM), a weight can be copied into it once
+at load, as llama.cpp does: the same bytes, read by kernels that multiply several rows at once.
+
 Optional: without the `ggml-python` package (the `cpu` extra), `available()` is False and the
 PyTorch formats serve instead.
 """
@@ -10,6 +14,7 @@ PyTorch formats serve instead.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -28,8 +33,23 @@ try:
 except ImportError:  # the `cpu` extra is not installed
     ggml = None
 
+log = logging.getLogger("shardwire.ggml")
+
 GRAPHS_KEPT = 64  # graphs a thread keeps built: per op, type and shape (decode's one row, prompt chunks, ...)
 GRAPH_NODES = 4  # one operation on two inputs
+
+
+GGML_LOG_WARN, GGML_LOG_ERROR = 3, 4
+
+
+def _log(level: int, text: bytes, _user_data) -> None:
+    """ggml's own messages: its warnings and errors to our log; its debug lines (one per repacked
+    tensor) nowhere."""
+    if level in (GGML_LOG_WARN, GGML_LOG_ERROR):
+        log.warning("ggml: %s", text.decode(errors="replace").rstrip())
+
+
+_log_callback = ggml.ggml_log_callback(_log) if ggml is not None else None  # kept alive for ggml
 
 
 @lru_cache(maxsize=None)
@@ -37,6 +57,7 @@ def available() -> bool:
     """Whether ggml's CPU kernels can be called in this process."""
     if ggml is None:
         return False
+    ggml.ggml_log_set(_log_callback, None)
     ggml.ggml_cpu_init()
     return True
 
@@ -68,16 +89,20 @@ class _Built:
 
 
 class _Graph(_Built):
-    """One operation on a weight W and one other tensor x, giving y."""
+    """One operation on a weight W and one other tensor x, giving y. A graph on a repacked weight
+    is built with one (`weight`): its buffer and kernel traits, which the plan's work size and
+    the computation dispatch on, are the same for every weight of that type."""
 
     OPS = {
         "mul_mat": lambda ctx, w, x: ggml.ggml_mul_mat(ctx, w, x),
         "copy": lambda ctx, w, x: ggml.ggml_cpy(ctx, w, x),
     }
 
-    def __init__(self, op: str, qtype: int, K: int, N: int, n: int, threads: int):
+    def __init__(self, op: str, qtype: int, K: int, N: int, n: int, weight: "_Repacked | None", threads: int):
         super().__init__(GRAPH_NODES, 4)
         self.w = ggml.ggml_new_tensor_2d(self.ctx, qtype, K, N)
+        if weight is not None:
+            weight.lend_to(self.w)
         self.x = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_F32, K, n)
         self.y = self.OPS[op](self.ctx, self.w, self.x)
         self._finish(self.y, threads)
@@ -90,14 +115,14 @@ class _Graph(_Built):
 _local = threading.local()
 
 
-def _kept(cls, *shape):
-    """This thread's built graph `cls(*shape, threads)`: shared by every weight of that type and
-    shape (a call points it at its own data), LRU-kept."""
+def _kept(cls, *shape, weight=None):
+    """This thread's built graph `cls(*shape, [weight,] threads)`: shared by every weight of that
+    type, shape and layout (a call points it at its own data), LRU-kept."""
     graphs = _local.__dict__.setdefault("graphs", OrderedDict())
-    key = (cls, *shape, torch.get_num_threads())
+    key = (cls, *shape, weight is not None, torch.get_num_threads())
     graph = graphs.pop(key, None)
     if graph is None:
-        graph = cls(*shape, key[-1])
+        graph = cls(*shape, *((weight,) if cls is _Graph else ()), key[-1])
         if len(graphs) >= GRAPHS_KEPT:
             graphs.popitem(last=False)
     graphs[key] = graph
@@ -173,6 +198,126 @@ class GGMLLinear(GGUFLinear):
 
     def gather(self, index):
         return self._rows(index)
+
+
+@lru_cache(maxsize=None)
+def _repack_buffer_type():
+    """ggml's CPU_REPACK buffer type, or None where this ggml has none."""
+    if not available():
+        return None
+    address = ggml.ggml_backend_reg_get_proc_address(ggml.ggml_backend_cpu_reg(), b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return None
+    extra_types = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)
+    found = extra_types(ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU))
+    i = 0
+    while found[i]:
+        if ggml.ggml_backend_buft_name(found[i]) == b"CPU_REPACK":
+            return found[i]
+        i += 1
+    return None
+
+
+def build() -> str | None:
+    """What this ggml build brings that changes which kernels are fastest (its measurements are
+    kept apart from another build's); None without ggml."""
+    if not available():
+        return None
+    parts = ["repacks" if _repack_buffer_type() is not None else "no repacks"]
+    parts.append("llamafile" if ggml.ggml_cpu_has_llamafile() else "no llamafile")
+    return ", ".join(parts)
+
+
+class RepackError(ValueError):
+    pass
+
+
+class _Repacked:
+    """One weight in ggml's repack buffer, which reorders stored blocks into this CPU's kernel
+    layout as they are written; memory of ggml's own, freed with this object."""
+
+    def __init__(self, qtype: int, K: int, N: int):
+        buffer_type = _repack_buffer_type()
+        if buffer_type is None:
+            raise RepackError("this ggml build has no repacked layouts")
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() + 256, no_alloc=True))
+        self.tensor = ggml.ggml_new_tensor_2d(self.ctx, qtype, K, N)
+        size = ggml.ggml_backend_buft_get_alloc_size(buffer_type, self.tensor)
+        self.buffer = ggml.ggml_backend_buft_alloc_buffer(buffer_type, size)
+        if not self.buffer:
+            raise MemoryError(f"ggml could not allocate {size} bytes")
+        ggml.ggml_backend_tensor_alloc(self.buffer, self.tensor, ggml.ggml_backend_buffer_get_base(self.buffer))
+        # the buffer names the kernel for the type and shape here; writing into it without one crashes
+        if not self.tensor.contents.extra:
+            raise RepackError(f"ggml has no repacked layout for {GGMLQuantizationType(qtype).name} [{N}, {K}] here")
+        self.nbytes = size
+
+    def write(self, raw: torch.Tensor) -> None:
+        ggml.ggml_backend_tensor_set(self.tensor, raw.data_ptr(), 0, raw.numel())
+
+    @property
+    def data(self) -> int:
+        return self.tensor.contents.data
+
+    def lend_to(self, t) -> None:
+        """Make graph tensor `t` run as this weight does (its buffer and kernel traits)."""
+        t.contents.buffer, t.contents.extra, t.contents.data = self.buffer, self.tensor.contents.extra, self.data
+
+    def __del__(self):
+        if ggml is None:
+            return
+        if getattr(self, "buffer", None):
+            ggml.ggml_backend_buffer_free(self.buffer)
+        if getattr(self, "ctx", None):
+            ggml.ggml_free(self.ctx)
+
+
+def repackable(stored: str, K: int, N: int) -> bool:
+    """Whether ggml repacks a [N, K] matrix of `stored` blocks on this CPU."""
+    if stored in PLAIN or not available():
+        return False
+    try:
+        _Repacked(int(GGMLQuantizationType[stored]), K, N)
+    except RepackError:
+        return False
+    return True
+
+
+class RepackedLinear(nn.Module):
+    """The stored blocks of a matrix in ggml's repacked layout for this CPU, multiplied by the
+    kernels made for it (for one row and for a prompt chunk's many). The layout cannot be read
+    back: such a matrix is never a token table."""
+
+    fmt = "repacked"
+
+    def __init__(self, raw: torch.Tensor, stored: str, in_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.stored, self.in_features, self.out_features = stored, in_features, raw.shape[0]
+        self.compute_dtype = dtype
+        self._qtype = int(GGMLQuantizationType[stored])
+        self._weight = _Repacked(self._qtype, in_features, self.out_features)
+        self._weight.write(raw.contiguous())
+        # its bytes, as the stage's weights are counted (parameters): ggml's memory, not copied
+        held = (ctypes.c_uint8 * self._weight.nbytes).from_address(self._weight.data)
+        held.owner = self._weight  # the memory lives as long as any view of it
+        self.held = nn.Parameter(torch.frombuffer(held, dtype=torch.uint8), requires_grad=False)
+        self.bias = None
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fmt} {self.stored}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x32 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        y = torch.empty(x32.shape[0], self.out_features, dtype=torch.float32)
+        rows = x32.shape[0]
+        graph = _kept(_Graph, "mul_mat", self._qtype, self.in_features, self.out_features, rows, weight=self._weight)
+        self._weight.lend_to(graph.w)
+        graph.run(self._weight.data, x32.data_ptr(), y.data_ptr())
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
 
 
 class _ExpertsGraph(_Built):

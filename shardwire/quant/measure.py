@@ -4,9 +4,9 @@ measured once per CPU model, compute dtype, thread count and library versions, a
 Decode reads every weight once per token, so the format that streams a matrix fastest decides
 decode speed; which one that is differs by CPU (PyTorch's bf16 matrix-vector product is fast on
 one and slow on another), so it is timed, never inferred from a CPU vendor or feature flag.
-The candidates: the dense matrix in the compute dtype, PyTorch's packed kernel for the type, and
-ggml's kernel on the stored blocks. Values do not change these kernels' speed, so the matrices
-hold zero blocks.
+The candidates: the dense matrix in the compute dtype, PyTorch's packed kernel for the type,
+ggml's kernel on the stored blocks, and ggml's on its repacked layout where it has one here.
+Values do not change these kernels' speed, so the matrices hold zero blocks.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from .policy import FAST
 
 MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
-SECONDS = 0.03  # per candidate, at least 3 runs
+SECONDS = 0.01  # per candidate and turn, at least 3 runs
+TIE = 1.1  # one-row times this close to the fastest's decode as fast, within the machine's noise
+PROMPT_ROWS = 64
 
 
 def cpu_model() -> str:
@@ -46,8 +48,9 @@ def cpu_model() -> str:
 
 
 def _key(dtype: str) -> str:
-    versions = f"torch {torch.__version__}, ggml {'yes' if ggml_cpu.available() else 'no'}"
-    return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions} | caches emptied"
+    versions = f"torch {torch.__version__}, ggml {ggml_cpu.build() or 'no'}"
+    method = "fastest of 3 turns, ties by prompt"
+    return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions} | {method}"
 
 
 def last_level_cache_bytes() -> int:
@@ -68,8 +71,10 @@ def _eviction_buffer() -> torch.Tensor:
 
 
 def _seconds(call) -> float:
-    """Median seconds of `call` with the caches emptied before each run, as when a model much
-    larger than the caches streams its weights: a matrix that stays cached would time the cache."""
+    """Fastest seconds of `call` with the caches emptied before each run, as when a model much
+    larger than the caches streams its weights (a matrix that stays cached would time the cache).
+    The fastest, not the median: other work on the machine only ever adds time, and the
+    candidates are timed in turns (ROUNDS) so that a busy moment does not decide for one."""
     call()
     evict, times, start = _eviction_buffer(), [], time.perf_counter()
     while time.perf_counter() - start < SECONDS or len(times) < 3:
@@ -77,12 +82,19 @@ def _seconds(call) -> float:
         t = time.perf_counter()
         call()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
-def _seconds_per_row(module: torch.nn.Module, dtype: torch.dtype) -> float:
-    x = torch.zeros(1, SHAPE[1], dtype=dtype)
-    return _seconds(lambda: module(x))
+ROUNDS = 3
+
+
+def _fastest_of(calls: dict) -> dict[str, float]:
+    """Each call's fastest seconds over ROUNDS turns through all of them."""
+    best = {name: float("inf") for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            best[name] = min(best[name], _seconds(call))
+    return best
 
 
 def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
@@ -92,16 +104,31 @@ def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
         out[FAST[stored]] = pack_matrix(raw, stored, FAST[stored], "cpu", dtype)
     if ggml_cpu.available():
         out["ggml"] = ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype)
+    if ggml_cpu.repackable(stored, *SHAPE[::-1]):
+        out["repacked"] = ggml_cpu.RepackedLinear(raw, stored, SHAPE[1], dtype)
     return out
 
 
+def _rows(module: torch.nn.Module, n: int, dtype: torch.dtype):
+    x = torch.zeros(n, SHAPE[1], dtype=dtype)
+    return lambda: module(x)
+
+
 def measure(dtype: str) -> dict[str, dict]:
-    """For each stored type: every candidate's seconds per row, and the fastest."""
+    """For each stored type: every candidate's seconds for one row, and the fastest. Candidates
+    within TIE of the fastest one row are as good for decode; of those, the fastest on a prompt
+    chunk (PROMPT_ROWS rows) wins."""
     torch_dtype = TORCH_DTYPES[dtype]
     out = {}
     for stored in MEASURED_TYPES:
-        times = {fmt: _seconds_per_row(m, torch_dtype) for fmt, m in _candidates(stored, torch_dtype).items()}
-        out[stored] = {"seconds": times, "fastest": min(times, key=times.get)}
+        candidates = _candidates(stored, torch_dtype)
+        times = _fastest_of({fmt: _rows(m, 1, torch_dtype) for fmt, m in candidates.items()})
+        tied = [fmt for fmt, t in times.items() if t <= TIE * min(times.values())]
+        entry = {"seconds": times, "fastest": min(tied, key=times.get)}
+        if len(tied) > 1:
+            chunk = _fastest_of({fmt: _rows(candidates[fmt], PROMPT_ROWS, torch_dtype) for fmt in tied})
+            entry.update(prompt_seconds=chunk, fastest=min(chunk, key=chunk.get))
+        out[stored] = entry
     return out
 
 
@@ -129,7 +156,7 @@ def _remembered(key: str, compute) -> dict:
 
 NO_GGML = (
     "ggml-python is not installed: CPU weights use PyTorch's kernels only, often several times slower "
-    "to decode; pip install 'shardwire[cpu]' (needs cmake and a C compiler)"
+    "to decode; CMAKE_ARGS=-DGGML_LLAMAFILE=ON pip install 'shardwire[cpu]' (needs cmake and a C compiler)"
 )
 
 
@@ -151,15 +178,13 @@ def _gemm_rows(stored: str, dtype: torch.dtype) -> dict:
     large_allocations_unmapped()  # as when stages are built: each dequantized chunk is mapped afresh
     shape = (SHAPE[0] // 2, SHAPE[1])
     raw = torch.zeros(shape[0], stored_nbytes(stored, shape) // shape[0], dtype=torch.uint8)
-    module = ggml_cpu.GGMLLinear(raw, stored, shape[1], dtype)
+    modules = {
+        way: ggml_cpu.GGMLLinear(raw, stored, shape[1], dtype, rows) for way, rows in (("ggml", None), ("gemm", 0))
+    }
     times = {}
     for n in GEMM_ROWS:
         x = torch.zeros(n, shape[1], dtype=dtype)
-        module.gemm_rows = None
-        ggml_s = _seconds(lambda: module(x))
-        module.gemm_rows = 0
-        gemm_s = _seconds(lambda: module(x))
-        times[n] = {"ggml": ggml_s, "gemm": gemm_s}
+        times[n] = _fastest_of({way: (lambda m=m: m(x)) for way, m in modules.items()})
     rows = next((n for n in GEMM_ROWS if times[n]["gemm"] < times[n]["ggml"]), None)
     return {"seconds": times, "rows": rows}
 
@@ -172,5 +197,5 @@ def gemm_rows(stored: str, dtype: torch.dtype) -> int | None:
     type, then read from the cache."""
     name = str(dtype).removeprefix("torch.")
     return _remembered(
-        f"{_key(name)} | gemm rows {stored} (ggml dequantizes into scratch, v2)", lambda: _gemm_rows(stored, dtype)
+        f"{_key(name)} | gemm rows {stored} (ggml dequantizes into scratch, v3)", lambda: _gemm_rows(stored, dtype)
     )["rows"]

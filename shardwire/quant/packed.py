@@ -265,7 +265,14 @@ def _int4_module(g: Groups, chunks, coefs, device: torch.device, dtype: torch.dt
 
 def pack_matrix(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.dtype) -> PackedLinear:
     """Stored rows of a matrix (uint8 [N, bytes per row], rows already in model order) -> its
-    module in format `fmt` on `device`; `dtype` is the stage's compute dtype."""
+    module in format `fmt` on `device`; `dtype` is the stage's compute dtype. The module keeps
+    the type it was stored as in `.stored`."""
+    module = _pack(raw, stored, fmt, device, dtype)
+    module.stored = stored
+    return module
+
+
+def _pack(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.dtype) -> PackedLinear:
     device = torch.device(device)
     K = (
         raw.shape[1]
@@ -275,6 +282,13 @@ def pack_matrix(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.d
     raw = raw.to(device)
     if fmt == "gguf":
         return GGUFLinear(raw, stored, K, dtype)
+    if fmt == "repacked":
+        from .ggml_cpu import RepackedLinear, RepackError
+
+        try:
+            return RepackedLinear(raw, stored, K, dtype)
+        except RepackError:
+            fmt = "ggml"  # a shape this CPU's layout does not take: the stored blocks serve as they are
     if fmt == "ggml":
         from .ggml_cpu import GGMLLinear  # it builds on GGUFLinear
         from .measure import gemm_rows  # it times this function's modules

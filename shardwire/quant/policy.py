@@ -71,7 +71,7 @@ def matrix_format(
         return "dense"
     fmt = (COMPACT if mode == "compact" else FAST)[stored]
     if fmt == "gguf" or not kernels:
-        return "ggml" if fastest.get(stored) == "ggml" else "gguf"
+        return fastest[stored] if fastest.get(stored) in ("ggml", "repacked") else "gguf"
     return fmt
 
 
@@ -80,7 +80,7 @@ def format_nbytes(fmt: str, stored: str, shape: tuple[int, ...], dtype: torch.dt
     n = math.prod(shape)
     if fmt == "dense":
         return n * torch.empty((), dtype=dtype).element_size()
-    if fmt in ("gguf", "ggml"):
+    if fmt in ("gguf", "ggml", "repacked"):
         return stored_nbytes(stored, shape)
     N, K = shape
     if fmt == "int8":
@@ -107,13 +107,15 @@ def weight_formats(
     out = {}
     for name, info in tensors.items():
         fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels, fastest)
-        if name == "token_embd.weight" and not tied_head and fmt != "dense":
-            # an embedding only gathers rows: the stored blocks serve it as they are
-            fmt = "dense" if info.dtype in PLAIN else "gguf"
+        if name == "token_embd.weight" and not tied_head and fmt not in ("dense", "gguf"):
+            # an embedding only gathers rows: the stored blocks serve it as they are (a plain
+            # type's rows through ggml's module, which reads them without a converted copy)
+            fmt = "ggml" if fmt == "ggml" and info.dtype in PLAIN else "dense" if info.dtype in PLAIN else "gguf"
         out[name] = fmt
-    # a tied head serves as the table too, unless its rows cannot be read back (int4 on CUDA)
+    # a tied head serves as the table too, unless its rows cannot be read back (int4 on CUDA, a
+    # repacked layout)
     head = out.get("token_embd.weight")
-    if first and tied_head and head in ("int4", "int8x2") and device_type != "cpu":
+    if first and tied_head and (head == "repacked" or head in ("int4", "int8x2") and device_type != "cpu"):
         out[EMBEDDING] = "gguf"
     return out
 

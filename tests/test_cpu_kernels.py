@@ -1,0 +1,133 @@
+"""ggml on CPU devices: weights in ggml's repacked layout multiply as their stored blocks do, a dense
+block's decode rows run as two ggml graphs with the results of the modules they replace, and
+the compute dtype keeps every weight at its stored precision unless the user asks otherwise."""
+
+import pytest
+import torch
+from test_quant import matrix
+
+from shardwire.devices import default_dtype, stored_precision_dtype
+from shardwire.formats import open_model
+from shardwire.loading import load_stage
+from shardwire.quant import ggml_block, ggml_cpu, measure, policy
+from shardwire.quant import packed as packing
+
+from models import PROMPT, model_path
+
+needs_ggml = pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+needs_repack = pytest.mark.skipif(
+    not ggml_cpu.repackable("Q4_0", 512, 64), reason="ggml has no repacked Q4_0 layout on this CPU"
+)
+
+
+@needs_repack
+@pytest.mark.parametrize("stored", ["Q4_0", "Q4_K"])
+def test_a_repacked_matrix_multiplies_as_its_stored_blocks(stored):
+    if not ggml_cpu.repackable(stored, 512, 64):
+        pytest.skip(f"ggml has no repacked {stored} layout on this CPU")
+    _, raw, ref = matrix(stored, rows=64)
+    repacked = packing.pack_matrix(raw, stored, "repacked", "cpu", torch.float32)
+    plain = packing.pack_matrix(raw, stored, "ggml", "cpu", torch.float32)
+    assert repacked.fmt == "repacked" and plain.fmt == "ggml"
+    # the stage counts its bytes (parameters): the stored size, held once
+    assert sum(p.nbytes for p in repacked.parameters()) == raw.numel()
+    torch.manual_seed(0)
+    for x in (torch.randn(1, 512), torch.randn(3, 5, 512), torch.randn(70, 512)):
+        y, expected = repacked(x), x @ ref.t()
+        assert y.shape == expected.shape
+        # ggml quantizes the activations to 8 bits inside its kernels, as llama.cpp does
+        assert float((y - expected).abs().max()) <= 1e-2 * float(expected.abs().max())
+    one = torch.randn(1, 512)  # one row: the same activation blocks as the stored-block kernel
+    assert float((repacked(one) - plain(one)).abs().max()) <= 1e-4 * float(plain(one).abs().max())
+
+
+@needs_repack
+def test_a_shape_the_repacked_layout_does_not_take_keeps_the_stored_blocks():
+    _, raw, _ = matrix("Q4_0", rows=12)  # rows interleave 8 at a time
+    module = packing.pack_matrix(raw, "Q4_0", "repacked", "cpu", torch.float32)
+    assert module.fmt == "ggml"
+    stored = packing.pack_matrix(raw, "Q4_0", "gguf", "cpu", torch.float32)
+    assert torch.equal(module.gather(torch.arange(12)), stored.gather(torch.arange(12)))
+
+
+def test_a_repacked_tied_head_leaves_the_first_stage_a_table_it_can_read():
+    model = open_model(model_path("qwen2", "Q4_0"))  # tied embeddings
+    assert model.config.tied_embeddings
+    tensors = model.stage_tensors(0, model.config.n_layers, True, True)
+    fastest = {"Q4_0": "repacked"}
+    formats = weight_formats_for(tensors, model, fastest)
+    assert formats["token_embd.weight"] == "repacked" and formats[policy.EMBEDDING] == "gguf"
+    info = tensors["token_embd.weight"]
+    assert policy.format_nbytes("repacked", info.dtype, tuple(info.shape), torch.float32) == info.nbytes
+
+
+def weight_formats_for(tensors, model, fastest):
+    return policy.weight_formats(tensors, True, True, model.config.tied_embeddings, "fast", "cpu", True, fastest)
+
+
+@needs_repack
+def test_the_measurement_times_the_repacked_layout_where_ggml_has_one():
+    measured = measure.measure("float32")
+    assert "repacked" in measured["Q4_0"]["seconds"]
+    assert "repacked" not in measured["F16"]["seconds"]
+    assert all(entry["fastest"] in entry["seconds"] for entry in measured.values())
+
+
+def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
+    """Logits of a 3-token prompt, then decode steps of 2 and of 9 sequences (the second more rows
+    than the graphs take), with or without the blocks' graphs."""
+    kept = [b.graphs for b in stage.blocks]
+    if not use_graphs:
+        for b in stage.blocks:
+            b.graphs = None
+    try:
+        stage.allocate_cache(9, 32)
+        out = [stage(torch.tensor([PROMPT[:3]]), [0], [0])]
+        out.append(stage(torch.tensor([[PROMPT[3]], [PROMPT[4]]]), [0, 1], [3, 0]))
+        out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [4, 1, 0, 0, 0, 0, 0, 0, 0]))
+        return out
+    finally:
+        for b, g in zip(stage.blocks, kept):
+            b.graphs = g
+
+
+@needs_ggml
+@pytest.mark.parametrize(
+    "name,stored,fastest",
+    [
+        ("llama", "F32", {"F32": "dense"}),  # dense weights, Q/K/V and gate/up fused in one matrix each
+        ("llama", "F16", {"F16": "ggml"}),
+        ("qwen2", "Q8_0", {"Q8_0": "ggml"}),  # biases on Q, K and V
+        ("llama", "Q4_0", {"Q4_0": "repacked"}),
+    ],
+)
+def test_block_graphs_give_what_the_modules_give(name, stored, fastest):
+    model = open_model(model_path(name, stored))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest=fastest, dtype=torch.float32)
+    assert all(isinstance(b.graphs, ggml_block.BlockGraphs) for b in stage.blocks)
+    with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
+    for a, b in zip(with_graphs, without):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= 2e-3 * scale
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_ggml
+def test_blocks_get_graphs_only_on_cpu_in_float32():
+    model = open_model(model_path("llama", "Q8_0"))
+    stage = load_stage(model, 0, 2, weights="fast", fastest={"Q8_0": "ggml"}, dtype=torch.bfloat16)
+    assert all(b.graphs is None for b in stage.blocks)
+
+
+def test_the_compute_dtype_keeps_weights_at_their_stored_precision():
+    assert stored_precision_dtype("bfloat16", "cpu", "F32") == "float32"
+    assert stored_precision_dtype("float16", "cuda:0", "F32") == "float32"
+    assert stored_precision_dtype("bfloat16", "cpu", "F16") == "float32"
+    assert stored_precision_dtype("bfloat16", "cuda:0", "F16") == "float16"
+    assert stored_precision_dtype("bfloat16", "cuda:0", "BF16") == "bfloat16"
+    assert stored_precision_dtype("bfloat16", "cuda:0", "Q4_K") == "bfloat16"
+    if ggml_cpu.available():
+        assert default_dtype("cpu") == "float32"  # llama.cpp's CPU backend: float32 activations
+    # the type that holds most of a file's matrix bytes (its norms are F32 in every file)
+    assert open_model(model_path("llama", "F16")).matrix_type == "F16"
+    assert open_model(model_path("llama", "Q4_0")).matrix_type == "Q4_0"
