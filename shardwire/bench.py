@@ -173,7 +173,7 @@ def weight_formats(pipeline, cluster) -> list[str]:
     kinds = [
         sorted(
             {
-                f"{m.stored}:{m.fmt}" if hasattr(m, "stored") else f"{m.weight.dtype}:dense".removeprefix("torch.")
+                f"{_stored(m.stored)}:{m.fmt}" if hasattr(m, "stored") else f"{str(m.weight.dtype)[6:]}:dense"
                 for m in stage.modules()
                 if isinstance(m, Linear) or hasattr(m, "fmt")
             }
@@ -183,6 +183,11 @@ def weight_formats(pipeline, cluster) -> list[str]:
     return [
         f"{stage.dtype} activations ({' '.join(k)})".removeprefix("torch.") for stage, k in zip(pipeline.stages, kinds)
     ]
+
+
+def _stored(stored: str | tuple) -> str:
+    """A module's stored type; a block's experts (gate, up, down) as one: "Q4_K/Q4_K/Q6_K experts"."""
+    return stored if isinstance(stored, str) else "/".join(stored) + " experts"
 
 
 def markdown(report: dict) -> str:

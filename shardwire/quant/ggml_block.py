@@ -127,7 +127,8 @@ class BlockGraphs:
     feed-forward), built per row count and thread on first use."""
 
     def __init__(self, block: nn.Module, qkv: list[_Matrix], out: _Matrix, ffn: list[_Matrix]):
-        self.block = block
+        # no reference to the block, which holds this: its weights are freed with it, not by the
+        # cycle collector some time later
         self.attn_norm = _f32(block.attn_norm.weight)
         self.ffn_norm = _f32(block.ffn_norm.weight)
         self.eps_attn, self.eps_ffn = block.attn_norm.eps, block.ffn_norm.eps

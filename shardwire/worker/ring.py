@@ -8,6 +8,7 @@ and answer the coordinator with a RESULT.
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from ..constrain import Matchers
-from ..devices import TORCH_DTYPES
+from ..devices import TORCH_DTYPES, release_memory
 from ..model import Stage
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
@@ -211,5 +212,7 @@ class Ring:
         self.runners.clear()
         self.matchers.close()
         self.weights.reader.close()
+        gc.collect()  # a stage that cycles keep alive would stay beside the next plan's until the collector ran
+        release_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
