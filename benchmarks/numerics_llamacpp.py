@@ -70,7 +70,7 @@ class LlamaCpp:
 
 
 class Shardwire:
-    def __init__(self, path: Path, n_ctx: int, weights: str, dtype: str = "float32"):
+    def __init__(self, path: Path, n_ctx: int, weights: str, dtype: str = "float32", fastest: dict | None = None):
         import torch
 
         from shardwire.devices import parse_dtype
@@ -78,7 +78,9 @@ class Shardwire:
         from shardwire.loading import load_stage
 
         model = open_model(path)
-        self.stage = load_stage(model, 0, model.config.n_layers, weights=weights, dtype=parse_dtype(dtype))
+        self.stage = load_stage(
+            model, 0, model.config.n_layers, weights=weights, dtype=parse_dtype(dtype), fastest=fastest
+        )
         self.n_ctx, self.torch = n_ctx, torch
 
     def _step(self, ids: list[int], start: int):

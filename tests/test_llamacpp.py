@@ -49,3 +49,25 @@ def test_packed_glassllm_follows_llama_cpp(glassllm_f32, kind):
         v = r["packed vs llama.cpp"]
         if v["greedy_first_diff"] is not None:
             assert r["margins"][v["greedy_first_diff"]] < NEAR_TIE, (v, r["margins"][v["greedy_first_diff"]])
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "F16"])
+def test_f32_and_f16_files_give_llama_cpp_greedy_tokens_by_default(tmp_path_factory, weight_type):
+    """Without --dtype, an F32 or F16 file computes at its stored precision (float32 activations,
+    F16 weights as stored, keys in float16 as llama.cpp keeps them), on the kernels this machine
+    measured fastest: the same greedy continuation as llama.cpp."""
+    from shardwire.devices import default_dtype, stored_precision_dtype
+    from shardwire.formats import open_model
+    from shardwire.quant.measure import fastest_formats
+    from shardwire_kit.glassllm import convert_glassllm
+
+    path = convert_glassllm(
+        tmp_path_factory.mktemp("plain") / f"glassllm-{weight_type}.gguf", "gguf", weight_type=weight_type
+    )
+    dtype = stored_precision_dtype(default_dtype("cpu"), "cpu", open_model(path).matrix_type)
+    assert dtype == "float32"
+    for prompt in numerics.prompts_for("glassllm"):
+        n_ctx = len(prompt) + STEPS + 8
+        theirs = numerics.LlamaCpp(path, n_ctx, threads=1).greedy(prompt, STEPS)
+        ours = numerics.Shardwire(path, n_ctx, "fast", dtype, fastest_formats("cpu", dtype)).greedy(prompt, STEPS)
+        assert ours == theirs, numerics.agreement(ours, theirs)
