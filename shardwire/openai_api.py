@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from .constrain import ConstraintError, Grammar, vocabulary_of
 from .engine import Event, Request
 from .sampling import MAX_LOGIT_BIAS, SamplingParams
+from .tools import ToolError, ToolSpec, ToolStream, history_message, parse_tool_calls, parse_tools
 
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOPS = 64  # OpenAI allows 4; llama-server any number, and its clients send more
@@ -72,16 +73,19 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def _reject_unsupported(body: dict) -> None:
-    for name in ("tools", "functions", "suffix"):
+def _reject_unsupported(body: dict, kind: str) -> None:
+    for name in ("functions", "suffix") if kind == "chat" else ("tools", "functions", "suffix"):
         if body.get(name):
             raise bad_request(f"'{name}' is not supported by this server", name)
 
 
-def _grammar(body: dict, tokenizer) -> Grammar | None:
+def _grammar(body: dict, tokenizer, tools: ToolSpec | None = None) -> Grammar | None:
     """The output's constraint: OpenAI's response_format (json_object, json_schema), or
-    llama-server's json_schema (a schema) or grammar (GBNF) fields; at most one of them."""
+    llama-server's json_schema (a schema) or grammar (GBNF) fields, or the one tool call that
+    tool_choice "required" or a named function demands; at most one of them."""
     asked = []
+    if tools is not None and tools.forced:
+        asked.append(("tool_choice", "json_schema", tools.schema()))
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
@@ -209,6 +213,7 @@ class Job:
     ignore_eos: bool = False
     echo: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
     grammar: Grammar | None = None  # what every choice's output must follow
+    tools: ToolSpec | None = None  # chat: the functions the model may call; its calls are parsed out
     id: str = ""
     created: int = 0
 
@@ -258,10 +263,11 @@ def _common(
     max_tokens: int | None,
     echo: list[str] = (),
     tokenizer=None,
+    tools: ToolSpec | None = None,
 ) -> Job:
     """The fields every kind of request shares. `tokenizer` checks logit_bias and compiles a
     grammar (response_format, json_schema, grammar); without it those fields are refused."""
-    _reject_unsupported(body)
+    _reject_unsupported(body, kind)
     n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
     if n * len(prompts) > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
@@ -281,7 +287,8 @@ def _common(
         include_usage,
         _bool(body, "ignore_eos"),
         list(echo),
-        _grammar(body, tokenizer),
+        _grammar(body, tokenizer, tools),
+        tools,
     )
 
 
@@ -337,6 +344,10 @@ def _message(m, i: int) -> dict:
         content = "".join(parts)
     elif content is not None and not isinstance(content, str):
         raise bad_request(f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    try:
+        m = history_message(m, param)
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from None
     # Templates know system, not OpenAI's newer developer role.
     return {**m, "role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
 
@@ -356,7 +367,12 @@ def parse_chat(body: dict, tokenizer) -> Job:
         raise bad_request("'messages' must be a non-empty list", "messages")
     messages = [_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(messages)
+        tools = parse_tools(body, getattr(tokenizer, "chat_template", None))
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from None
+    try:
+        # the tools reach the template (Qwen's and Llama 3.x's describe them to the model)
+        text = tokenizer.apply_chat_template(messages, **({"tools": tools.tools} if tools else {}))
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     prompt = tokenizer.encode(text, add_special=False, parse_special=True)
@@ -369,7 +385,8 @@ def parse_chat(body: dict, tokenizer) -> Job:
     max_tokens = _number(body, "max_completion_tokens", None, 0, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", None, 0, integer=True)
-    return _common(body, "chat", [prompt], (top or 0) if wants_logprobs else None, max_tokens, tokenizer=tokenizer)
+    logprobs = (top or 0) if wants_logprobs else None
+    return _common(body, "chat", [prompt], logprobs, max_tokens, tokenizer=tokenizer, tools=tools)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -423,6 +440,13 @@ class Choice:
         }
 
 
+def tool_stream(job: Job) -> ToolStream | None:
+    """A streamed chat choice's holder of text that may be a tool call; None without tools."""
+    if job.kind != "chat" or job.tools is None:
+        return None
+    return ToolStream(job.tools.names, job.tools.forced)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -436,12 +460,19 @@ def response(job: Job, model: str, choices: list[Choice], use: dict) -> dict:
     out = []
     for c in choices:
         if job.kind == "chat":
+            message = {"role": "assistant", "content": c.text, "refusal": None}
+            finish_reason = c.finish_reason
+            if job.tools is not None:
+                content, calls = parse_tool_calls(c.text, job.tools.names)
+                if calls:
+                    message = {**message, "content": content, "tool_calls": [call.to_dict() for call in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             out.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "message": message,
                     "logprobs": c.chat_logprobs(c.logprobs) if job.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                 }
             )
         else:
@@ -488,9 +519,12 @@ def chunk_choice(
     offset: int = 0,
     role: bool = False,
     finish_reason: str | None = None,
+    tool_calls=(),
 ) -> dict:
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text or entries else {})
+        if tool_calls:
+            delta = {**delta, "tool_calls": [call.to_dict(i) for i, call in tool_calls]}
         return {
             "index": choice.index,
             "delta": delta,

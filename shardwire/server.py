@@ -48,6 +48,7 @@ from .openai_api import (
     parse_chat,
     parse_completion,
     response,
+    tool_stream,
     unavailable,
 )
 
@@ -99,6 +100,7 @@ async def _stream(request: web.Request, backend: Backend, run: Run) -> web.Strea
     resp, send, pending = await open_stream(request, run)
 
     choices = [Choice(i, backend.tokenizer, skip_ids(backend.tokenizer, job)) for i in range(len(run.handles))]
+    holds = [tool_stream(job) for _ in choices]  # with tools: text that may be a call waits for its end
     try:
         for c in choices:
             if job.kind == "chat":
@@ -114,10 +116,21 @@ async def _stream(request: web.Request, backend: Backend, run: Run) -> web.Strea
                 await send(failure(event).body())  # the openai client raises APIError on this
                 run.outcome = "failed"
                 break
+            hold = holds[index]
+            if hold is not None:
+                text = hold.feed(text)
             if text or entries:
                 await send(chunk(job, model, [chunk_choice(job, c, text=text, entries=entries, offset=offset)]))
             if event.finish_reason is not None:
-                await send(chunk(job, model, [chunk_choice(job, c, finish_reason=event.finish_reason)]))
+                finish_reason = event.finish_reason
+                if hold is not None:
+                    rest, calls = hold.finish()
+                    if rest:
+                        await send(chunk(job, model, [chunk_choice(job, c, text=rest)]))
+                    if calls:  # each whole call in one delta, as OpenAI's clients accumulate them
+                        await send(chunk(job, model, [chunk_choice(job, c, tool_calls=list(enumerate(calls)))]))
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                await send(chunk(job, model, [chunk_choice(job, c, finish_reason=finish_reason)]))
         if run.outcome != "failed":
             use = run.usage()
             run.log_done(use)
