@@ -37,13 +37,11 @@ import models  # noqa: E402
 def products_alone(stage) -> float:
     """Seconds for every matrix the stage multiplies in a decode step, one row each, in one graph."""
     matrices = []
-    for block in stage.blocks:
-        attn, ffn = block.attn, block.ffn
-        for m in (attn.wqkv, attn.wo, ffn.gate_up, ffn.down) if attn.wqkv is not None else ():
-            matrices += _matrices(m) or []
-        if attn.wqkv is None:
-            for m in (attn.wq, attn.wk, attn.wv, attn.wo, ffn.gate, ffn.up, ffn.down):
-                matrices += _matrices(m) or []
+    for i, block in enumerate(stage.blocks):  # the blocks' own graphs name every matrix they multiply
+        g = block.graphs
+        if g is None:
+            raise SystemExit(f"block {i} runs no ggml graphs: nothing to compare against")
+        matrices += [*g.qkv, g.out, g.gate, g.up, g.down]
     if stage.last:
         matrices += _matrices(stage.head) or []
     ctx = ggml.ggml_init(

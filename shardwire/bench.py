@@ -170,24 +170,24 @@ def weight_formats(pipeline, cluster) -> list[str]:
         ]
     from .model import Linear
 
-    kinds = [
-        sorted(
-            {
-                f"{_stored(m.stored)}:{m.fmt}" if hasattr(m, "stored") else f"{str(m.weight.dtype)[6:]}:dense"
-                for m in stage.modules()
-                if isinstance(m, Linear) or hasattr(m, "fmt")
-            }
-        )
-        for stage in pipeline.stages
-    ]
-    return [
-        f"{stage.dtype} activations ({' '.join(k)})".removeprefix("torch.") for stage, k in zip(pipeline.stages, kinds)
-    ]
+    out = []
+    for stage in pipeline.stages:
+        held = sorted({_held(m) for m in stage.modules() if isinstance(m, Linear) or hasattr(m, "fmt")})
+        out.append(f"{_name(stage.dtype)} activations ({' '.join(held)})")
+    return out
 
 
-def _stored(stored: str | tuple) -> str:
-    """A module's stored type; a block's experts (gate, up, down) as one: "Q4_K/Q4_K/Q6_K experts"."""
-    return stored if isinstance(stored, str) else "/".join(stored) + " experts"
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _held(module) -> str:
+    """How one weight module is held: its stored type and kernel ("Q4_0:repacked"; a block's experts
+    as one: "Q4_K/Q4_K/Q6_K experts:ggml"), or the dtype of a dense matrix ("float32:dense")."""
+    if not hasattr(module, "stored"):
+        return f"{_name(module.weight.dtype)}:dense"
+    stored = module.stored
+    return f"{stored if isinstance(stored, str) else '/'.join(stored) + ' experts'}:{module.fmt}"
 
 
 def markdown(report: dict) -> str:

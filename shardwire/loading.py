@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .deltanet import GatedDeltaNet, from_transformers, needs_float32
+from .deltanet import from_transformers, needs_float32
 from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
@@ -147,8 +147,7 @@ def build_stage(
     stage = Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
     if device.type == "cpu" and dtype == torch.float32:
         for block in stage.blocks:
-            if not isinstance(block.attn, GatedDeltaNet):  # ggml's graphs take attention blocks only
-                block.graphs = BlockGraphs.of(block)
+            block.graphs = BlockGraphs.of(block)
     return stage
 
 

@@ -11,7 +11,6 @@ as llama.cpp's graph does. Prompt chunks keep the module path, whose GEMMs suit 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import OrderedDict
 
@@ -90,13 +89,9 @@ class _Part(ggml_cpu._Built):
     def __init__(self, build, rows: int, threads: int, arenas: dict):
         super().__init__(64, 64)
         self.inputs, self.y = build(self.ctx, rows)
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, 64, False)
-        ggml.ggml_build_forward_expand(self.graph, self.y)
+        self._finish(self.y, threads)  # the plan's work size does not depend on where data lies
         self.y.contents.data = 1  # placed by the caller: not an intermediate
         self.arena = self._place(rows, arenas)
-        self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
-        self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
-        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
     def _place(self, rows: int, arenas: dict) -> _Arena:
         nodes = [ggml.ggml_graph_node(self.graph, i) for i in range(ggml.ggml_graph_n_nodes(self.graph))]
@@ -142,10 +137,10 @@ class BlockGraphs:
     @classmethod
     def of(cls, block: nn.Module) -> "BlockGraphs | None":
         """The graphs for a block of the dense kind whose weights ggml can all run as held."""
-        from ..model import FeedForward
+        from ..model import Attention, FeedForward
 
         attn, ffn = block.attn, block.ffn
-        if not ggml_cpu.available() or not isinstance(ffn, FeedForward):
+        if not ggml_cpu.available() or not isinstance(attn, Attention) or not isinstance(ffn, FeedForward):
             return None
         H, KV, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if attn.wqkv is not None:

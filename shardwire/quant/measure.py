@@ -104,8 +104,10 @@ def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
         out[FAST[stored]] = pack_matrix(raw, stored, FAST[stored], "cpu", dtype)
     if ggml_cpu.available():
         out["ggml"] = ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype)
-    if ggml_cpu.repackable(stored, *SHAPE[::-1]):
+    try:
         out["repacked"] = ggml_cpu.RepackedLinear(raw, stored, SHAPE[1], dtype)
+    except ggml_cpu.RepackError:  # no repacked layout for the type here (or no ggml)
+        pass
     return out
 
 

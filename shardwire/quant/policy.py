@@ -110,7 +110,10 @@ def weight_formats(
         if name == "token_embd.weight" and not tied_head and fmt not in ("dense", "gguf"):
             # an embedding only gathers rows: the stored blocks serve it as they are (a plain
             # type's rows through ggml's module, which reads them without a converted copy)
-            fmt = "ggml" if fmt == "ggml" and info.dtype in PLAIN else "dense" if info.dtype in PLAIN else "gguf"
+            if info.dtype not in PLAIN:
+                fmt = "gguf"
+            elif fmt != "ggml":
+                fmt = "dense"
         out[name] = fmt
     # a tied head serves as the table too, unless its rows cannot be read back (int4 on CUDA, a
     # repacked layout)
