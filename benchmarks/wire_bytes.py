@@ -30,6 +30,7 @@ def frame_sizes(dim: int, dtype: str, rows: int = 1, position: int = 600) -> dic
     """Bytes of each frame of one decode step, from the real encoders."""
     from dataclasses import asdict
 
+    from shardwire.kvcache import pages_for
     from shardwire.sampling import GREEDY
     from shardwire.wire.frames import MessageType, pack_header
     from shardwire.wire.messages import Forward
@@ -38,8 +39,9 @@ def frame_sizes(dim: int, dtype: str, rows: int = 1, position: int = 600) -> dic
     row_list = [(i, position, 1) for i in range(rows)]
     sampling = [asdict(GREEDY) for _ in range(rows)]
     recent = [[] for _ in range(rows)]
-    ids = Forward(plan, 123456, row_list, sampling, recent, "int32", [rows, 1])
-    hidden = Forward(plan, 123456, row_list, sampling, recent, dtype, [rows, 1, dim])
+    pages = [list(range(i * 64, i * 64 + pages_for(position + 1))) for i in range(rows)]
+    ids = Forward(plan, 123456, row_list, pages, sampling, recent, "int32", [rows, 1])
+    hidden = Forward(plan, 123456, row_list, pages, sampling, recent, dtype, [rows, 1, dim])
     result = {"step": 123456, "tokens": [31999] * rows, "logprobs": [None] * rows}
     sizes = {}
     for name, mtype, header, payload in [

@@ -147,7 +147,12 @@ class Run:
 
     def usage(self) -> dict:
         # The prompt counts once per prompt, not once per choice, as OpenAI counts it.
-        return usage(sum(len(p) for p in self.job.prompts), sum(h.stats.completion_tokens for h in self.handles))
+        firsts = self.handles[:: self.job.n]
+        return usage(
+            sum(len(p) for p in self.job.prompts),
+            sum(h.stats.completion_tokens for h in self.handles),
+            sum(h.stats.cached_tokens for h in firsts),
+        )
 
     def log_done(self, use: dict) -> None:
         if log.isEnabledFor(logging.INFO):

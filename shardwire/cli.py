@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at GET /metrics")
+    p.add_argument(
+        "--slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GET /slots: what each sequence slot runs (--no-slots: 501, as llama-server's) (default: on)",
+    )
     _add_server_defaults_args(p)
     add_cluster_args(p)
     p.set_defaults(func=cmd_serve)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .constrain import Grammar, RowConstraint, vocabulary_of
+from .kvcache import PAGE, pages_for, pool_pages
+from .pages import PagePool, prefix_hashes
 from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams
 
@@ -39,6 +41,7 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     grammar: Grammar | None = None  # what the output must follow (see constrain.py)
+    cache_prompt: bool = True  # reuse the KV pages of a cached prefix of the prompt
 
     def __post_init__(self):
         if not self.prompt:
@@ -60,6 +63,7 @@ class Event:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the KV cache (not computed again)
     completion_tokens: int = 0
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_token: float = 0.0
@@ -115,6 +119,12 @@ class _Sequence:
         self.pending_text = ""
         self.finished = False
         self.cancelled = False
+        self.pages: list[int] = []  # its page table: page i holds positions [i * PAGE, (i + 1) * PAGE)
+        self.hashes: list[bytes] = []  # prefix hashes of its full pages, as far as computed
+        self.n_cached = 0  # positions its pages held already when it (re)started
+        self.filling: tuple[int, list[bytes]] | None = None  # (last prefill step, prefixes it computes)
+        self.preempted = False  # its pages went to others; it restarts from its tokens when some are free
+        self.failed = False  # a step of it failed: its pages may hold anything
 
     @property
     def n_generated(self) -> int:
@@ -122,7 +132,9 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512):
+    def __init__(self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512, kv_tokens: int | None = None):
+        """`kv_tokens`: the most positions the sequences' KV pages hold together (default: every
+        slot's whole context); never less than one whole context."""
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.prefill_chunk = prefill_chunk
         self._inbox: queue.Queue = queue.Queue()
@@ -131,6 +143,9 @@ class Engine:
         self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
         self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
+        self.pages = PagePool(pool_pages(pipeline.n_slots, pipeline.ctx, kv_tokens))
+        # a recurrent state cannot start past position 0, so such a model reuses no prefix
+        self._reuse = not getattr(pipeline, "recurrent", False)
         pipeline.on_result = lambda result: self._inbox.put((self._on_result, result))
         pipeline.on_wake = lambda: self._inbox.put((self._on_wake, None))
         self._recoverable = isinstance(pipeline, Recoverable)
@@ -158,8 +173,14 @@ class Engine:
         return self._thread.is_alive()
 
     def slots(self) -> dict:
-        """KV cache slots in use and requests waiting for one: a snapshot, readable from any thread."""
-        return {"total": self.pipeline.n_slots, "busy": len(self._running), "waiting": len(self._waiting)}
+        """Sequence slots in use, requests waiting for one, and the KV pages: a snapshot, readable
+        from any thread."""
+        return {
+            "total": self.pipeline.n_slots,
+            "busy": len(self._running),
+            "waiting": len(self._waiting),
+            "kv": self.pages.stats(),
+        }
 
     def close(self) -> None:
         self._inbox.put((None, None))
@@ -226,6 +247,10 @@ class Engine:
         broken = self._recoverable and self.pipeline.broken
         for i, seq in enumerate(seqs):
             seq.in_flight -= 1
+            seq.failed |= result.error is not None
+            if seq.filling is not None and seq.filling[0] == result.step_id:
+                self.pages.computed(seq.filling[1], ok=not seq.failed)
+                seq.filling = None
             if result.error is not None:
                 if broken and not seq.finished:
                     seq.interrupted = True  # replayed once the pipeline is back
@@ -242,13 +267,29 @@ class Engine:
                 return  # let the steps in flight come back (or fail) first
             if not self._recover():
                 return
-        while self._waiting and self._free_slots:
-            handle = self._waiting.pop(0)
-            slot = self._free_slots.pop(0)
+        live = sum(not (s.finished or s.preempted) for s in self._running.values())
+        for seq in [s for s in self._running.values() if s.preempted]:
+            # back only with a page to spare for each sequence still on, or it takes theirs again
+            if self.pages.available < pages_for(len(seq.tokens)) + live or not self._restart(seq, seq.tokens[:-1]):
+                break
+            live += 1
+            seq.preempted = False
+            self._prefill(seq, len(seq.tokens) - 1)
+        i = 0
+        while i < len(self._waiting) and self._free_slots:
+            handle = self._waiting[i]
             detok = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
             stop_ids = frozenset() if handle.request.ignore_eos or self.tokenizer is None else self.tokenizer.stop_ids
-            seq = _Sequence(handle, slot, detok, stop_ids)
-            self._running[slot] = seq
+            seq = _Sequence(handle, self._free_slots[0], detok, stop_ids)
+            if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
+                i += 1  # it waits for pages, or for a prefix another request is computing
+                continue
+            del self._waiting[i]
+            self._free_slots.pop(0)
+            self._running[seq.slot] = seq
+            handle.stats.cached_tokens = seq.n_cached
+            self.pages.hits += seq.n_cached
+            self.pages.misses += seq.n_prompt - seq.n_cached
             if handle.request.max_tokens == 0:
                 self._finish(seq, "length")
                 self._release(seq)
@@ -258,8 +299,13 @@ class Engine:
         # that many are in flight wait and join the next step, so a step carries many rows and
         # each stage reads its weights once for all of them.
         free = max(1, self.pipeline.n_stages) - len(self._decoding)
-        ready = [s for s in self._running.values() if not (s.finished or s.interrupted) and s.in_flight == 0]
+        ready = [
+            s for s in self._running.values() if not (s.finished or s.interrupted or s.preempted) and s.in_flight == 0
+        ]
         if not ready or free <= 0:
+            return
+        ready = self._with_pages(ready)
+        if not ready:
             return
         groups = min(len(ready), free)
         size = -(-len(ready) // groups)
@@ -279,9 +325,11 @@ class Engine:
         except Exception as e:  # noqa: BLE001 -- a failed recovery ends the requests, never this thread
             self._fail_all(str(e), "error")
             return False
+        self.pages.reset()  # the new stages' pools hold nothing
         replaying = []
         for seq in list(self._running.values()):
-            if seq.finished:
+            seq.pages, seq.hashes, seq.filling, seq.failed = [], [], None, False
+            if seq.finished or seq.preempted:
                 continue
             seq.interrupted = False
             seq.fruitless_replays += 1
@@ -292,6 +340,11 @@ class Engine:
                     f"interrupted {seq.fruitless_replays} times without progress; last failure: {event.get('reason')}",
                 )
                 continue
+            pages = self.pages.allocate(pages_for(len(seq.tokens)))
+            if pages is None:
+                self._finish(seq, "error", "the KV cache of the rebuilt pipeline cannot hold this sequence")
+                continue
+            seq.pages, seq.n_cached = pages, 0
             replaying.append(seq)
             self._prefill(seq)
         self._replay_decode(replaying)
@@ -320,26 +373,90 @@ class Engine:
             rows = sorted(steps[step_id], key=lambda r: r[0])
             self._send(Step([self._decode_row(seq, at) for _, seq, at in rows]), [seq for _, seq, _ in rows])
 
-    def _prefill(self, seq: _Sequence) -> None:
-        """The prompt in chunks from position 0; the last samples the first token, unless a replay
-        knows it already. The last also (re)builds the sequence's grammar matcher from every token
-        generated so far, so a replay leaves it where it was."""
+    def _restart(self, seq: _Sequence, tokens: list[int]) -> bool:
+        """Give a sequence the pages for `tokens`, reusing those of a cached prefix; False, taking
+        nothing, if it must wait (too few free pages, or its next prefix page is being computed)."""
+        n_full = (len(tokens) - 1) // PAGE  # full pages before the one the last token goes to
+        reused, wait = [], False
+        if self._reuse and seq.request.cache_prompt:
+            seq.hashes = prefix_hashes(tokens, n_full, seq.hashes)
+            reused, wait = self.pages.match(seq.hashes)
+        if wait:
+            return False
+        self.pages.take(reused)
+        new = self.pages.allocate(pages_for(len(tokens)) - len(reused))
+        if new is None:
+            self.pages.release(reused)
+            return False
+        seq.pages, seq.n_cached, seq.failed = reused + new, len(reused) * PAGE, False
+        return True
+
+    def _with_pages(self, ready: list[_Sequence]) -> list[_Sequence]:
+        """Those of `ready` that have (or now get) a page for their next position. When none does
+        and nothing is in flight, the newest sequence gives its pages up and restarts later."""
+        out = []
+        for seq in ready:
+            short = pages_for(len(seq.tokens)) - len(seq.pages)
+            new = self.pages.allocate(short) if short > 0 else []
+            if new is not None:
+                seq.pages += new
+                out.append(seq)
+        if not out and not self._steps:
+            live = [s for s in self._running.values() if not (s.finished or s.preempted)]
+            newest = max(live, key=lambda s: s.handle.stats.t_submit)
+            log.info("the KV pool is full: slot %d gives up %d pages, restarts later", newest.slot, len(newest.pages))
+            self._release_pages(newest)
+            newest.preempted = True
+            self._inbox.put((self._on_wake, None))  # schedule again: its pages may let the others on
+        return out
+
+    def _prefill(self, seq: _Sequence, end: int | None = None) -> None:
+        """Positions [seq.n_cached, end) (default: the prompt's end) in chunks; a chunk that ends
+        at the last token samples the next, unless a replay knows it already. The prompt's last
+        chunk also (re)builds the sequence's grammar matcher from every token generated so far,
+        so a replay leaves it where it was. The full pages it fills become a known prefix once
+        the last chunk is back."""
         tokens, n = seq.tokens, seq.n_prompt
-        for start in range(0, n, self.prefill_chunk):
-            chunk = tokens[start : min(start + self.prefill_chunk, n)]
+        end = n if end is None else end
+        step = None
+        for start in range(seq.n_cached, end, self.prefill_chunk):
+            chunk = tokens[start : min(start + self.prefill_chunk, end)]
             last = start + len(chunk) == len(tokens)
-            row = Row(seq.slot, start, chunk, seq.request.sampling if last else None, self._recent(seq) if last else [])
+            row = Row(
+                seq.slot,
+                start,
+                chunk,
+                seq.request.sampling if last else None,
+                self._recent(seq) if last else [],
+                pages=seq.pages[: pages_for(start + len(chunk))],
+            )
             grammar = seq.request.grammar
             if grammar is not None and start + len(chunk) == n:
                 generated = tokens[n:]
                 row.constraint = RowConstraint(grammar.key, len(generated), grammar.text, generated)
-            self._send(Step([row]), [seq])
+            step = Step([row])
+            self._send(step, [seq])
+        if step is not None and self._reuse and seq.request.cache_prompt:
+            self._filling(seq, step.id, end)
+
+    def _filling(self, seq: _Sequence, step_id: int, end: int) -> None:
+        """Positions [0, end) of the sequence are computed once step `step_id` is back."""
+        first = seq.n_cached // PAGE
+        seq.hashes = prefix_hashes(seq.tokens, end // PAGE, seq.hashes)
+        hashes = seq.hashes[first : end // PAGE]
+        self.pages.computing(hashes, seq.pages[first : end // PAGE])
+        seq.filling = (step_id, hashes)
 
     def _decode_row(self, seq: _Sequence, at: int) -> Row:
         """The token at position `at`; it samples only if it is the last (a replay knows what follows)."""
         last = at == len(seq.tokens) - 1
         row = Row(
-            seq.slot, at, [seq.tokens[at]], seq.request.sampling if last else None, self._recent(seq) if last else []
+            seq.slot,
+            at,
+            [seq.tokens[at]],
+            seq.request.sampling if last else None,
+            self._recent(seq) if last else [],
+            pages=seq.pages[: pages_for(at + 1)],
         )
         if last and seq.request.grammar is not None:
             row.constraint = RowConstraint(seq.request.grammar.key, seq.n_generated)
@@ -417,10 +534,20 @@ class Engine:
 
     def _release(self, seq: _Sequence) -> None:
         if self._running.get(seq.slot) is seq:
+            if self._reuse and seq.request.cache_prompt and not (seq.failed or seq.interrupted or seq.preempted):
+                # every position but the last token's went through the stages: its full pages
+                # are a prefix the next turn of a chat may start with
+                self._filling(seq, -1, len(seq.tokens) - 1)
+                self.pages.computed(seq.filling[1], ok=True)
+            self._release_pages(seq)
             del self._running[seq.slot]
             self.pipeline.free(seq.slot)
             self._free_slots.append(seq.slot)
             self._free_slots.sort()
+
+    def _release_pages(self, seq: _Sequence) -> None:
+        self.pages.release(seq.pages)
+        seq.pages, seq.n_cached, seq.filling = [], 0, None
 
     @staticmethod
     def _finish_handle(handle: Handle, reason: str, error: str | None = None, text: str = "") -> None:

@@ -1,7 +1,10 @@
-"""Per-sequence caches: a fixed number of slots, each holding one sequence's keys and values for
-the attention blocks and, for gated delta-net blocks, their recurrent state."""
+"""Per-sequence caches: keys and values of the attention blocks in a pool of pages that the
+sequences' page tables point into, and, for gated delta-net blocks, their recurrent state in a
+fixed number of slots (one per sequence)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,73 +18,112 @@ def kv_dtype(compute: torch.dtype) -> torch.dtype:
     return torch.float16 if compute == torch.float32 else compute
 
 
-class KVCache:
-    """Keys and values for `n_layers` blocks, `n_slots` sequences and `ctx` positions each, kept
-    in `dtype`; update() returns them in the dtype they came in.
+PAGE = 16  # positions per KV page: what a sequence's cache grows by and prefix reuse shares
 
-    A sequence owns one slot for its lifetime; positions are absolute within the sequence.
+
+def pages_for(n_positions: int) -> int:
+    return -(-n_positions // PAGE)
+
+
+@dataclass
+class Addresses:
+    """Where one step's keys and values go in the pool and where each row's keys are read from:
+    a slice when the step is one sequence whose pages are consecutive (reading back is then a
+    view), else flat pool positions (write: [B * T]; read: [B, n_keys], padded rows point at
+    position 0 and are masked)."""
+
+    write: slice | torch.Tensor
+    read: slice | torch.Tensor
+
+    @classmethod
+    def of(cls, tables: list[list[int]], starts: list[int], T: int, n_keys: int, device) -> "Addresses":
+        for table, start in zip(tables, starts):
+            if len(table) < pages_for(start + T):
+                raise ValueError(f"a page table of {len(table)} pages cannot hold positions up to {start + T}")
+        if len(tables) == 1:
+            table, start = tables[0], starts[0]
+            first = table[0] * PAGE
+            if table[: pages_for(n_keys)] == list(range(table[0], table[0] + pages_for(n_keys))):
+                return cls(slice(first + start, first + start + T), slice(first, first + n_keys))
+        width = pages_for(n_keys)
+        padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device)
+        flat = (padded[:, :, None] * PAGE + torch.arange(PAGE, device=device)).flatten(1)[:, :n_keys]
+        columns = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        return cls(flat.gather(1, columns).flatten(), flat)
+
+
+class KVCache:
+    """Keys and values of `n_layers` attention blocks in a pool of at most `n_pages` pages of PAGE
+    positions, kept in `dtype`; update() returns them in the dtype they came in.
+
+    A sequence's positions live in the pages of its table, in order: the coordinator hands pages
+    out and tells every stage each row's table, so sequences may share the pages of a common
+    prefix. The pool's memory follows the highest page in use (it grows by doubling), not the
+    most it may hold.
     """
 
     def __init__(
         self,
         n_layers: int,
-        n_slots: int,
         n_kv_heads: int,
-        ctx: int,
         head_dim: int,
+        n_pages: int,
         dtype: torch.dtype,
         device: torch.device | str,
         recurrent: RecurrentState | None = None,
     ):
         """`recurrent`: the state of the stage's delta-net blocks, kept (and counted) with it."""
-        shape = (n_layers, n_slots, n_kv_heads, ctx, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.n_slots, self.ctx = n_slots, ctx
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.n_pages, self.dtype, self.device = n_pages, dtype, device
+        self.k = self.v = torch.zeros((n_layers, n_kv_heads, 0, head_dim), dtype=dtype, device=device)
         self.recurrent = recurrent
 
     @staticmethod
-    def nbytes_for(n_layers: int, n_slots: int, n_kv_heads: int, ctx: int, head_dim: int, dtype: torch.dtype) -> int:
+    def nbytes_for(n_layers: int, n_kv_heads: int, n_pages: int, head_dim: int, dtype: torch.dtype) -> int:
+        """The most the pool holds."""
         size = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layers * n_slots * n_kv_heads * ctx * head_dim * size
+        return 2 * n_layers * n_kv_heads * n_pages * PAGE * head_dim * size
+
+    @property
+    def capacity(self) -> int:
+        """Pages the pool holds now."""
+        return self.k.shape[2] // PAGE
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + (self.recurrent.nbytes if self.recurrent is not None else 0)
 
-    def update(
-        self,
-        layer: int,
-        rows: slice | torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        n_keys: int,
-        start: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([B, H, T, D]) at `positions` ([B, T]) of the slots `rows` selects; return
-        the first `n_keys` cached positions of those slots as ([B, H, n_keys, D], same).
-        `rows` is a slice when the slots are consecutive, so reading back is a view, not a copy;
-        `start` is given when B is 1, the positions start..start+T-1."""
-        keys, values = self._update(layer, rows, positions, k.to(self.k.dtype), v.to(self.v.dtype), n_keys, start)
-        return keys.to(k.dtype), values.to(v.dtype)
+    def reserve(self, n_pages: int) -> None:
+        """Make pages [0, n_pages) usable: grow the pool (doubling) where it is smaller."""
+        if n_pages > self.n_pages:
+            raise ValueError(f"page {n_pages - 1} is outside the pool of {self.n_pages} pages")
+        if n_pages <= self.capacity:
+            return
+        grown = min(self.n_pages, max(n_pages, 2 * self.capacity))
+        shape = (self.n_layers, self.n_kv_heads, grown * PAGE, self.head_dim)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+            del old
 
-    def _update(self, layer, rows, positions, k, v, n_keys, start):
-        if start is not None:  # one sequence at consecutive positions: plain slice copies
-            slot, t = rows.start, k.shape[2]
-            self.k[layer, slot, :, start : start + t] = k[0]
-            self.v[layer, slot, :, start : start + t] = v[0]
-            return self.k[layer, slot : slot + 1, :, :n_keys], self.v[layer, slot : slot + 1, :, :n_keys]
-        if isinstance(rows, slice):
-            k_layer, v_layer = self.k[layer][rows], self.v[layer][rows]
-            batch = torch.arange(k.shape[0], device=k.device)[:, None]
-            k_layer[batch, :, positions] = k.transpose(1, 2)
-            v_layer[batch, :, positions] = v.transpose(1, 2)
-            return k_layer[:, :, :n_keys], v_layer[:, :, :n_keys]
-        k_all, v_all = self.k[layer], self.v[layer]
-        k_all[rows[:, None], :, positions] = k.transpose(1, 2)
-        v_all[rows[:, None], :, positions] = v.transpose(1, 2)
-        return k_all[rows, :, :n_keys], v_all[rows, :, :n_keys]
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: Addresses) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([B, KV, T, D]) where `at` says; return each row's keys and values up to
+        the step's last position, ([B, KV, n_keys, D], same)."""
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        if isinstance(at.write, slice):
+            k_pool[:, at.write] = k[0].to(self.dtype)
+            v_pool[:, at.write] = v[0].to(self.dtype)
+        else:
+            H, D = k.shape[1], k.shape[3]
+            k_pool[:, at.write] = k.transpose(0, 1).reshape(H, -1, D).to(self.dtype)
+            v_pool[:, at.write] = v.transpose(0, 1).reshape(H, -1, D).to(self.dtype)
+        if isinstance(at.read, slice):
+            keys, values = k_pool[None, :, at.read], v_pool[None, :, at.read]
+        else:
+            keys, values = k_pool[:, at.read].transpose(0, 1), v_pool[:, at.read].transpose(0, 1)
+        return keys.to(k.dtype), values.to(v.dtype)
 
     @staticmethod
     def rows_for(slots: list[int], device) -> slice | torch.Tensor:
@@ -91,8 +133,7 @@ class KVCache:
         return torch.tensor(slots, device=device)
 
     def clear(self, slot: int) -> None:
-        self.k[:, slot].zero_()
-        self.v[:, slot].zero_()
+        """A slot's sequence ended: its recurrent state goes (its pages are the coordinator's)."""
         if self.recurrent is not None:
             self.recurrent.clear(slot)
 
@@ -152,9 +193,16 @@ class RecurrentState:
         self.consumed[slot] = 0
 
 
-def stage_cache_nbytes(cfg: ModelConfig, start: int, end: int, n_slots: int, ctx: int, dtype: torch.dtype) -> int:
-    """Bytes of the caches of blocks [start, end) computing in `dtype`: keys and values of the
-    attention blocks, the recurrent state of the delta-net ones."""
+def pool_pages(n_slots: int, ctx: int, kv_tokens: int | None = None) -> int:
+    """Pages of a KV pool: enough for every slot's whole context, or `kv_tokens` positions (never
+    less than one whole context)."""
+    whole = n_slots * pages_for(ctx)
+    return whole if kv_tokens is None else max(pages_for(ctx), min(whole, pages_for(kv_tokens)))
+
+
+def stage_cache_nbytes(cfg: ModelConfig, start: int, end: int, n_slots: int, n_pages: int, dtype: torch.dtype) -> int:
+    """The most the caches of blocks [start, end) computing in `dtype` hold: keys and values of
+    the attention blocks in a pool of `n_pages`, the recurrent state of the delta-net ones."""
     n_linear = sum(cfg.linear(b) for b in range(start, end))
-    kv = KVCache.nbytes_for(end - start - n_linear, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, kv_dtype(dtype))
+    kv = KVCache.nbytes_for(end - start - n_linear, cfg.n_kv_heads, n_pages, cfg.head_dim, kv_dtype(dtype))
     return kv + (RecurrentState.nbytes_for(cfg, n_linear, n_slots, dtype) if n_linear else 0)

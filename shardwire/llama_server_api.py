@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import psutil
 from aiohttp import web
 
 from . import __version__
@@ -23,12 +24,13 @@ from .metrics import CONTENT_TYPE_LATEST, render
 from .openai_api import APIError, Choice, Job, bad_request, chat_messages, text_job, unavailable
 
 METRICS = web.AppKey("metrics", object)
+SLOTS = web.AppKey("slots", bool)  # GET /slots answers (--no-slots: 501, as llama-server's)
 
 LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 MAX_PROBS = 20  # the sampler reports at most this many alternatives
 RANDOM_SEED = 0xFFFFFFFF  # how llama-server shows "a random seed per request" (-1)
 # Native fields read here, not by the OpenAI parsing the rest of the body goes through.
-_NATIVE_ONLY = {"prompt", "n_predict", "max_tokens", "n_probs", "logprobs", "n", "echo", "stream_options"}
+_NATIVE_ONLY = set("prompt n_predict max_tokens n_probs logprobs n echo stream_options response_fields".split())
 
 
 # -- POST /completion --------------------------------------------------------------------------
@@ -56,12 +58,17 @@ def _is_token(t) -> bool:
 
 
 def _one_prompt(p) -> bool:
-    """A string, token ids, or token ids mixed with strings: one prompt (llama-server's rule)."""
-    return isinstance(p, str) or (isinstance(p, list) and bool(p) and any(_is_token(t) for t in p))
+    """A string, token ids, token ids mixed with strings, or {"prompt_string": ...}: one prompt
+    (llama-server's rule)."""
+    return isinstance(p, (str, dict)) or (isinstance(p, list) and bool(p) and any(_is_token(t) for t in p))
 
 
 def _tokenize_prompt(p, tokenizer) -> list[int]:
     """BOS as the model says when the prompt starts with text, as llama-server adds it."""
+    if isinstance(p, dict):
+        if p.get("multimodal_data"):
+            raise bad_request("Multimodal data provided, but model does not support multimodal requests.", "prompt")
+        p = p.get("prompt_string")
     if isinstance(p, str):
         p = [p]
     if not isinstance(p, list) or not all(_is_token(t) or isinstance(t, str) for t in p):
@@ -79,6 +86,29 @@ def _tokenize_prompt(p, tokenizer) -> list[int]:
     return ids
 
 
+def _response_fields(body: dict) -> list[str]:
+    fields = body.get("response_fields") or []
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise bad_request("'response_fields' must be a list of field names", "response_fields")
+    return fields
+
+
+def pick_fields(answer: dict, fields: list[str]) -> dict:
+    """llama-server's response_fields: only these, "a/b" taken from inside "a" and named "a/b";
+    a field the answer lacks is left out."""
+    if not fields:
+        return answer
+    out = {}
+    for path in fields:
+        value, found = answer, True
+        for key in path.split("/"):
+            found = found and isinstance(value, dict) and key in value
+            value = value[key] if found else None
+        if found:
+            out[path] = value
+    return out
+
+
 def parse_native_completion(body: dict, tokenizer) -> Job:
     """POST /completion's body (defaults already merged in) -> a text Job, one choice per prompt."""
     prompt = body.get("prompt")
@@ -94,6 +124,7 @@ def parse_native_completion(body: dict, tokenizer) -> Job:
     n_probs = _integer(body, "n_probs", 0, MAX_PROBS)
     for name in ("cache_prompt", "return_tokens", "post_sampling_probs"):
         _flag(body, name)
+    _response_fields(body)
     rest = {k: v for k, v in body.items() if k not in _NATIVE_ONLY}
     if rest.get("seed") == -1:
         del rest["seed"]  # -1: a new random seed for this request
@@ -124,6 +155,7 @@ class _Answer:
         self.backend, self.job, self.tokenizer = backend, job, backend.tokenizer
         self.return_tokens = body.get("return_tokens", False)
         self.post_sampling = body.get("post_sampling_probs", False)
+        self.fields = _response_fields(body)
         self.skip = skip_ids(self.tokenizer, job)
 
     def probs(self, entries) -> list[dict]:
@@ -174,12 +206,12 @@ class _Answer:
             "truncated": len(prompt) + stats.completion_tokens >= self.backend.ctx,
             "stop_type": stop_type,
             "stopping_word": word,
-            "tokens_cached": 0,
+            "tokens_cached": stats.cached_tokens,
             "timings": timings(stats),
         }
         if job.logprobs is not None and not streamed:
             out["completion_probabilities"] = self.probs(choice.logprobs)
-        return out
+        return pick_fields(out, self.fields)
 
     def _stop(self, handle, choice: Choice) -> tuple[str, str]:
         if choice.finish_reason == "length":
@@ -200,6 +232,8 @@ class _Answer:
             "stop": list(self.job.stop),
             "ignore_eos": self.job.ignore_eos,
             "stream": self.job.stream,
+            # as llama-server lists them; a ban (-inf) is null in JSON
+            "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in s.logit_bias],
             "n_probs": self.job.logprobs or 0,
         }
 
@@ -218,19 +252,22 @@ def sampling_params(fields: dict, n_predict: int) -> dict:
 
 
 def timings(stats) -> dict:
+    """As llama-server reports them: the first token comes with the prompt, so predicted_ms and
+    the rates cover the decode steps after it (n - 1)."""
     prompt_ms = max(0.0, stats.t_first_token - stats.t_submit) * 1000 if stats.t_first_token else 0.0
     predicted_ms = max(0.0, stats.t_end - stats.t_first_token) * 1000 if stats.t_first_token else 0.0
-    n_prompt, n_predicted = stats.prompt_tokens, stats.completion_tokens
+    n_prompt, n_predicted = stats.prompt_tokens - stats.cached_tokens, stats.completion_tokens
+    steps = max(0, n_predicted - 1)
     return {
-        "cache_n": 0,  # no prompt cache across requests: every prompt is evaluated whole
+        "cache_n": stats.cached_tokens,
         "prompt_n": n_prompt,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / n_prompt if n_prompt else 0.0,
         "prompt_per_second": n_prompt / prompt_ms * 1000 if prompt_ms else 0.0,
         "predicted_n": n_predicted,
         "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / n_predicted if n_predicted else 0.0,
-        "predicted_per_second": n_predicted / predicted_ms * 1000 if predicted_ms else 0.0,
+        "predicted_per_token_ms": predicted_ms / steps if steps and predicted_ms else 0.0,
+        "predicted_per_second": steps / predicted_ms * 1000 if steps and predicted_ms else 0.0,
     }
 
 
@@ -278,6 +315,19 @@ async def _stream(request: web.Request, run: Run, answer: _Answer) -> web.Stream
 # -- tokens and templates ----------------------------------------------------------------------
 
 
+def _piece(tokenizer, token: int) -> str | list[int]:
+    """A token's text as llama-server shows it: a string, or its bytes where they are not UTF-8
+    on their own (SentencePiece's byte tokens, a part of a character)."""
+    piece = getattr(tokenizer, "piece", None)
+    if piece is None:
+        return tokenizer.token_text(token)
+    data = piece(token)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
 async def tokenize(request: web.Request) -> web.Response:
     """{"content", "add_special", "with_pieces"} -> {"tokens"}."""
     body = await json_body(request)
@@ -287,7 +337,7 @@ async def tokenize(request: web.Request) -> web.Response:
     tokenizer = request.app[BACKEND].tokenizer
     ids = tokenizer.encode(content, add_special=add_special, parse_special=True)
     if body.get("with_pieces"):
-        return web.json_response({"tokens": [{"id": i, "piece": tokenizer.token_text(i)} for i in ids]})
+        return web.json_response({"tokens": [{"id": i, "piece": _piece(tokenizer, i)} for i in ids]})
     return web.json_response({"tokens": ids})
 
 
@@ -306,11 +356,14 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def apply_template(request: web.Request) -> web.Response:
-    """{"messages"} -> {"prompt"}: the text /v1/chat/completions would continue."""
+    """{"messages", "add_generation_prompt"} -> {"prompt"}: the text /v1/chat/completions would continue."""
     body = await json_body(request)
     messages = chat_messages(body.get("messages"))
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise bad_request("'add_generation_prompt' must be true or false", "add_generation_prompt")
     try:
-        prompt = request.app[BACKEND].tokenizer.apply_chat_template(messages)
+        prompt = request.app[BACKEND].tokenizer.apply_chat_template(messages, add_generation_prompt)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     return web.json_response({"prompt": prompt})
@@ -332,28 +385,26 @@ def _default_params(backend: Backend) -> dict:
 
 
 def _slot(backend: Backend, slot: int, sequence) -> dict:
+    """llama-server's shape: a slot's request (params, next_token as a list of one) only while it
+    has one."""
+    out = {"id": slot, "n_ctx": backend.ctx, "speculative": False, "is_processing": sequence is not None}
     if sequence is None:
-        params, n_decoded, n_remain, n_prompt = _default_params(backend), 0, -1, 0
-    else:
-        request = sequence.request
-        params = sampling_params(request.sampling.to_dict(), request.max_tokens)
-        n_decoded, n_prompt = sequence.handle.stats.completion_tokens, len(request.prompt)
-        n_remain = request.max_tokens - n_decoded
+        return out
+    request = sequence.request
+    n_decoded = sequence.handle.stats.completion_tokens
     return {
-        "id": slot,
+        **out,
         "id_task": -1,
-        "n_ctx": backend.ctx,
-        "speculative": False,
-        "is_processing": sequence is not None,
-        "n_prompt_tokens": n_prompt,
-        "params": params,
-        "next_token": {
-            "has_next_token": sequence is not None,
-            "has_new_line": False,
-            "n_remain": n_remain,
-            "n_decoded": n_decoded,
-            "stopping_word": "",
-        },
+        "n_prompt_tokens": len(request.prompt),
+        "params": sampling_params(request.sampling.to_dict(), request.max_tokens),
+        "next_token": [
+            {
+                "has_next_token": True,
+                "has_new_line": False,
+                "n_remain": request.max_tokens - n_decoded,
+                "n_decoded": n_decoded,
+            }
+        ],
     }
 
 
@@ -392,6 +443,10 @@ async def props(request: web.Request) -> web.Response:
 
 
 async def slots(request: web.Request) -> web.Response:
+    if not request.app[SLOTS]:
+        raise APIError(
+            501, "This server does not support slots endpoint. Start it with `--slots`", "not_supported_error"
+        )
     backend = request.app[BACKEND]
     engine = backend.ready_engine()
     running = _running(engine)
@@ -409,4 +464,7 @@ async def metrics(request: web.Request) -> web.Response:
             "This server does not support metrics endpoint. Start it with `--metrics`",
             type="not_supported_error",
         )
-    return web.Response(body=render(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    started = int(psutil.Process().create_time())  # lets a scraper see that the server restarted
+    return web.Response(
+        body=render(registry), headers={"Content-Type": CONTENT_TYPE_LATEST, "Process-Start-Time-Unix": str(started)}
+    )

@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .deltanet import GatedDeltaNet
 from .devices import attention_without_cudnn
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
-from .kvcache import KVCache, RecurrentState, kv_dtype
+from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for
 from .linear import Linear, Weight, fused, linear
 
 
@@ -99,9 +99,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class StepContext:
     """What every block of a forward pass shares: where the new tokens go and what they see."""
 
-    rows: slice | torch.Tensor
+    rows: slice | torch.Tensor  # the sequences' slots (recurrent state)
+    at: Addresses  # where their keys and values go and are read from
     positions: torch.Tensor  # [B, T]
-    start: int | None  # the first position, when the batch is one sequence
     n_keys: int
     mask: torch.Tensor | None  # [B, 1, T, n_keys], True where attention is allowed
     cos: torch.Tensor
@@ -150,7 +150,7 @@ class Attention(nn.Module):
             qk = apply_rope(torch.cat((queries, keys), dim=2), ctx.cos, ctx.sin)
         q = qk[:, :, :H].transpose(1, 2)
         k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, Q + KV :].transpose(1, 2)
-        keys, values = cache.update(layer, ctx.rows, ctx.positions, k, v, ctx.n_keys, ctx.start)
+        keys, values = cache.update(layer, k, v, ctx.at)
         out = attention(q, keys, values, ctx.mask).transpose(1, 2).reshape(B, T, H * D)
         if self.gated:
             out = out * torch.sigmoid(qkv[:, :, 1:Q:2].reshape(B, T, H * D))
@@ -322,6 +322,7 @@ class Stage(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg, weights.get("rope_freqs.weight")), persistent=False)
         self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
         self.cache: KVCache | None = None
+        self.ctx = 0  # positions a sequence may reach, set with the cache
         self.kv_dtype: torch.dtype | None = None  # keys and values: kvcache.kv_dtype(dtype) unless set
 
     @property
@@ -334,7 +335,9 @@ class Stage(nn.Module):
         is in kvcache.kv_dtype of it unless `kv_dtype` says otherwise)."""
         return self._dtype.dtype
 
-    def allocate_cache(self, n_slots: int, ctx: int) -> None:
+    def allocate_cache(self, n_slots: int, ctx: int, n_pages: int | None = None) -> None:
+        """Caches for `n_slots` sequences of up to `ctx` positions, their keys and values in a
+        pool of `n_pages` (default: every slot's whole context)."""
         cfg = self.cfg
         if self.device.type == "cuda":
             attention_without_cudnn()
@@ -342,16 +345,25 @@ class Stage(nn.Module):
         recurrent = RecurrentState(cfg, self.n_linear, n_slots, self.dtype, self.device) if self.n_linear else None
         n_attention = self.end - self.start - self.n_linear
         keys_in = self.kv_dtype or kv_dtype(self.dtype)
-        self.cache = KVCache(
-            n_attention, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim, keys_in, self.device, recurrent=recurrent
-        )
+        n_pages = n_slots * pages_for(ctx) if n_pages is None else n_pages
+        self.cache = KVCache(n_attention, cfg.n_kv_heads, cfg.head_dim, n_pages, keys_in, self.device, recurrent)
+        self.ctx = ctx
 
-    def _context(self, slots: list[int], starts: list[int], T: int) -> StepContext:
+    def own_pages(self, slot: int, n_positions: int) -> list[int]:
+        """The page table of a slot's sequence when nobody hands pages out (a stage used on its
+        own): each slot owns whole contexts' worth of consecutive pages."""
+        first = slot * pages_for(self.ctx)
+        return list(range(first, first + pages_for(n_positions)))
+
+    def _context(self, slots: list[int], starts: list[int], T: int, pages: list[list[int]] | None) -> StepContext:
         device = self.device
         positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
         n_keys = max(starts) + T
-        if n_keys > self.cache.ctx:
-            raise ValueError(f"position {n_keys - 1} is past the context size {self.cache.ctx}")
+        if n_keys > self.ctx:
+            raise ValueError(f"position {n_keys - 1} is past the context size {self.ctx}")
+        if pages is None:
+            pages = [self.own_pages(slot, start + T) for slot, start in zip(slots, starts)]
+        self.cache.reserve(1 + max(max(t) for t in pages))
         if len(slots) == 1 and T == 1:
             mask = None  # one new token sees every cached position
         else:
@@ -362,8 +374,8 @@ class Stage(nn.Module):
         dtype = self.dtype
         return StepContext(
             KVCache.rows_for(slots, device),
+            Addresses.of(pages, starts, T, n_keys, device),
             positions,
-            starts[0] if len(slots) == 1 else None,
             n_keys,
             mask,
             torch.cat((cos, cos), dim=-1)[:, :, None].to(dtype),
@@ -371,8 +383,16 @@ class Stage(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, slots: list[int], starts: list[int], all_logits: bool = False) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, else hidden states [B, T, dim].
+    def forward(
+        self,
+        x: torch.Tensor,
+        slots: list[int],
+        starts: list[int],
+        all_logits: bool = False,
+        pages: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        """x: token ids [B, T] on the first stage, else hidden states [B, T, dim]; `pages`: each
+        row's page table (default: own_pages()).
         Returns hidden states, or float32 logits on the last stage (last position only unless
         all_logits)."""
         if self.cache is None:
@@ -381,7 +401,7 @@ class Stage(nn.Module):
             x = self.embed(x.to(self.device))
         else:
             x = x.to(self.device, self.dtype)
-        ctx = self._context(slots, starts, x.shape[1])
+        ctx = self._context(slots, starts, x.shape[1], pages)
         recurrent = self.cache.recurrent
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])

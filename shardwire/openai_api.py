@@ -12,17 +12,20 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+from . import __version__
 from .constrain import ConstraintError, Grammar, vocabulary_of
 from .engine import Event, Request
 from .sampling import MAX_LOGIT_BIAS, SamplingParams
-from .tools import ToolError, ToolSpec, ToolStream, history_message, parse_tool_calls, parse_tools
+from .tools import ToolError, ToolSpec, ToolStream, history_message, parse_tools
 
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOPS = 64  # OpenAI allows 4; llama-server any number, and its clients send more
+SYSTEM_FINGERPRINT = f"b{__version__}-shardwire"  # llama-server's is "b<build>-<commit>"
 
 
 class APIError(Exception):
-    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}, plus
+    `extra` fields where llama-server adds some."""
 
     def __init__(
         self,
@@ -31,12 +34,15 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        extra: dict | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.extra = extra or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": {**error, **self.extra}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -214,6 +220,7 @@ class Job:
     echo: list[str] = field(default_factory=list)  # completions with echo: each prompt's text
     grammar: Grammar | None = None  # what every choice's output must follow
     tools: ToolSpec | None = None  # chat: the functions the model may call; its calls are parsed out
+    cache_prompt: bool = True  # llama-server's field: reuse the cached KV pages of a prompt's prefix
     id: str = ""
     created: int = 0
 
@@ -231,12 +238,16 @@ class Job:
         out = []
         for prompt in self.prompts:
             if len(prompt) >= ctx:
-                raise bad_request(
+                # OpenAI's message and code, llama-server's type and fields
+                raise APIError(
+                    400,
                     f"This model's maximum context length is {ctx} tokens. However, your "
                     f"{'messages' if self.kind == 'chat' else 'prompt'} resulted in {len(prompt)} "
-                    f"tokens.",
+                    f"tokens: the request exceeds the available context size.",
+                    "exceed_context_size_error",
                     "messages" if self.kind == "chat" else "prompt",
                     "context_length_exceeded",
+                    {"n_prompt_tokens": len(prompt), "n_ctx": ctx},
                 )
             for j in range(self.n):
                 seed = self.sampling.seed
@@ -250,6 +261,7 @@ class Job:
                         stop=self.stop,
                         ignore_eos=self.ignore_eos,
                         grammar=self.grammar,
+                        cache_prompt=self.cache_prompt,
                     )
                 )
         return out
@@ -289,6 +301,7 @@ def _common(
         list(echo),
         _grammar(body, tokenizer, tools),
         tools,
+        _bool(body, "cache_prompt", True),
     )
 
 
@@ -367,7 +380,7 @@ def parse_chat(body: dict, tokenizer) -> Job:
         raise bad_request("'messages' must be a non-empty list", "messages")
     messages = [_message(m, i) for i, m in enumerate(messages)]
     try:
-        tools = parse_tools(body, getattr(tokenizer, "chat_template", None))
+        tools = parse_tools(body, tokenizer)
     except ToolError as e:
         raise bad_request(str(e), e.param) from None
     try:
@@ -444,14 +457,15 @@ def tool_stream(job: Job) -> ToolStream | None:
     """A streamed chat choice's holder of text that may be a tool call; None without tools."""
     if job.kind != "chat" or job.tools is None:
         return None
-    return ToolStream(job.tools.names, job.tools.forced)
+    return job.tools.stream()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -463,7 +477,7 @@ def response(job: Job, model: str, choices: list[Choice], use: dict) -> dict:
             message = {"role": "assistant", "content": c.text, "refusal": None}
             finish_reason = c.finish_reason
             if job.tools is not None:
-                content, calls = parse_tool_calls(c.text, job.tools.names)
+                content, calls = job.tools.read_calls(c.text)
                 if calls:
                     message = {**message, "content": content, "tool_calls": [call.to_dict() for call in calls]}
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -490,6 +504,7 @@ def response(job: Job, model: str, choices: list[Choice], use: dict) -> dict:
         "object": "chat.completion" if job.kind == "chat" else "text_completion",
         "created": job.created,
         "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": out,
         "usage": use,
     }
@@ -503,6 +518,7 @@ def chunk(job: Job, model: str, choices: list[dict], use: dict | None = None) ->
         "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
         "created": job.created,
         "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": choices,
     }
     if job.include_usage:

@@ -1,7 +1,8 @@
 """What the engine hands a pipeline of stages, and the pipeline that runs them in this process.
 
 A Step is one forward pass over the whole pipeline for a batch of rows; a row is T new tokens
-of one sequence (its KV cache slot, the position of its first new token). Rows that carry
+of one sequence (its slot, the position of its first new token, the KV pages its positions
+live in: pages.py). Rows that carry
 sampling parameters come back with a sampled token; the others (all but the last chunk of a
 long prompt) only fill the cache.
 """
@@ -29,6 +30,7 @@ class Row:
     sampling: SamplingParams | None = None
     recent: list[int] = field(default_factory=list)  # for repetition penalties
     constraint: RowConstraint | None = None  # a grammar's matcher to follow (see constrain.py)
+    pages: list[int] = field(default_factory=list)  # its KV page table, up to its last new position
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Pipeline(Protocol):
     ctx: int
     vocab_size: int
     n_stages: int
+    recurrent: bool  # some block keeps a recurrent state: a sequence cannot start past position 0
     on_result: Callable[[StepResult], None]
     on_wake: Callable[[], None]  # the pipeline broke, or wants rebalancing
 
@@ -130,6 +133,7 @@ class LocalPipeline:
     def __init__(self, stages: list[Stage], n_slots: int, ctx: int):
         self.stages, self.n_slots, self.ctx = stages, n_slots, ctx
         self.vocab_size = stages[0].cfg.vocab_size
+        self.recurrent = any(stage.n_linear for stage in stages)
         for stage in stages:
             stage.allocate_cache(n_slots, ctx)
         self.matchers = Matchers()
@@ -143,10 +147,11 @@ class LocalPipeline:
     def submit(self, step: Step) -> None:
         slots = [r.slot for r in step.rows]
         starts = [r.start for r in step.rows]
+        pages = [r.pages for r in step.rows]
         x: torch.Tensor = torch.tensor([r.tokens for r in step.rows], dtype=torch.long)
         try:
             for stage in self.stages:
-                x = stage(x, slots, starts)
+                x = stage(x, slots, starts, pages=pages)
             result = StepResult(step.id, sample_rows(x, step.rows, self.matchers))
         except (ValueError, RuntimeError) as e:
             result = StepResult(step.id, error=PipelineError(str(e)))

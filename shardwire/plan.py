@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .deltanet import CHUNK
 from .devices import parse_dtype
 from .formats import ModelFile
-from .kvcache import stage_cache_nbytes
+from .kvcache import pool_pages, stage_cache_nbytes
 from .quant.packed import CHUNK_ELEMENTS
 from .quant.policy import EMBEDDING, WeightModeError, modes_for, weight_formats, weight_nbytes
 
@@ -298,7 +298,8 @@ def stage_cost(
     packed = any(f != "dense" for f in formats.values())  # a prompt chunk dequantizes rows into a GEMM
     return StageCost(
         weight_bytes,
-        stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, ctx, dtype),  # KV, and delta-net state
+        # keys and values, the delta-net state
+        stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, pool_pages(n_slots, ctx), dtype),
         workspace_bytes(cfg, chunk, stage.last, dtype, stage.device.type, packed=packed),
         by_type,
         elsewhere,

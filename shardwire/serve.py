@@ -85,7 +85,9 @@ async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
         except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C raises KeyboardInterrupt instead
             pass
     runner = web.AppRunner(
-        create_app(backend, args.api_key, _origins(args.cors_origins)), handler_cancellation=True, shutdown_timeout=3
+        create_app(backend, args.api_key, _origins(args.cors_origins), args.slots),
+        handler_cancellation=True,
+        shutdown_timeout=3,
     )
     await runner.setup()
     try:

@@ -3,10 +3,11 @@
     POST /v1/completions, POST /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models, GET /health, GET /v1/cluster     (workers, devices, blocks, memory, latency, slots,
                                                        recoveries)
-    llama-server's: /completions, /chat/completions, /models, /v1/health, and its native API
-    (llama_server_api.py): /completion, /tokenize, /detokenize, /apply-template, /props, /slots,
-    /metrics; CORS for browsers (aiohttp-cors; a preflight is answered without the API key)
+    llama-server's: /chat/completions, /models, /v1/health, and its native API
+    (llama_server_api.py): /completion (and /completions), /tokenize, /detokenize, /apply-template,
+    /props, /slots, /metrics; CORS for browsers (aiohttp-cors; a preflight is answered without the API key)
     POST /v1/cluster/workers {"address": "host:port"}  (admit a new worker; stages move onto it)
+    POST /v1/chat/completions/input_tokens            (llama-server's: the prompt's length in tokens)
 
 The app answers from the start; serve.py loads the model behind it (/health answers 503 until
 every stage is ready). Every request becomes engine Requests (backend.py runs them); the engine's
@@ -92,7 +93,12 @@ async def _whole(backend: Backend, run: Run) -> web.Response:
     use = run.usage()
     run.log_done(use)
     run.outcome = "served"
-    return web.json_response(response(job, backend.model_id, choices, use))
+    return web.json_response({**response(job, backend.model_id, choices, use), **_timings(run)})
+
+
+def _timings(run: Run) -> dict:
+    """llama-server's `timings` beside OpenAI's usage, for a request of one choice."""
+    return {"timings": native.timings(run.handles[0].stats)} if len(run.handles) == 1 else {}
 
 
 async def _stream(request: web.Request, backend: Backend, run: Run) -> web.StreamResponse:
@@ -135,7 +141,7 @@ async def _stream(request: web.Request, backend: Backend, run: Run) -> web.Strea
             use = run.usage()
             run.log_done(use)
             if job.include_usage:
-                await send(chunk(job, model, [], use))
+                await send({**chunk(job, model, [], use), **_timings(run)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         if run.outcome != "failed":
@@ -151,6 +157,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, parse_chat)
+
+
+async def chat_input_tokens(request: web.Request) -> web.Response:
+    """llama-server's token count of a chat request: its prompt as /v1/chat/completions renders it."""
+    backend: Backend = request.app[BACKEND]
+    job = await parse_off_loop(parse_chat, await json_body(request), backend.tokenizer)
+    return web.json_response({"input_tokens": len(job.prompts[0])})
 
 
 def _model_card(backend: Backend) -> dict:
@@ -262,6 +275,7 @@ async def _api_key(request: web.Request, handler):
                 APIError(
                     401,
                     "Incorrect or missing API key (send Authorization: Bearer KEY or X-Api-Key: KEY)",
+                    "authentication_error",  # llama-server's type; OpenAI's clients go by the status
                     code="invalid_api_key",
                 )
             )
@@ -276,14 +290,18 @@ def _allow_cors(app: web.Application, origins: tuple[str, ...]) -> None:
         cors.add(route)
 
 
-def create_app(backend: Backend, api_key: str | None = None, cors_origins: tuple[str, ...] = ("*",)) -> web.Application:
+def create_app(
+    backend: Backend, api_key: str | None = None, cors_origins: tuple[str, ...] = ("*",), slots: bool = True
+) -> web.Application:
+    """`slots`: GET /slots answers (llama-server's --slots, its default; --no-slots: 501)."""
     app = web.Application(middlewares=[_openai_errors, _api_key], client_max_size=MAX_BODY)
-    app[BACKEND], app[API_KEY] = backend, api_key
+    app[BACKEND], app[API_KEY], app[native.SLOTS] = backend, api_key, slots
     app[native.METRICS] = registry_for(backend) if backend.settings.metrics else None
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/completions", completions)  # llama-server answers these too
-    app.router.add_post("/chat/completions", chat_completions)
+    app.router.add_post("/chat/completions", chat_completions)  # llama-server answers these too
+    app.router.add_post("/v1/chat/completions/input_tokens", chat_input_tokens)
+    app.router.add_post("/chat/completions/input_tokens", chat_input_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
@@ -293,6 +311,7 @@ def create_app(backend: Backend, api_key: str | None = None, cors_origins: tuple
     app.router.add_post("/v1/cluster/workers", add_worker)
     # llama-server's native API
     app.router.add_post("/completion", native.completion)
+    app.router.add_post("/completions", native.completion)  # llama-server's, not /v1/completions
     app.router.add_post("/tokenize", native.tokenize)
     app.router.add_post("/detokenize", native.detokenize)
     app.router.add_post("/apply-template", native.apply_template)

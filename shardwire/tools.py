@@ -1,15 +1,26 @@
-"""OpenAI tool calls: a request's `tools` and `tool_choice` checked, handed to the model's own chat
-template, and the calls the model writes read back out of its text.
+"""OpenAI tool calls: a request's `tools`, `tool_choice` and `parallel_tool_calls` checked, the
+tools handed to the model's own chat template, and the calls the model writes read back out of its
+text, one `tool_calls` entry (with its own id) per call.
 
-Two ways models write a call are read: Hermes style, as Qwen2.5/Qwen3 templates ask for,
+Three families of call syntax are read, the family told by the chat template or else by the
+tokenizer's special tokens (call_syntax):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- Hermes, as Qwen2.5/Qwen3 templates ask for: one <tool_call> block per call, text around them
+  being content,
 
-and Llama 3.x's bare JSON, {"name": ..., "parameters": {...}} (after <|python_tag|> or not; several
-calls separated by ";"). tool_choice "required" or a named function constrains the output to one
-such JSON object, so the model must write a valid call.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+- Llama 3.x: bare JSON, {"name": ..., "parameters": {...}} (after <|python_tag|> or not), several
+  calls separated by ";" or newlines;
+- Mistral: [TOOL_CALLS] and a JSON list of {"name", "arguments"}, or (newer tokenizers)
+  [TOOL_CALLS]name[ARGS]{...} once per call. Both markers are control tokens that decoding
+  usually drops, so the forms are read without them too.
+
+Text that is not entirely well-formed calls of known functions stays content. tool_choice
+"required" or a named function constrains the output to one such JSON object, or with
+parallel_tool_calls to a JSON list of one or more of them, so the model must write valid calls.
 """
 
 from __future__ import annotations
@@ -19,11 +30,26 @@ import re
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["ToolCall", "ToolSpec", "ToolStream", "parse_tool_calls", "parse_tools", "history_message"]
+__all__ = [
+    "HERMES",
+    "LLAMA3",
+    "MISTRAL",
+    "ToolCall",
+    "ToolSpec",
+    "ToolStream",
+    "call_syntax",
+    "history_message",
+    "parse_tool_calls",
+    "parse_tools",
+]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG, ARGS_TAG = "[TOOL_CALLS]", "[ARGS]"
+HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_LIST_START = re.compile(r"\[\s*(?:\{|$)")
+_SEPARATORS = (PYTHON_TAG, MISTRAL_TAG, ";", " ", "\t", "\r", "\n")  # what may stand between calls
 
 
 class ToolError(ValueError):
@@ -34,12 +60,32 @@ class ToolError(ValueError):
         self.param = param
 
 
+def _is_special_token(tokenizer, text: str) -> bool:
+    encode = getattr(tokenizer, "encode", None)
+    return encode is not None and len(encode(text, add_special=False, parse_special=True)) == 1
+
+
+def call_syntax(tokenizer) -> str:
+    """How the model writes calls: HERMES, LLAMA3 or MISTRAL. Its chat template names the markers it
+    renders calls with; a model without a template that names any is judged by its special tokens."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    markers = ((MISTRAL_TAG, MISTRAL), (PYTHON_TAG, LLAMA3), (OPEN, HERMES))
+    for marker, syntax in markers:
+        if marker in template:
+            return syntax
+    for marker, syntax in markers:
+        if _is_special_token(tokenizer, marker):
+            return syntax
+    return HERMES
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     tools: list[dict]  # OpenAI's [{"type": "function", "function": {...}}], as given
     choice: str  # "auto", "required" or "function" (one named function)
     name: str | None = None  # with "function": its name
-    arguments_key: str = "arguments"  # what the template asks calls to write: arguments or parameters
+    syntax: str = HERMES  # how the model writes calls (call_syntax)
+    parallel: bool = True  # the request's parallel_tool_calls; false keeps only the first call
 
     @property
     def names(self) -> set[str]:
@@ -49,33 +95,36 @@ class ToolSpec:
     def forced(self) -> bool:
         return self.choice in ("required", "function")
 
+    @property
+    def arguments_key(self) -> str:
+        """What the template asks calls to write their arguments under."""
+        return "parameters" if self.syntax == LLAMA3 else "arguments"
+
+    def _call_schema(self, fn: dict) -> dict:
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        return {
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]}, self.arguments_key: params},
+            "required": ["name", self.arguments_key],
+            "additionalProperties": False,
+        }
+
     def schema(self) -> dict:
-        """With a forced choice: the JSON schema of the one call the model must write."""
-        options = []
-        for tool in self.tools:
-            fn = tool["function"]
-            if self.choice == "function" and fn["name"] != self.name:
-                continue
-            params = fn.get("parameters") or {"type": "object", "properties": {}}
-            options.append(
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": fn["name"]}, self.arguments_key: params},
-                    "required": ["name", self.arguments_key],
-                    "additionalProperties": False,
-                }
-            )
-        return options[0] if len(options) == 1 else {"anyOf": options}
+        """With a forced choice: the JSON schema of what the model must write, one call, or with
+        parallel calls a list of one or more."""
+        fns = [t["function"] for t in self.tools]
+        options = [self._call_schema(fn) for fn in fns if self.choice != "function" or fn["name"] == self.name]
+        call = options[0] if len(options) == 1 else {"anyOf": options}
+        return {"type": "array", "items": call, "minItems": 1} if self.parallel else call
+
+    def read_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return parse_tool_calls(text, self.names, self.syntax, self.parallel)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self.names, self.forced, self.syntax, self.parallel)
 
 
-def parse_tools(body: dict, template: str | None) -> ToolSpec | None:
-    """The request's tools and tool_choice; None when no tool may be called (no tools, or
-    tool_choice "none"). `template` (the chat template's text) tells which call form to force."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools is None or tools == []:
-        if choice not in (None, "none", "auto"):
-            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
-        return None
+def _checked_tools(tools) -> list[dict]:
     if not isinstance(tools, list):
         raise ToolError("'tools' must be a list of {type: function, function: {name, parameters}}", "tools")
     seen = set()
@@ -91,22 +140,42 @@ def parse_tools(body: dict, template: str | None) -> ToolSpec | None:
         if fn["name"] in seen:
             raise ToolError(f"{param}: the function name {fn['name']!r} is given twice", param)
         seen.add(fn["name"])
-    tools = [{"type": "function", "function": t["function"]} for t in tools]
-    key = "parameters" if template and PYTHON_TAG in template else "arguments"
-    if choice is None or choice == "auto":
-        return ToolSpec(tools, "auto", arguments_key=key)
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolSpec(tools, "required", arguments_key=key)
+    return [{"type": "function", "function": t["function"]} for t in tools]
+
+
+def _checked_choice(choice, names: set[str]) -> tuple[str, str | None]:
+    """tool_choice as (kind, the named function or None)."""
+    if choice is None:
+        return "auto", None
+    if choice in ("auto", "none", "required"):
+        return choice, None
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in seen:
+        if name not in names:
             raise ToolError(f"'tool_choice' names the function {name!r}, which is not in 'tools'", "tool_choice")
-        return ToolSpec(tools, "function", name, arguments_key=key)
+        return "function", name
     raise ToolError(
         "'tool_choice' must be 'none', 'auto', 'required' or {type: function, function: {name}}", "tool_choice"
     )
+
+
+def parse_tools(body: dict, tokenizer) -> ToolSpec | None:
+    """The request's tools, tool_choice and parallel_tool_calls; None when no tool may be called (no
+    tools, or tool_choice "none"). `tokenizer` (its chat template, its special tokens) tells which
+    call syntax the model writes."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    tools = _checked_tools(tools)
+    choice, name = _checked_choice(choice, {t["function"]["name"] for t in tools})
+    if choice == "none":
+        return None
+    return ToolSpec(tools, choice, name, call_syntax(tokenizer), parallel is not False)
 
 
 def history_message(m: dict, param: str) -> dict:
@@ -146,10 +215,8 @@ class ToolCall:
         return {**out, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _call(obj, names: set[str] | None) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    if names is not None and obj["name"] not in names:
+def _call(obj, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text
@@ -162,73 +229,159 @@ def _call(obj, names: set[str] | None) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _bare_json_calls(text: str, names: set[str]) -> list[ToolCall] | None:
-    """Llama 3.x's form: the whole text is one call or several separated by ";"."""
-    text = text.strip()
-    if text.startswith(PYTHON_TAG):
-        text = text[len(PYTHON_TAG) :].strip()
-    if not text.startswith("{"):
-        return None
-    decoder, calls, i = json.JSONDecoder(), [], 0
+def _calls_in(value, names: set[str], name: str | None) -> list[ToolCall] | None:
+    """The calls one JSON value holds: a call object, a list of them, or (after a bare `name`)
+    the arguments object of Mistral's name[ARGS]{...}."""
+    if name is not None:
+        value = {"name": name, "arguments": value}
+    items = value if isinstance(value, list) else [value]
+    calls = [_call(item, names) for item in items]
+    return calls if calls and all(c is not None for c in calls) else None
+
+
+def _skip_separators(text: str, i: int) -> int:
+    while True:
+        sep = next((s for s in _SEPARATORS if text.startswith(s, i)), None)
+        if sep is None:
+            return i
+        i += len(sep)
+
+
+def _name_at(text: str, i: int, names: set[str]) -> str | None:
+    """The known function name Mistral's name[ARGS]{...} form writes at i, if it does."""
+    found = [n for n in names if text.startswith(n, i) and text.startswith(("{", ARGS_TAG), i + len(n))]
+    return max(found, key=len, default=None)
+
+
+def _call_sequence(text: str, names: set[str], named: bool = False) -> list[ToolCall] | None:
+    """The calls `text` holds when it is nothing but calls one after another: JSON call objects or
+    lists of them, and with `named` also Mistral's name[ARGS]{...}; else None."""
+    decoder, calls = json.JSONDecoder(), []
+    i = _skip_separators(text, 0)
     while i < len(text):
+        name = _name_at(text, i, names) if named else None
+        if name is not None:
+            i += len(name) + (len(ARGS_TAG) if text.startswith(ARGS_TAG, i + len(name)) else 0)
         try:
-            obj, i = decoder.raw_decode(text, i)
+            value, i = decoder.raw_decode(text, i)
         except ValueError:
             return None
-        call = _call(obj, names)
-        if call is None:
+        found = _calls_in(value, names, name)
+        if found is None:
             return None
-        calls.append(call)
-        while i < len(text) and text[i] in " \t\r\n;":
-            i += 1
+        calls += found
+        i = _skip_separators(text, i)
     return calls or None
 
 
-def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) from a model's output. Text that is not a well-formed call of a known
-    function stays content; content is None when the text held only calls."""
-    if OPEN in text:
-        calls, content, last = [], [], 0
-        for m in _HERMES.finditer(text):
-            try:
-                call = _call(json.loads(m[1]), names)
-            except ValueError:
-                call = None
-            if call is None:
-                continue
-            calls.append(call)
-            content.append(text[last : m.start()])
-            last = m.end()
-        if calls:
-            rest = ("".join(content) + text[last:]).strip()
-            return rest or None, calls
+def _hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """Every well-formed <tool_call> block; the text around them, and any malformed block, is content."""
+    calls, content, last = [], [], 0
+    for m in _HERMES.finditer(text):
+        found = _call_sequence(m[1], names)
+        if found is None:
+            continue
+        calls += found
+        content.append(text[last : m.start()])
+        last = m.end()
+    if not calls:
         return text, []
-    calls = _bare_json_calls(text, names)
+    rest = ("".join(content) + text[last:]).strip()
+    return rest or None, calls
+
+
+def _calls_from(text: str, at: int, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """Content up to `at`, then nothing but calls; (text, []) where the rest is not all calls."""
+    calls = _call_sequence(text[at:], names, named=True)
+    if calls is None:
+        return text, []
+    return text[:at].strip() or None, calls
+
+
+def _bare_name_pattern(names: set[str]) -> re.Pattern:
+    """Where Mistral's name[ARGS]{...} may begin once its control tokens are decoded away: a known
+    name, not the end of a longer word, right before "{" or [ARGS]."""
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    return re.compile(rf"(?<!\w)(?:{alternatives})(?=\{{|{re.escape(ARGS_TAG)})")
+
+
+def _read_calls(text: str, names: set[str], syntax: str) -> tuple[str | None, list[ToolCall]]:
+    if OPEN in text:
+        return _hermes_calls(text, names)
+    if MISTRAL_TAG in text:
+        return _calls_from(text, text.index(MISTRAL_TAG), names)
+    calls = _call_sequence(text, names, named=syntax == MISTRAL)
     if calls:
         return None, calls
+    if syntax == MISTRAL and names:
+        for m in _bare_name_pattern(names).finditer(text):
+            content, calls = _calls_from(text, m.start(), names)
+            if calls:
+                return content, calls
     return text, []
+
+
+def _mistral_call_id() -> str:
+    # Mistral's templates refuse a history whose call ids are not 9 letters or digits.
+    return uuid.uuid4().hex[:9]
+
+
+def parse_tool_calls(
+    text: str, names: set[str], syntax: str = HERMES, parallel: bool = True
+) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) from a model's output. Text that is not a well-formed call of a known
+    function stays content; content is None when the text held only calls. Without `parallel`
+    only the first call is kept."""
+    content, calls = _read_calls(text, names, syntax)
+    if not parallel:
+        calls = calls[:1]
+    if syntax == MISTRAL:
+        for call in calls:
+            call.id = _mistral_call_id()
+    return content, calls
+
+
+def _may_open_with_json(head: str) -> bool:
+    """Whether text that begins so may still be calls written as bare JSON."""
+    return (
+        not head
+        or head.startswith("{")
+        or _LIST_START.match(head) is not None
+        or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)])
+    )
 
 
 class ToolStream:
     """One streamed choice's text, held back from where a tool call may begin: feed() returns
     the text safe to send as content now, finish() what remains as (content, calls)."""
 
-    def __init__(self, names: set[str], forced: bool = False):
-        self.names, self.forced = names, forced
+    def __init__(self, names: set[str], forced: bool = False, syntax: str = HERMES, parallel: bool = True):
+        self.names, self.forced, self.syntax, self.parallel = names, forced, syntax, parallel
         self.text, self.sent = "", 0
+        self.openers = [OPEN, MISTRAL_TAG]
+        self.named_openers = [n + end for n in names for end in ("{", ARGS_TAG)] if syntax == MISTRAL else []
+        self.bare_name = _bare_name_pattern(names) if self.named_openers else None
+
+    def _cut_opener_at(self, k: int) -> bool:
+        """Whether the text's last k characters may be the beginning of a call's opening."""
+        tail = self.text[-k:]
+        if any(o.startswith(tail) for o in self.openers):
+            return True
+        at_word_start = k == len(self.text) or not (self.text[-k - 1].isalnum() or self.text[-k - 1] == "_")
+        return at_word_start and any(o.startswith(tail) for o in self.named_openers)
 
     def _safe_end(self) -> int:
         text = self.text
-        if self.forced:
+        if self.forced or (self.sent == 0 and _may_open_with_json(text.lstrip())):
             return 0
-        head = text.lstrip()
-        if self.sent == 0 and (not head or head.startswith("{") or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)])):
-            return 0  # may be a bare JSON call: hold it all
-        at = text.find(OPEN)
-        if at >= 0:
-            return at
-        for k in range(min(len(OPEN) - 1, len(text)), 0, -1):  # a tag cut in the middle
-            if OPEN.startswith(text[-k:]):
+        starts = [text.find(o) for o in self.openers]
+        if self.bare_name is not None and (m := self.bare_name.search(text)):
+            starts.append(m.start())
+        if found := [s for s in starts if s >= 0]:
+            return min(found)
+        longest = max(map(len, self.openers + self.named_openers))
+        for k in range(min(longest - 1, len(text)), 0, -1):
+            if self._cut_opener_at(k):
                 return len(text) - k
         return len(text)
 
@@ -241,5 +394,5 @@ class ToolStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         tail = self.text[self.sent :]
         self.sent = len(self.text)
-        content, calls = parse_tool_calls(tail, self.names)
+        content, calls = parse_tool_calls(tail, self.names, self.syntax, self.parallel)
         return content or "", calls

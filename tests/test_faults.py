@@ -85,9 +85,9 @@ class Setup:
             time.sleep(0.3)
 
     def assert_idle(self) -> None:
-        """Every slot back and nothing waiting."""
+        """Every slot and KV page back and nothing waiting."""
         deadline = time.monotonic() + 5
-        while self.engine.slots() != {"total": 4, "busy": 0, "waiting": 0}:
+        while (slots := self.engine.slots())["busy"] or slots["waiting"] or slots["kv"]["in_use"]:
             assert time.monotonic() < deadline, self.engine.slots()
             time.sleep(0.05)
 

@@ -69,6 +69,7 @@ FIELDS = [
     "total",
     "step",
     "rows",
+    "pages",
     "sampling",
     "recent",
     "dtype",
@@ -141,6 +142,7 @@ def valid_frames(plan_id: str) -> list[bytes]:
         "plan": plan_id,
         "step": 1,
         "rows": [[0, 0, 4]],
+        "pages": [[0]],
         "sampling": [None],
         "recent": [[]],
         "dtype": "int32",
@@ -263,6 +265,7 @@ def test_oversized_and_out_of_plan_requests_are_rejected_without_allocating(tmp_
             "plan": cluster.plan_id,
             "step": 9,
             "rows": [[0, 0, 4]],
+            "pages": [[0]],
             "sampling": [None],
             "recent": [[]],
             "dtype": "int32",
@@ -279,9 +282,21 @@ def test_oversized_and_out_of_plan_requests_are_rejected_without_allocating(tmp_
             "a slot outside the plan": (MessageType.FORWARD, dict(forward, rows=[[7, 0, 4]]), 16, "slot 7"),
             "positions past the context": (
                 MessageType.FORWARD,
-                dict(forward, rows=[[0, 300, 4]]),
+                dict(forward, rows=[[0, 300, 4]], pages=[list(range(19))]),
                 16,
-                "exceed the context|cannot start",
+                "exceed the context",
+            ),
+            "a page outside the pool": (
+                MessageType.FORWARD,
+                dict(forward, pages=[[1 << 20]]),
+                16,
+                "outside the plan's pool",
+            ),
+            "too few pages": (
+                MessageType.FORWARD,
+                dict(forward, rows=[[0, 14, 4]]),
+                16,
+                "pages must be the 2 page ids",
             ),
         }
         for what, (mtype, header, plen, message) in cases.items():

@@ -138,9 +138,10 @@ def test_the_plan_counts_the_recurrent_state():
     (planned,) = make_plan(model, [device], n_slots=3, ctx=64).stages
     per_slot = cfg.conv_channels * (cfg.ssm_conv_kernel - 1) * 4 + cfg.ssm_v_heads * cfg.ssm_k_dim * cfg.ssm_v_dim * 4
     kv = 2 * 3 * cfg.n_kv_heads * 64 * cfg.head_dim * 2  # one attention block of four, keys in float16
-    assert planned.kv_bytes == kv + 3 * 3 * per_slot == stage_cache_nbytes(cfg, 0, 4, 3, 64, torch.float32)
+    assert planned.kv_bytes == kv + 3 * 3 * per_slot == stage_cache_nbytes(cfg, 0, 4, 3, 3 * 64 // 16, torch.float32)
     stage = whole(model.path)
     stage.allocate_cache(3, 64)
+    stage.cache.reserve(stage.cache.n_pages)  # the pool at its fullest
     assert stage.cache.nbytes == planned.kv_bytes and isinstance(stage.cache.recurrent, RecurrentState)
     assert stage.cache.k.shape[0] == 1 and stage.cache.recurrent.delta.shape[:2] == (3, 3)
     assert isinstance(stage.blocks[2].attn, GatedDeltaNet) and stage.blocks[3].layer == 0

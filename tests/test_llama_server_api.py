@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from unittest.mock import ANY
 
 import pytest
 from aiohttp import web
@@ -244,6 +245,90 @@ def test_bad_completion_requests_are_clear_400s(server, body, param):
     assert answer["error"]["message"] and answer["error"]["param"] == param
 
 
+def test_completions_prompt_objects_and_response_fields(server):
+    """/completions is llama-server's native endpoint too; {"prompt_string"} is a prompt;
+    response_fields picks fields, "a/b" from inside "a"."""
+    one = {"n_predict": 4, "temperature": 0}
+    by_text = call(server.url, "/completion", {**one, "prompt": PROMPT})[1]
+    code, body, _ = call(server.url, "/completions", {**one, "prompt": {"prompt_string": PROMPT}})
+    assert code == 200 and body["content"] == by_text["content"] and body["stop_type"] == "limit"
+    both = call(server.url, "/completion", {**one, "prompt": [PROMPT, {"prompt_string": PROMPT}]})[1]
+    assert [b["content"] for b in both] == [by_text["content"]] * 2
+    image = {"prompt_string": PROMPT, "multimodal_data": ["iVBORw0KGgo="]}
+    code, body, _ = call(server.url, "/completion", {**one, "prompt": image})
+    assert code == 400 and "multimodal" in body["error"]["message"]
+
+    fields = ["content", "generation_settings/n_predict", "timings/predicted_n", "no_such_field"]
+    body = call(server.url, "/completion", {**one, "prompt": PROMPT, "response_fields": fields})[1]
+    assert body == {"content": by_text["content"], "generation_settings/n_predict": 4, "timings/predicted_n": 4}
+    assert call(server.url, "/completion", {**one, "prompt": PROMPT, "response_fields": "content"})[0] == 400
+
+
+def test_generation_settings_list_the_logit_biases(server):
+    """As llama-server lists them: a ban (-inf) is null."""
+    one = {"prompt": PROMPT, "n_predict": 2, "temperature": 0}
+    assert call(server.url, "/completion", one)[1]["generation_settings"]["logit_bias"] == []
+    biased = call(server.url, "/completion", {**one, "logit_bias": [[5, 2.5], [7, False]]})[1]
+    assert biased["generation_settings"]["logit_bias"] == [{"bias": 2.5, "token": 5}, {"bias": None, "token": 7}]
+
+
+def test_timings_rate_the_decode_steps_after_the_first_token(server):
+    """The first token comes with the prompt: n tokens are n - 1 decode steps, as llama-server counts."""
+    one = call(server.url, "/completion", {"prompt": PROMPT, "n_predict": 1, "temperature": 0})[1]["timings"]
+    assert one["predicted_n"] == 1 and one["predicted_per_second"] == 0 and one["predicted_per_token_ms"] == 0
+    eight = call(server.url, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0})[1]["timings"]
+    assert eight["predicted_per_second"] == pytest.approx(7 / eight["predicted_ms"] * 1000)
+    assert eight["predicted_per_token_ms"] == pytest.approx(eight["predicted_ms"] / 7)
+
+
+def test_a_prompt_past_the_context_is_llama_servers_error(server, engine):
+    code, body, _ = call(server.url, "/completion", {"prompt": "tick tock " * 100})
+    error = body["error"]
+    assert code == 400 and error["type"] == "exceed_context_size_error" and error["code"] == "context_length_exceeded"
+    assert "exceeds the available context size" in error["message"]
+    assert error["n_ctx"] == CTX and error["n_prompt_tokens"] == len(engine.tokenizer.encode("tick tock " * 100))
+
+
+def test_openai_answers_carry_llama_servers_extras(server):
+    """system_fingerprint ("b..." as llama-server's build) and timings, whole and in the usage chunk."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    code, body, _ = call(server.url, "/v1/chat/completions", chat)
+    assert code == 200 and body["system_fingerprint"].startswith("b")
+    assert body["timings"]["predicted_n"] == body["usage"]["completion_tokens"]
+    assert "timings" not in call(server.url, "/v1/chat/completions", {**chat, "n": 2})[1]  # one choice's only
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps({**chat, "stream": True, "stream_options": {"include_usage": True}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.read().decode().split("\n\n") if line.startswith("data: {")]
+    assert all(c["system_fingerprint"].startswith("b") for c in chunks)
+    assert (
+        chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"]
+    )
+    assert all("timings" not in c for c in chunks[:-1])
+
+
+def test_chat_input_tokens_count_the_rendered_prompt(server, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = engine.tokenizer.apply_chat_template(messages)
+    expected = len(engine.tokenizer.encode(prompt, add_special=False, parse_special=True))
+    for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
+        assert call(server.url, path, {"messages": messages}) == (200, {"input_tokens": expected}, ANY)
+    assert call(server.url, "/v1/chat/completions/input_tokens", {"messages": []})[0] == 400
+
+
+def test_tokenize_pieces_are_text_or_bytes(server, engine):
+    """A piece that is not UTF-8 on its own (part of a character) comes as its bytes, as llama-server's."""
+    text = "emoji 🤗 媽"
+    pieces = call(server.url, "/tokenize", {"content": text, "with_pieces": True})[1]["tokens"]
+    assert [p["id"] for p in pieces] == engine.tokenizer.encode(text, add_special=False, parse_special=True)
+    assert any(isinstance(p["piece"], list) for p in pieces) and any(isinstance(p["piece"], str) for p in pieces)
+    joined = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert joined.decode() == text
+
+
 def test_bad_json_and_bad_messages(server):
     assert call(server.url, "/completion", b'{"prompt": ')[0] == 400
     assert call(server.url, "/completion", b"[1, 2]")[0] == 400
@@ -259,6 +344,8 @@ def test_apply_template_is_what_chat_continues(server, engine):
     code, body, _ = call(server.url, "/apply-template", {"messages": messages})
     assert code == 200 and body["prompt"] == engine.tokenizer.apply_chat_template(messages)
     assert "<|im_start|>user\nHi" in body["prompt"]
+    bare = call(server.url, "/apply-template", {"messages": messages, "add_generation_prompt": False})[1]["prompt"]
+    assert body["prompt"] == bare + "<|im_start|>assistant\n"
 
 
 def test_props_and_slots(server, engine):
@@ -271,7 +358,8 @@ def test_props_and_slots(server, engine):
     wait_idle(server.url)
     code, slots, _ = call(server.url, "/slots")
     assert code == 200 and [s["id"] for s in slots] == list(range(SLOTS))
-    assert all(s["n_ctx"] == CTX and s["next_token"]["n_decoded"] == 0 for s in slots)
+    # an idle slot, as llama-server shows one: no request, so no params or next_token
+    assert all(s == {"id": s["id"], "n_ctx": CTX, "speculative": False, "is_processing": False} for s in slots)
 
     req = urllib.request.Request(
         server.url + "/completion",
@@ -281,6 +369,7 @@ def test_props_and_slots(server, engine):
         stream.readline()  # the first token is out: the sequence holds a slot
         busy = [s for s in call(server.url, "/slots")[1] if s["is_processing"]]
         assert len(busy) == 1 and busy[0]["params"]["n_predict"] == 100
+        assert busy[0]["next_token"][0]["n_remain"] == 100 - busy[0]["next_token"][0]["n_decoded"]
         assert busy[0]["n_prompt_tokens"] == len(engine.tokenizer.encode(PROMPT))
     wait_idle(server.url)  # the client left: its sequence is cancelled
 
@@ -298,6 +387,16 @@ def test_metrics_need_the_flag(server):
     assert code == 501 and "--metrics" in body["error"]["message"]
 
 
+def test_slots_can_be_turned_off(engine):
+    app = AppThread(engine, slots=False)  # --no-slots
+    try:
+        code, body, _ = call(app.url, "/slots")
+        assert code == 501 and body["error"]["type"] == "not_supported_error"
+        assert call(app.url, "/props")[0] == 200
+    finally:
+        app.stop()
+
+
 def test_metrics_in_prometheus_format(engine):
     app = AppThread(engine, ServerSettings(metrics=True))
     try:
@@ -313,6 +412,7 @@ def test_metrics_in_prometheus_format(engine):
     finally:
         app.stop()
     assert code == 200 and headers["Content-Type"].startswith("text/plain")
+    assert abs(int(headers["Process-Start-Time-Unix"]) - time.time()) < 24 * 3600
     prompt_n = len(engine.tokenizer.encode(PROMPT))
     assert samples["llamacpp:prompt_tokens_total"] == 2 * prompt_n
     assert samples["llamacpp:tokens_predicted_total"] == 7
@@ -349,7 +449,8 @@ def test_server_defaults_and_n_predict_cap(engine):
 def test_api_key_by_either_header_and_cors_origins(engine):
     app = AppThread(engine, api_key="k", cors_origins=("http://ok.example",))
     try:
-        assert call(app.url, "/props")[0] == 401
+        code, body, _ = call(app.url, "/props")
+        assert code == 401 and body["error"]["type"] == "authentication_error"  # llama-server's type
         assert call(app.url, "/props", headers={"X-Api-Key": "k"})[0] == 200
         assert call(app.url, "/props", headers={"Authorization": "Bearer k"})[0] == 200
         assert call(app.url, "/props", headers={"X-Api-Key": "wrong"})[0] == 401
@@ -401,7 +502,7 @@ def test_serve_flags(model, tmp_path):
     proc = serve(
         model,
         *("--temp", "0", "--seed", "7", "-n", "4", "--chat-template-file", str(template), "--jinja"),
-        *("--metrics", "--cors-origins", "http://ok.example", "--api-key", "k"),
+        *("--metrics", "--cors-origins", "http://ok.example", "--api-key", "k", "--no-slots"),
     )
     log = []
     try:
@@ -425,6 +526,7 @@ def test_serve_flags(model, tmp_path):
         assert props["chat_template"] == BUILTIN["llama3"] and props["model_path"] == str(model)
         code, text, _ = call(url, "/metrics", None, key, raw=True)
         assert code == 200 and "llamacpp:tokens_predicted_total 8.0" in text
+        assert call(url, "/slots", None, key)[0] == 501
         code, _, headers = call(url, "/props", None, {**key, "Origin": "http://ok.example"})
         assert headers["Access-Control-Allow-Origin"] == "http://ok.example"
     finally:

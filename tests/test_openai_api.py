@@ -11,6 +11,7 @@ from shardwire.engine import Event
 from shardwire.openai_api import (
     MAX_CHOICES,
     MAX_STOPS,
+    SYSTEM_FINGERPRINT,
     APIError,
     Choice,
     Job,
@@ -590,6 +591,9 @@ def test_a_prompt_that_fills_the_context_is_refused(tok):
     e = info.value
     assert (e.status, e.param, e.code) == (400, "prompt", "context_length_exceeded")
     assert "maximum context length is 4 tokens" in e.message and "prompt resulted in 4 tokens" in e.message
+    # llama-server's type, its words and its two extra fields
+    assert e.type == "exceed_context_size_error" and "exceeds the available context size" in e.message
+    assert e.body()["error"]["n_prompt_tokens"] == 4 and e.body()["error"]["n_ctx"] == 4
     chat = parse_chat({"messages": [{"role": "user", "content": "hello"}]}, tok)
     with pytest.raises(APIError) as info:
         chat.requests(ctx=3)
@@ -621,7 +625,12 @@ def events(*items):
 
 
 def test_usage():
-    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(3, 4, 2) == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
 
 
 def test_choice_collects_text_logprobs_and_finish(tok):
@@ -650,6 +659,7 @@ def test_chat_response_shape(tok):
         "object": "chat.completion",
         "created": job.created,
         "model": "m.gguf",
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [
             {
                 "index": 0,
@@ -664,7 +674,12 @@ def test_chat_response_shape(tok):
                 "finish_reason": "length",
             },
         ],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "total_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
 
 
@@ -743,6 +758,7 @@ def test_stream_chunks(tok):
         "object": "chat.completion.chunk",
         "created": job.created,
         "model": "m",
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
         ],
@@ -762,7 +778,7 @@ def test_stream_chunks_with_usage(tok):
     assert body["object"] == "text_completion" and body["usage"] is None  # every chunk carries it, null
     assert body["choices"] == [{"index": 0, "text": "q", "finish_reason": None, "logprobs": None}]
     last = chunk(job, "m", [], usage(3, 1))
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 4
     lp = chunk_choice(job, c, text="q", entries=[(113, -0.7, [(113, -0.7)])], offset=5)
     assert lp["logprobs"] == {
         "tokens": ["q"],

@@ -58,7 +58,8 @@ def test_stage_cost_counts_weights_kv_and_workspace():
     cost = stage_cost(cfg, tensors, cpu_stage(0, 2, True, False), "dequant", n_slots=3, ctx=64, chunk=16)
     assert cost.weight_bytes == sum(t.nbytes for t in tensors.values())  # F32 held as it is stored
     # float32 compute keeps keys and values in float16, as llama.cpp does
-    assert cost.kv_bytes == KVCache.nbytes_for(2, 3, cfg.n_kv_heads, 64, cfg.head_dim, torch.float16)
+    # every slot's whole context: the most the paged pool may grow to
+    assert cost.kv_bytes == KVCache.nbytes_for(2, cfg.n_kv_heads, 3 * 64 // 16, cfg.head_dim, torch.float16)
     assert cost.workspace_bytes > 0 and cost.formats == {"F32": "dense"}
     assert cost.total_bytes == cost.weight_bytes + cost.kv_bytes + cost.workspace_bytes
     half = stage_cost(cfg, tensors, cpu_stage(0, 2, True, False, "bfloat16"), "dequant", n_slots=3, ctx=64, chunk=16)

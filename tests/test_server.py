@@ -244,7 +244,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     ]
     for (status_code, body), expected, code in cases:
         assert status_code == expected, body
-        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+        assert {"message", "type", "param", "code"} <= set(body["error"]) and body["error"]["message"]
         if code:
             assert body["error"]["code"] == code
     with pytest.raises(openai.BadRequestError):
@@ -327,7 +327,7 @@ def test_client_disconnect_cancels_its_sequence_and_frees_the_slot(server, clien
     deadline = time.monotonic() + 15
     while (st := status(server))["slots"]["busy"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert st["slots"] == {"total": PARALLEL, "busy": 0, "waiting": 0}
+    assert (st["slots"]["busy"], st["slots"]["waiting"], st["slots"]["kv"]["in_use"]) == (0, 0, 0)
     assert st["requests"]["client_gone"] == before + PARALLEL  # cancelled while still generating
     t = time.monotonic()
     assert client.completions.create(model=model.name, prompt="hi", max_tokens=4, temperature=0).choices[0].text

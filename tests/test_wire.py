@@ -113,6 +113,7 @@ def forward_header(**over):
         "plan": "p",
         "step": 1,
         "rows": [[0, 0, 3]],
+        "pages": [[0]],
         "sampling": [None],
         "recent": [[]],
         "dtype": "int32",
@@ -130,7 +131,9 @@ def test_forward_validation():
         forward_header(rows=[]),
         forward_header(rows=[[0, 0]]),
         forward_header(rows=[[0, -1, 3]]),
-        forward_header(rows=[[0, 0, 3], [1, 0, 2]], sampling=[None, None], recent=[[], []], shape=[2, 3]),
+        forward_header(
+            rows=[[0, 0, 3], [1, 0, 2]], pages=[[0], [1]], sampling=[None, None], recent=[[], []], shape=[2, 3]
+        ),
         forward_header(dtype="float64"),
         forward_header(shape=[1, 4]),
         forward_header(shape=[1, 3, 1 << 40]),
@@ -139,6 +142,10 @@ def test_forward_validation():
         forward_header(recent=[["x"]]),
         forward_header(step="1"),
         forward_header(rows=[[True, 0, 3]]),
+        forward_header(pages=[]),
+        forward_header(pages=[[0, 1]]),  # one page more than positions 0-2 need
+        forward_header(pages=[[-1]]),
+        forward_header(pages=[[True]]),
     ]
     for h in bad:
         with pytest.raises(FrameError):
@@ -148,7 +155,11 @@ def test_forward_validation():
 def test_shape_product_overflow_is_rejected():
     # each dimension is bounded, so the product cannot wrap or ask for absurd memory
     with pytest.raises(FrameError):
-        Forward.parse(forward_header(rows=[[0, 0, 1 << 20]], shape=[1, 1 << 20, 1 << 20], dtype="float32"))
+        Forward.parse(
+            forward_header(
+                rows=[[0, 0, 1 << 20]], pages=[list(range(1 << 16))], shape=[1, 1 << 20, 1 << 20], dtype="float32"
+            )
+        )
 
 
 def tensor_spec(**over):
@@ -263,12 +274,22 @@ EXAMPLES = [
     Need(["a" * 64, "b" * 64]),
     Weights("a" * 64, 8 << 20, 9 << 20),
     Ready([StageReport(0, 1000, 200), StageReport(1, 50, 20)], {"file": 10, "cache": 0, "streamed": 5}),
-    Forward("plan1", 7, [(0, 0, 4), (2, 10, 4)], [None, {"temperature": 0.0}], [[], [1, 2]], "float32", [2, 4, 16]),
+    Forward(
+        "plan1",
+        7,
+        [(0, 0, 4), (2, 10, 4)],
+        [[0], [5]],
+        [None, {"temperature": 0.0}],
+        [[], [1, 2]],
+        "float32",
+        [2, 4, 16],
+    ),
     Result(7, [None, 42], [None, [-0.5, [[42, -0.5], [7, -1.25]]]]),
     Forward(
         "plan1",
         8,
         [(0, 4, 1), (1, 9, 1)],
+        [[3], [1]],
         [{"temperature": 1.0}, {"temperature": 0.0}],
         [[], []],
         "int32",

@@ -238,6 +238,7 @@ class Cluster:
             plan.ctx,
             len(plan.stages),
             model.config.vocab_size,
+            recurrent=bool(model.config.linear_blocks),
         )
         for link, _ in groups:
             link.start_reader(self.pipeline.events)

@@ -31,17 +31,26 @@ class RemotePipeline:
         self.broken: str | None = None
         self.rebalance_due = False  # a lost worker answers again
         self.links: list[WorkerLink] = []
+        self.recurrent = False
         self._in_flight: dict[int, Step] = {}
         self._lock = threading.Lock()
         self._last_progress = time.monotonic()
         self._vocabulary: Vocabulary | None = None
 
     def attach(
-        self, links: list[WorkerLink], plan_id: str, n_slots: int, ctx: int, n_stages: int, vocab_size: int
+        self,
+        links: list[WorkerLink],
+        plan_id: str,
+        n_slots: int,
+        ctx: int,
+        n_stages: int,
+        vocab_size: int,
+        recurrent: bool = False,
     ) -> None:
         """Point the pipeline at a loaded plan over `links`, first stage's worker first."""
         self.links, self.plan_id = links, plan_id
         self.n_slots, self.ctx, self.n_stages, self.vocab_size = n_slots, ctx, n_stages, vocab_size
+        self.recurrent = recurrent
         self.broken, self.rebalance_due = None, False
         if self._vocabulary is not None:
             self._send_vocabulary()

@@ -25,7 +25,7 @@ import msgpack
 MAGIC = b"SHWR"
 # 2: DEVICES reports kernels, ASSIGN carries prefill_chunk; 3: ASSIGN stages carry -ot overrides;
 # 4: VOCAB, and FORWARD rows may carry grammar constraints
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 _FIXED = struct.Struct("<4sHHHHQIQ")
 FIXED_SIZE = _FIXED.size
 

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from ..constrain import MAX_VOCAB, RowConstraint
 from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, STAGE_WEIGHT_MODES, STORED_TYPES, WEIGHT_FORMATS
+from ..kvcache import pages_for
 from ..sampling import Sampled
 from .frames import Frame, FrameError, MessageType
 
@@ -503,6 +504,7 @@ class Forward(Message):
     plan: str
     step: int
     rows: list[tuple[int, int, int]]  # (slot, start position, new tokens)
+    pages: list[list[int]]  # per row: the KV pages of positions [0, start + new tokens), in order
     sampling: list[dict | None]  # per row; None = fill the cache only
     recent: list[list[int]]  # per row: tokens for repetition penalties
     dtype: str  # payload: "int32" token ids, or hidden states
@@ -527,6 +529,16 @@ class Forward(Message):
         widths = {r[2] for r in parsed}
         if len(widths) != 1 or 0 in widths:
             raise FrameError(f"{what}: rows must all carry the same positive number of tokens")
+        pages = _list(h, "pages", what, MAX_ROWS)
+        if len(pages) != len(parsed):
+            raise FrameError(f"{what}: pages must have one table per row")
+        for table, (_, start, n) in zip(pages, parsed):
+            if (
+                not isinstance(table, list)
+                or len(table) != pages_for(start + n)
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in table)
+            ):
+                raise FrameError(f"{what}: a row's pages must be the {pages_for(start + n)} page ids of its positions")
         sampling = _list(h, "sampling", what, MAX_ROWS)
         recent = _list(h, "recent", what, MAX_ROWS)
         if len(sampling) != len(parsed) or len(recent) != len(parsed):
@@ -559,17 +571,19 @@ class Forward(Message):
                 except ValueError as e:
                     raise FrameError(f"{what}: {e}") from None
         return cls(
-            _str(h, "plan", what, 64), _int(h, "step", what), parsed, sampling, recent, dtype, shape, constraints
+            _str(h, "plan", what, 64), _int(h, "step", what), parsed, pages, sampling, recent, dtype, shape, constraints
         )
 
     @classmethod
     def of_rows(cls, plan: str, step: int, rows) -> "Forward":
-        """The first stage's FORWARD for rows with .slot, .start, .tokens, .sampling, .recent and .constraint."""
+        """The first stage's FORWARD for rows with .slot, .start, .tokens, .pages, .sampling, .recent
+        and .constraint."""
         constraints = [r.constraint.to_dict() if r.constraint is not None else None for r in rows]
         return cls(
             plan,
             step,
             [(r.slot, r.start, len(r.tokens)) for r in rows],
+            [list(r.pages) for r in rows],
             [r.sampling.to_dict() if r.sampling is not None else None for r in rows],
             [list(r.recent) for r in rows],
             "int32",
@@ -592,6 +606,7 @@ class Forward(Message):
             "plan": self.plan,
             "step": self.step,
             "rows": [list(r) for r in self.rows],
+            "pages": self.pages,
             "sampling": self.sampling,
             "recent": self.recent,
             "dtype": self.dtype,

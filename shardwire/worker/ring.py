@@ -20,6 +20,7 @@ import torch
 from ..config import ModelConfig
 from ..constrain import Matchers
 from ..devices import TORCH_DTYPES, release_memory
+from ..kvcache import pool_pages
 from ..model import Stage
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
@@ -58,7 +59,7 @@ class Ring:
         self.runners, self.coordinator, self.next_conn = runners, coordinator, next_conn
         self.next_address = assign.next.address if assign.next is not None else None
         self.weights, self.worker_id, self.idle_timeout = weights, worker_id, idle_timeout
-        self.filled = [0] * assign.n_slots  # per slot: positions already sent through the first stage
+        self.n_pages = pool_pages(assign.n_slots, assign.ctx)
         self.matchers = Matchers()  # grammar matchers, used when this worker's last stage samples
         self.released = threading.Event()
 
@@ -93,10 +94,8 @@ class Ring:
                 raise FrameError(f"FORWARD: slot {slot} is outside the plan's {self.n_slots} slots")
             if start + n > self.ctx:
                 raise FrameError(f"FORWARD: positions up to {start + n} exceed the context of {self.ctx}")
-            if start > self.filled[slot]:
-                raise FrameError(
-                    f"FORWARD: slot {slot} holds {self.filled[slot]} positions, a step cannot start at {start}"
-                )
+        if any(page >= self.n_pages for table in msg.pages for page in table):
+            raise FrameError(f"FORWARD: a page id is outside the plan's pool of {self.n_pages} pages")
         if self.runners[-1].spec.last:
             for s in msg.sampling:
                 if s is not None:
@@ -104,8 +103,6 @@ class Ring:
                         SamplingParams.from_dict(s)
                     except (TypeError, ValueError) as e:
                         raise FrameError(f"FORWARD: bad sampling parameters: {e}") from None
-        for slot, start, n in msg.rows:
-            self.filled[slot] = start + n
         return torch.empty(msg.shape, dtype=TORCH_DTYPES[msg.dtype])
 
     def enqueue(self, conn: Connection, msg: Forward, x: torch.Tensor) -> None:
@@ -129,7 +126,7 @@ class Ring:
             try:
                 if x.dtype == torch.int32:
                     x = x.long()
-                out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows])
+                out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows], pages=msg.pages)
                 if index + 1 < len(self.runners):
                     self.runners[index + 1].queue.put((msg, out))
                 elif self.next_conn is not None:
