@@ -189,6 +189,9 @@ def test_completion_chat_and_streamed_chat_through_the_openai_client(client, mod
         seed=1234,
         stream=True,
         stream_options={"include_usage": True},
+        # computed afresh as the first was: a reused prefix (float16 keys from other chunk shapes)
+        # may round a near-tie of this random model the other way
+        extra_body={"cache_prompt": False},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
