@@ -437,15 +437,16 @@ class Engine:
             step = Step([row])
             self._send(step, [seq])
         if step is not None and self._reuse and seq.request.cache_prompt:
-            self._filling(seq, step.id, end)
+            seq.filling = (step.id, self._filling(seq, end))
 
-    def _filling(self, seq: _Sequence, step_id: int, end: int) -> None:
-        """Positions [0, end) of the sequence are computed once step `step_id` is back."""
+    def _filling(self, seq: _Sequence, end: int) -> list[bytes]:
+        """Tell the page book that the sequence's full pages up to position `end` are being
+        computed; their prefix hashes (those it did not reuse)."""
         first = seq.n_cached // PAGE
         seq.hashes = prefix_hashes(seq.tokens, end // PAGE, seq.hashes)
         hashes = seq.hashes[first : end // PAGE]
         self.pages.computing(hashes, seq.pages[first : end // PAGE])
-        seq.filling = (step_id, hashes)
+        return hashes
 
     def _decode_row(self, seq: _Sequence, at: int) -> Row:
         """The token at position `at`; it samples only if it is the last (a replay knows what follows)."""
@@ -537,8 +538,7 @@ class Engine:
             if self._reuse and seq.request.cache_prompt and not (seq.failed or seq.interrupted or seq.preempted):
                 # every position but the last token's went through the stages: its full pages
                 # are a prefix the next turn of a chat may start with
-                self._filling(seq, -1, len(seq.tokens) - 1)
-                self.pages.computed(seq.filling[1], ok=True)
+                self.pages.computed(self._filling(seq, len(seq.tokens) - 1), ok=True)
             self._release_pages(seq)
             del self._running[seq.slot]
             self.pipeline.free(seq.slot)

@@ -132,11 +132,6 @@ class KVCache:
             return slice(first, first + len(slots))
         return torch.tensor(slots, device=device)
 
-    def clear(self, slot: int) -> None:
-        """A slot's sequence ended: its recurrent state goes (its pages are the coordinator's)."""
-        if self.recurrent is not None:
-            self.recurrent.clear(slot)
-
 
 class RecurrentState:
     """What a gated delta-net block remembers of a sequence, per slot: the last kernel - 1 inputs

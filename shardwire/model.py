@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .deltanet import GatedDeltaNet
 from .devices import attention_without_cudnn
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
-from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for
+from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
 
 
@@ -345,7 +345,7 @@ class Stage(nn.Module):
         recurrent = RecurrentState(cfg, self.n_linear, n_slots, self.dtype, self.device) if self.n_linear else None
         n_attention = self.end - self.start - self.n_linear
         keys_in = self.kv_dtype or kv_dtype(self.dtype)
-        n_pages = n_slots * pages_for(ctx) if n_pages is None else n_pages
+        n_pages = pool_pages(n_slots, ctx) if n_pages is None else n_pages
         self.cache = KVCache(n_attention, cfg.n_kv_heads, cfg.head_dim, n_pages, keys_in, self.device, recurrent)
         self.ctx = ctx
 
