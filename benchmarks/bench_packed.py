@@ -45,6 +45,7 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
 
     from shardwire.devices import release_memory
     from shardwire.formats import TensorReader, open_model
+    from shardwire.kvcache import pool_pages
     from shardwire.loading import load_stage
     from shardwire.plan import PlanDevice, PlannedStage, stage_cost
 
@@ -55,7 +56,9 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
     tensors = model.stage_tensors(start, end, first, last)
     gguf_bytes = sum(t.nbytes for t in tensors.values())
     device = PlanDevice("local", "cpu", 1 << 40, "bfloat16", kernels=True)
-    planned = stage_cost(model.config, tensors, PlannedStage(device, start, end, first, last), mode, 1, ctx, chunk)
+    planned = stage_cost(
+        model.config, tensors, PlannedStage(device, start, end, first, last), mode, 1, pool_pages(1, ctx), chunk
+    )
     # warm up: a one-block stage first, so one-time costs (libraries paging in, allocator and
     # thread-pool set-up) are not counted as the stage's
     warm = load_stage(model, start, start + 1, first=False, last=False, dtype=torch.bfloat16, weights=mode)

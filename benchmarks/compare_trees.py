@@ -2,7 +2,7 @@
 the same model files and the same machine, interleaved A B B A so drift hits both alike.
 
     git worktree add /tmp/before HEAD~3
-    python benchmarks/compare_trees.py /tmp/before model.gguf [more.gguf ...] --workers 2 -p 64 -n 32
+    python benchmarks/compare_trees.py /tmp/before model.gguf [more.gguf ...] --workers 2 -p 64 -n 32 [--streams 8]
 
 Each round starts `--workers` worker processes from one tree (one thread each, pinned as run.py
 pins them), runs that tree's `shardwire bench` over them, and stops them; with
@@ -65,6 +65,8 @@ def bench(tree: Path, model: Path, args, log: Path) -> dict[str, float]:
         ]
         if workers:
             cmd += ["--rpc", ",".join(w.address for w in workers)]
+        if args.streams:
+            cmd += ["--streams", str(args.streams)]
         out = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=args.timeout)
         if out.returncode != 0:
             raise RuntimeError(f"bench in {tree} failed:\n{out.stderr[-2000:]}")
@@ -83,6 +85,7 @@ def main() -> int:
     p.add_argument("-p", "--n-prompt", type=int, default=64)
     p.add_argument("-n", "--n-gen", type=int, default=32)
     p.add_argument("-r", "--reps", type=int, default=2, help="runs of each test inside one bench")
+    p.add_argument("--streams", type=int, default=0, help="also decode -n tokens in this many concurrent sequences")
     p.add_argument("--rounds", type=int, default=2, help="A B B A rounds")
     p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args()

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from run import LISTENING, Server, free_port, machine_info, private_state_dir  # noqa: E402
+from run import LISTENING, Server, free_port, machine_info, private_state_dir, wait_healthy  # noqa: E402
 
 import models  # noqa: E402
 
@@ -96,19 +96,7 @@ def settled(pid: int, timeout: float = 60) -> dict[str, int]:
 def _complete(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
     """Wait for the server's /health, then one greedy 32-token completion of a prompt longer than
     a prefill chunk (so the workspace a chunk needs is used)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode})")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("the server did not load the model in time")
-        time.sleep(0.2)
+    wait_healthy(port, proc, timeout)
     prompt = "Once upon a time, in a small town beside a wide river, there lived a clockmaker. " * 40
     body = json.dumps({"prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
     request = urllib.request.Request(

@@ -131,6 +131,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Until a server's GET /health answers 200 (its model is loaded); an error if it exits first."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not load the model in time")
+        time.sleep(0.2)
+
+
 def vm_hwm(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:

@@ -91,6 +91,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="context size per sequence, capped at the model's (default: %(default)s)",
     )
+    p.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="the most positions the KV caches of all sequences hold together, in pages of 16 that "
+        "sequences take as they grow; a full pool makes the newest sequence wait (default: every "
+        "slot's whole --ctx-size; never less than one)",
+    )
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
 
 

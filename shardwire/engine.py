@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .constrain import Grammar, RowConstraint, vocabulary_of
-from .kvcache import PAGE, pages_for, pool_pages
+from .kvcache import PAGE, pages_for
 from .pages import PagePool, prefix_hashes
 from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams
@@ -80,6 +80,16 @@ class Stats:
         return (self.completion_tokens - 1) / elapsed if elapsed > 0 and self.completion_tokens > 1 else 0.0
 
 
+@dataclass
+class Counters:
+    """What the engine has done since it started (for /metrics; read from any thread)."""
+
+    steps: int = 0  # sent through the pipeline: prefill chunks, decode steps, replays
+    decode_steps: int = 0
+    decode_rows: int = 0  # sequences those decode steps carried
+    most_positions: int = 0  # the longest any sequence has grown
+
+
 class Handle:
     """The caller's side of one request: a stream of events, cancellable from any thread."""
 
@@ -132,9 +142,7 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512, kv_tokens: int | None = None):
-        """`kv_tokens`: the most positions the sequences' KV pages hold together (default: every
-        slot's whole context); never less than one whole context."""
+    def __init__(self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512):
         self.pipeline, self.tokenizer = pipeline, tokenizer
         self.prefill_chunk = prefill_chunk
         self._inbox: queue.Queue = queue.Queue()
@@ -143,7 +151,8 @@ class Engine:
         self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
         self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
-        self.pages = PagePool(pool_pages(pipeline.n_slots, pipeline.ctx, kv_tokens))
+        self.pages = PagePool(pipeline.kv_pages)
+        self.counters = Counters()
         # a recurrent state cannot start past position 0, so such a model reuses no prefix
         self._reuse = not getattr(pipeline, "recurrent", False)
         pipeline.on_result = lambda result: self._inbox.put((self._on_result, result))
@@ -315,6 +324,8 @@ class Engine:
             for row, s in enumerate(group):
                 s.decoded_in.append((step.id, row))
             self._decoding.add(step.id)
+            self.counters.decode_steps += 1
+            self.counters.decode_rows += len(group)
             self._send(step, group)
 
     def _recover(self) -> bool:
@@ -469,6 +480,7 @@ class Engine:
         return seq.tokens[-params.repeat_last_n :] if params.penalized and params.repeat_last_n else []
 
     def _send(self, step: Step, seqs: list[_Sequence]) -> None:
+        self.counters.steps += 1
         self._steps[step.id] = seqs
         for seq in seqs:
             seq.in_flight += 1
@@ -483,6 +495,7 @@ class Engine:
         if seq.n_generated == 0:
             stats.t_first_token = time.perf_counter()
         seq.tokens.append(token)
+        self.counters.most_positions = max(self.counters.most_positions, len(seq.tokens))
         seq.fruitless_replays = 0
         handle.tokens.append(token)
         stats.completion_tokens = seq.n_generated

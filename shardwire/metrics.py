@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = ["CONTENT_TYPE_LATEST", "Totals", "registry_for", "render"]
 
@@ -21,7 +21,7 @@ class Totals:
     submission to the first token, generation time from there to the end."""
 
     def __init__(self):
-        self.prompt_tokens = self.predicted_tokens = 0
+        self.prompt_tokens = self.cached_tokens = self.predicted_tokens = 0
         self.prompt_seconds = self.predicted_seconds = 0.0
         self._lock = threading.Lock()  # requests end on the event loop, scrapes may come from a thread
 
@@ -31,14 +31,21 @@ class Totals:
                 s = h.stats
                 if not s.t_first_token or not s.t_end:  # no token yet, or still stopping after a cancel
                     continue
-                self.prompt_tokens += s.prompt_tokens
+                self.prompt_tokens += s.prompt_tokens - s.cached_tokens  # computed; the rest came from the cache
+                self.cached_tokens += s.cached_tokens
                 self.prompt_seconds += s.t_first_token - s.t_submit
                 self.predicted_tokens += s.completion_tokens
                 self.predicted_seconds += max(0.0, s.t_end - s.t_first_token)
 
-    def snapshot(self) -> tuple[int, float, int, float]:
+    def snapshot(self) -> tuple[int, int, float, int, float]:
         with self._lock:
-            return self.prompt_tokens, self.prompt_seconds, self.predicted_tokens, self.predicted_seconds
+            return (
+                self.prompt_tokens,
+                self.cached_tokens,
+                self.prompt_seconds,
+                self.predicted_tokens,
+                self.predicted_seconds,
+            )
 
 
 class _ServerCollector:
@@ -47,8 +54,9 @@ class _ServerCollector:
 
     def collect(self):
         b = self.backend
-        prompt_n, prompt_s, predicted_n, predicted_s = b.totals.snapshot()
+        prompt_n, cached_n, prompt_s, predicted_n, predicted_s = b.totals.snapshot()
         yield _counter("llamacpp:prompt_tokens", "Number of prompt tokens processed.", prompt_n)
+        yield _counter("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from the KV cache.", cached_n)
         yield _counter("llamacpp:prompt_seconds", "Prompt process time", prompt_s)
         yield _counter("llamacpp:tokens_predicted", "Number of generation tokens processed.", predicted_n)
         yield _counter("llamacpp:tokens_predicted_seconds", "Predict process time", predicted_s)
@@ -60,16 +68,45 @@ class _ServerCollector:
             "Average generation throughput in tokens/s.",
             _ratio(predicted_n, predicted_s),
         )
-        slots = b.engine.slots() if b.engine is not None else {"total": 0, "busy": 0, "waiting": 0}
-        yield _gauge("llamacpp:requests_processing", "Number of requests processing.", slots["busy"])
-        yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", slots["waiting"])
-        yield _gauge("shardwire:slots", "Sequence slots (--parallel).", slots["total"])
+        if b.engine is not None:
+            yield from _engine_families(b.engine)
         requests = CounterMetricFamily("shardwire:requests", "API requests by outcome.", labels=["outcome"])
         for outcome, n in b.requests.items():
             requests.add_metric([outcome], n)
         yield requests
         yield _gauge("shardwire:ready", "1 when every stage is loaded and reachable.", int(b.problem() is None))
         yield from _cluster_families(b.cluster)
+
+
+def _engine_families(engine):
+    slots, done = engine.slots(), engine.counters
+    yield _counter("llamacpp:n_decode", "Number of steps sent through the stages.", done.steps)
+    # llama-server types it a counter and names it without _total, which prometheus_client's
+    # CounterMetricFamily would add
+    most = Metric("llamacpp:n_tokens_max", "Largest number of positions a sequence has reached.", "counter")
+    most.add_sample("llamacpp:n_tokens_max", {}, done.most_positions)
+    yield most
+    yield _gauge(
+        "llamacpp:n_busy_slots_per_decode",
+        "Average number of sequences per decode step.",
+        _ratio(done.decode_rows, done.decode_steps),
+    )
+    for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_drafts"):
+        yield _counter(f"llamacpp:{name}", "Speculative decoding (shardwire does not draft).", 0)
+    yield _gauge("llamacpp:requests_processing", "Number of requests processing.", slots["busy"])
+    yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", slots["waiting"])
+    yield _gauge("shardwire:slots", "Sequence slots (--parallel).", slots["total"])
+    kv = slots["kv"]
+    yield _gauge("shardwire:kv_page_tokens", "Positions per KV page.", kv["page_tokens"])
+    pages = GaugeMetricFamily(
+        "shardwire:kv_pages",
+        "Pages of every stage's KV pool: in use by a sequence, cached (a known prefix nobody uses), free.",
+        labels=["state"],
+    )
+    pages.add_metric(["in_use"], kv["in_use"])
+    pages.add_metric(["cached"], kv["idle"])
+    pages.add_metric(["free"], kv["free"])
+    yield pages
 
 
 def _cluster_families(cluster):

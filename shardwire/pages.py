@@ -133,6 +133,8 @@ class PagePool:
             "pages": self.n_pages,
             "page_tokens": PAGE,
             "in_use": self.in_use(),
+            "free": len(self._free),
+            "idle": len(self._idle),  # hold a cached prefix nobody uses; taken last
             "cached": self.cached,
             "hit_tokens": self.hits,
             "miss_tokens": self.misses,

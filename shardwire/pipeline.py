@@ -18,6 +18,7 @@ import torch
 
 from .constrain import Matchers, RowConstraint, Vocabulary
 from .devices import free_memory
+from .kvcache import pool_pages
 from .model import Stage
 from .sampling import Sampled, SamplingParams, sample
 
@@ -66,6 +67,7 @@ class Pipeline(Protocol):
 
     n_slots: int
     ctx: int
+    kv_pages: int  # pages in each stage's KV pool (kvcache.pool_pages)
     vocab_size: int
     n_stages: int
     recurrent: bool  # some block keeps a recurrent state: a sequence cannot start past position 0
@@ -130,12 +132,13 @@ def sample_rows(logits: torch.Tensor, rows: list[Row], matchers: Matchers | None
 class LocalPipeline:
     """Stages that all live in this process, run one after another."""
 
-    def __init__(self, stages: list[Stage], n_slots: int, ctx: int):
+    def __init__(self, stages: list[Stage], n_slots: int, ctx: int, kv_pages: int | None = None):
         self.stages, self.n_slots, self.ctx = stages, n_slots, ctx
+        self.kv_pages = pool_pages(n_slots, ctx) if kv_pages is None else kv_pages
         self.vocab_size = stages[0].cfg.vocab_size
         self.recurrent = any(stage.n_linear for stage in stages)
         for stage in stages:
-            stage.allocate_cache(n_slots, ctx)
+            stage.allocate_cache(n_slots, ctx, self.kv_pages)
         self.matchers = Matchers()
         self.on_result: Callable[[StepResult], None] = lambda result: None
         self.on_wake: Callable[[], None] = lambda: None

@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .deltanet import CHUNK
 from .devices import parse_dtype
 from .formats import ModelFile
-from .kvcache import pool_pages, stage_cache_nbytes
+from .kvcache import PAGE, pool_pages, stage_cache_nbytes
 from .quant.packed import CHUNK_ELEMENTS
 from .quant.policy import EMBEDDING, WeightModeError, modes_for, weight_formats, weight_nbytes
 
@@ -113,7 +113,11 @@ class Plan:
     n_slots: int
     ctx: int
     prefill_chunk: int = 512  # the most tokens per row of a step, which each stage's workspace is sized for
+    kv_pages: int = 0  # pages in each stage's KV pool (0: every slot's whole context)
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.kv_pages = self.kv_pages or pool_pages(self.n_slots, self.ctx)
 
     def shortfalls(self) -> list[tuple[PlannedStage, PlanDevice, int]]:
         """(stage, device, bytes short) for each stage whose device, or a device holding its -ot
@@ -167,7 +171,7 @@ class Plan:
         total = sum(s.weight_bytes + sum(s.elsewhere.values()) for s in self.stages)
         lines.append(
             f"{len(self.stages)} stage(s), {self.n_slots} sequence slot(s) x {self.ctx} tokens, "
-            f"weights {gib(total)} in all"
+            f"KV pages for {self.kv_pages * PAGE} positions in all, weights {gib(total)} in all"
         )
         return "\n".join(lines + self.notes)
 
@@ -272,7 +276,7 @@ def _formats_on(device: PlanDevice, tensors: dict, first: bool, last: bool, tied
 
 
 def stage_cost(
-    cfg: ModelConfig, tensors: dict, stage: PlannedStage, weights: str, n_slots: int, ctx: int, chunk: int
+    cfg: ModelConfig, tensors: dict, stage: PlannedStage, weights: str, n_slots: int, kv_pages: int, chunk: int
 ) -> StageCost:
     """What `stage` needs on its device with its `tensors` (anything with .dtype and .shape, by
     name) held as `weights` says (fast | dequant | packed | compact). The planner and a worker
@@ -299,23 +303,23 @@ def stage_cost(
     return StageCost(
         weight_bytes,
         # keys and values, the delta-net state
-        stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, pool_pages(n_slots, ctx), dtype),
+        stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, kv_pages, dtype),
         workspace_bytes(cfg, chunk, stage.last, dtype, stage.device.type, packed=packed),
         by_type,
         elsewhere,
     )
 
 
-def cost_stage(model: ModelFile, stage: PlannedStage, n_slots: int, ctx: int, chunk: int, weights: str) -> None:
+def cost_stage(model: ModelFile, stage: PlannedStage, n_slots: int, kv_pages: int, chunk: int, weights: str) -> None:
     """Fill in what a planned stage needs with its weights held as `weights` says."""
     tensors = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
-    cost = stage_cost(model.config, tensors, stage, weights, n_slots, ctx, chunk)
+    cost = stage_cost(model.config, tensors, stage, weights, n_slots, kv_pages, chunk)
     stage.weights, stage.formats, stage.elsewhere = weights, cost.formats, cost.elsewhere
     stage.weight_bytes, stage.kv_bytes, stage.workspace_bytes = cost.weight_bytes, cost.kv_bytes, cost.workspace_bytes
 
 
 def _choose_weights(
-    model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, ctx: int, chunk: int
+    model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, kv_pages: int, chunk: int
 ) -> None:
     """Cost every stage; with auto, each device gets the fastest mode that fits it."""
     by_device: dict[PlanDevice, list[PlannedStage]] = {}
@@ -328,7 +332,7 @@ def _choose_weights(
             raise PlanError(str(e)) from None
         for mode in modes:
             for stage in group:
-                cost_stage(model, stage, n_slots, ctx, chunk, mode)
+                cost_stage(model, stage, n_slots, kv_pages, chunk, mode)
             if sum(s.total_bytes for s in group) <= device.free:
                 break
 
@@ -362,12 +366,15 @@ def make_plan(
     prefill_chunk: int = 512,
     weights: str = "dequant",
     overrides: list[tuple[str, str]] = (),
+    kv_tokens: int | None = None,
 ) -> Plan:
     """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
     blocks that are not offloaded. `weights` (auto | fast | dequant | packed | compact) says how
     quantized weights live on the devices; auto picks, per device, the fastest that fits.
     `overrides` (-ot): (pattern, device name) pairs; the block matrices a pattern matches live on
-    that device of their stage's worker, which holds only such matrices and no blocks of its own."""
+    that device of their stage's worker, which holds only such matrices and no blocks of its own.
+    `kv_tokens`: the most positions the KV pages of all sequences hold together (default: every
+    slot's whole context)."""
     n = model.config.n_layers
     block_bytes = model.block_nbytes()
     every = devices + ([cpu] if cpu is not None else [])
@@ -402,8 +409,9 @@ def make_plan(
         stage.overrides = _targets(stage, overrides, every)
         stages.append(stage)
         start += count
-    _choose_weights(model, stages, weights, n_slots, ctx, prefill_chunk)
-    plan = Plan(stages, n_slots, ctx, prefill_chunk)
+    kv_pages = pool_pages(n_slots, ctx, kv_tokens)
+    _choose_weights(model, stages, weights, n_slots, kv_pages, prefill_chunk)
+    plan = Plan(stages, n_slots, ctx, prefill_chunk, kv_pages)
     cfg = model.config
     if cfg.n_experts:
         experts = sum(t.nbytes for name, t in model.tensors.items() if "_exps." in name)

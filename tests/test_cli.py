@@ -72,6 +72,9 @@ def test_plan_prints_the_split_and_refuses_an_impossible_one(tmp_path):
         ok = run("plan", str(path), "--rpc", a.address, "--cache-dir", str(tmp_path / "c"))
         assert ok.returncode == 0, ok.stderr
         assert a.address in ok.stdout and "0-3+embd+head" in ok.stdout and "yes" in ok.stdout
+        wide = ("-np", "16", "-c", "256", "--rpc", a.address, "--cache-dir", str(tmp_path / "c"))
+        every, budget = run("plan", str(path), *wide), run("plan", str(path), *wide, "--kv-budget", "500")
+        assert "KV pages for 4096 positions" in every.stdout and "KV pages for 512 positions" in budget.stdout
         bad = run(
             "plan", str(path), "--rpc", f"{a.address},{b.address}", "-ts", "1,3", "--cache-dir", str(tmp_path / "c")
         )

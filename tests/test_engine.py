@@ -14,6 +14,7 @@ import time
 import pytest
 
 from shardwire.engine import Engine, Request
+from shardwire.kvcache import pool_pages
 from shardwire.pipeline import PipelineError, Step, StepResult
 from shardwire.sampling import GREEDY, Sampled, SamplingParams
 
@@ -56,7 +57,7 @@ class FakePipeline:
 
     def __init__(self, n_slots=2, ctx=64, vocab_size=1000, n_stages=1, hold=False, rule=plus_one):
         self.n_slots, self.ctx, self.vocab_size, self.n_stages = n_slots, ctx, vocab_size, n_stages
-        self.recurrent = False
+        self.recurrent, self.kv_pages = False, pool_pages(n_slots, ctx)
         self.hold, self.rule = hold, rule
         self.on_result = None
         self.on_wake = None

@@ -309,7 +309,7 @@ def test_oversized_and_out_of_plan_requests_are_rejected_without_allocating(tmp_
         conn, _ = connect("127.0.0.1", worker.port, token=TOKEN)
         spec = TensorSpec("blk.9.attn_q.weight", "F32", [256, 256], 262144, "a" * 64, "x.gguf", 1, 0)
         stage = StageSpec(0, "cpu", 8, 10, False, False, "float32", "dequant", {}, [spec], [])
-        conn.send(Assign("evil", "another", open_model(path).config.to_dict(), True, 1, 64, 512, [stage], None))
+        conn.send(Assign("evil", "another", open_model(path).config.to_dict(), True, 1, 64, 512, 4, [stage], None))
         with pytest.raises(Exception, match="rejects the plan"):
             conn.recv()
         conn.close()

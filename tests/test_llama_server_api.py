@@ -26,6 +26,7 @@ from shardwire.backend import Backend, ServerSettings
 from shardwire.chat_templates import BUILTIN
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
+from shardwire.kvcache import PAGE
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams
@@ -400,8 +401,8 @@ def test_slots_can_be_turned_off(engine):
 def test_metrics_in_prometheus_format(engine):
     app = AppThread(engine, ServerSettings(metrics=True))
     try:
-        call(app.url, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0})
-        call(app.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+        call(app.url, "/completion", {"prompt": PROMPT * 5, "n_predict": 4, "temperature": 0})
+        call(app.url, "/v1/completions", {"prompt": PROMPT * 5, "max_tokens": 3, "temperature": 0})
         deadline = time.monotonic() + 5
         while True:  # the engine frees a slot just after it hands out the last token
             code, text, headers = call(app.url, "/metrics", raw=True)
@@ -413,8 +414,19 @@ def test_metrics_in_prometheus_format(engine):
         app.stop()
     assert code == 200 and headers["Content-Type"].startswith("text/plain")
     assert abs(int(headers["Process-Start-Time-Unix"]) - time.time()) < 24 * 3600
-    prompt_n = len(engine.tokenizer.encode(PROMPT))
-    assert samples["llamacpp:prompt_tokens_total"] == 2 * prompt_n
+    prompt_n = len(engine.tokenizer.encode(PROMPT * 5))
+    assert prompt_n > PAGE and samples["llamacpp:prompt_tokens_cached_total"] == PAGE  # the second reused a page
+    assert samples["llamacpp:prompt_tokens_total"] == 2 * prompt_n - PAGE
+    # the engine's counters, since it started (other tests use it too)
+    assert samples["llamacpp:n_decode_total"] >= 2 + 5 and 1 <= samples["llamacpp:n_busy_slots_per_decode"] <= SLOTS
+    assert samples["llamacpp:n_tokens_max"] >= prompt_n + 4
+    kv = {
+        s.labels["state"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "shardwire:kv_pages"
+    }
+    assert kv["in_use"] == 0 and kv["cached"] >= 1 and sum(kv.values()) == engine.pipeline.kv_pages
     assert samples["llamacpp:tokens_predicted_total"] == 7
     assert samples["llamacpp:prompt_seconds_total"] > 0 and samples["llamacpp:tokens_predicted_seconds_total"] > 0
     assert samples["llamacpp:predicted_tokens_seconds"] > 0

@@ -55,14 +55,15 @@ def test_stage_cost_counts_weights_kv_and_workspace():
     model = open_model(model_path("llama", "F32"))
     cfg = model.config
     tensors = model.stage_tensors(0, 2, True, False)
-    cost = stage_cost(cfg, tensors, cpu_stage(0, 2, True, False), "dequant", n_slots=3, ctx=64, chunk=16)
+    cost = stage_cost(cfg, tensors, cpu_stage(0, 2, True, False), "dequant", n_slots=3, kv_pages=12, chunk=16)
     assert cost.weight_bytes == sum(t.nbytes for t in tensors.values())  # F32 held as it is stored
     # float32 compute keeps keys and values in float16, as llama.cpp does
-    # every slot's whole context: the most the paged pool may grow to
-    assert cost.kv_bytes == KVCache.nbytes_for(2, cfg.n_kv_heads, 3 * 64 // 16, cfg.head_dim, torch.float16)
+    assert cost.kv_bytes == KVCache.nbytes_for(2, cfg.n_kv_heads, 12, cfg.head_dim, torch.float16)
     assert cost.workspace_bytes > 0 and cost.formats == {"F32": "dense"}
     assert cost.total_bytes == cost.weight_bytes + cost.kv_bytes + cost.workspace_bytes
-    half = stage_cost(cfg, tensors, cpu_stage(0, 2, True, False, "bfloat16"), "dequant", n_slots=3, ctx=64, chunk=16)
+    half = stage_cost(
+        cfg, tensors, cpu_stage(0, 2, True, False, "bfloat16"), "dequant", n_slots=3, kv_pages=12, chunk=16
+    )
     assert half.weight_bytes * 2 == cost.weight_bytes and half.kv_bytes == cost.kv_bytes
 
 
@@ -72,7 +73,7 @@ def test_stage_cost_follows_the_weight_mode_and_the_kernels():
 
     def cost(weights, kernels=True):
         stage = cpu_stage(0, 4, True, True, kernels=kernels)
-        return stage_cost(model.config, tensors, stage, weights, n_slots=1, ctx=64, chunk=16)
+        return stage_cost(model.config, tensors, stage, weights, n_slots=1, kv_pages=4, chunk=16)
 
     dense, packed, compact = cost("dequant"), cost("packed"), cost("compact")
     assert packed.formats["Q4_K"].startswith("int4") and dense.formats["Q4_K"] == "dense"

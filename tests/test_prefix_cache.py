@@ -21,9 +21,9 @@ from test_distributed import worker_pool  # noqa: F401 -- a fixture
 LONG = (PROMPT * 8)[:40]  # two full pages and a part
 
 
-def local(name="llama", n_slots=2, ctx=128):
+def local(name="llama", n_slots=2, ctx=128, kv_pages=None):
     model = open_model(model_path(name, "F32"))
-    return LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=n_slots, ctx=ctx)
+    return LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=n_slots, ctx=ctx, kv_pages=kv_pages)
 
 
 def run(engine, *prompts, cache=True, max_tokens=8, together=False):
@@ -121,8 +121,7 @@ def test_a_full_pool_restarts_the_newest_sequence_and_every_output_stays_the_sam
         expected, _ = run(alone, *prompts, max_tokens=40)
     finally:
         alone.close()
-    pipeline = local(ctx=64)
-    engine = Engine(pipeline, kv_tokens=64)  # pages for one whole context: two sequences of 50 do not fit
+    engine = Engine(local(ctx=64, kv_pages=4))  # one whole context: two sequences of 50 do not fit
     try:
         got, _ = run(engine, *prompts, max_tokens=40, together=True)
     finally:
@@ -162,3 +161,22 @@ def test_two_workers_share_pages_of_a_prefix_as_the_coordinator_hands_them_out(w
     assert warm == cold and cached == [32]
     assert both_cached == [48, 48] and all(len(t) == 8 for t in both)
     assert threading.active_count() < 50
+
+
+def test_a_kv_budget_bounds_the_workers_pools_and_a_full_pool_loses_no_token(worker_pool, tmp_path):  # noqa: F811
+    model = open_model(model_path("llama", "F32"))
+    cluster = Cluster([w.address for w in worker_pool(2)], cache_dir=tmp_path, show_progress=False)
+    prompts = [PROMPT[:10], PROMPT[3:13]]
+    try:
+        cluster.connect(model)
+        plan = cluster.make_plan(ctx=64, n_slots=2, dtype="float32", kv_tokens=64)
+        assert plan.kv_pages == 4 and "KV pages for 64 positions" in plan.table()
+        engine = Engine(cluster.load(plan))
+        try:
+            alone, _ = run(engine, *prompts, max_tokens=40)
+            together, _ = run(engine, *prompts, max_tokens=40, together=True)  # 2 x 50 positions in 64
+        finally:
+            engine.close()
+    finally:
+        cluster.close()
+    assert together == alone

@@ -29,7 +29,7 @@ class LargeActivations:
 def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
     to_next, next_side = socket.socketpair()
     to_coordinator, coordinator_side = socket.socketpair()
-    assign = SimpleNamespace(plan="p", coordinator="c", n_slots=1, ctx=8, next=NextHop("127.0.0.1", 1))
+    assign = SimpleNamespace(plan="p", coordinator="c", n_slots=1, ctx=8, kv_pages=1, next=NextHop("127.0.0.1", 1))
     spec = SimpleNamespace(index=0, first=True, last=False)
     ring = Ring(
         assign,

@@ -409,7 +409,7 @@ def wait_for_stages(server, client, model, n, timeout=30):
 class _GonePipeline:
     """A pipeline whose worker has gone: every step fails."""
 
-    n_slots, ctx, n_stages, vocab_size, broken = 2, 64, 1, 151936, None
+    n_slots, ctx, kv_pages, n_stages, vocab_size, broken = 2, 64, 8, 1, 151936, None
 
     def __init__(self):
         self.on_result = self.on_wake = lambda *args: None

@@ -214,6 +214,7 @@ def test_assign_stages_must_be_consecutive():
         "n_slots": 1,
         "ctx": 64,
         "prefill_chunk": 512,
+        "kv_pages": 4,
         "stages": [stage, later],
         "next": None,
     }
@@ -252,6 +253,7 @@ EXAMPLES = [
         True,
         4,
         256,
+        64,
         64,
         [
             StageSpec(0, "cpu", 0, 1, True, False, "float32", "fast", {"Q4_K": "ggml"}, [SPEC], []),

@@ -163,6 +163,7 @@ class Cluster:
         prefill_chunk: int = 512,
         weights: str = "dequant",
         overrides: list[tuple[str, str]] = (),
+        kv_tokens: int | None = None,
     ) -> Plan:
         self._plan_options = dict(
             overrides=list(overrides),
@@ -173,6 +174,7 @@ class Cluster:
             dtype=dtype,
             prefill_chunk=prefill_chunk,
             weights=weights,
+            kv_tokens=kv_tokens,
         )
         return self._plan_on(self.links)
 
@@ -195,6 +197,7 @@ class Cluster:
             prefill_chunk=o["prefill_chunk"],
             weights=o["weights"],
             overrides=o["overrides"],
+            kv_tokens=o["kv_tokens"],
         )
 
     # -- loading -------------------------------------------------------------------------
@@ -220,6 +223,7 @@ class Cluster:
                     plan.n_slots,
                     plan.ctx,
                     plan.prefill_chunk,
+                    plan.kv_pages,
                     stage_specs(model, stages, hashes),
                     next_hop(groups[i + 1][0] if i + 1 < len(groups) else None),
                 )
@@ -236,6 +240,7 @@ class Cluster:
             self.plan_id,
             plan.n_slots,
             plan.ctx,
+            plan.kv_pages,
             len(plan.stages),
             model.config.vocab_size,
             recurrent=bool(model.config.linear_blocks),

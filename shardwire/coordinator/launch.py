@@ -98,7 +98,14 @@ def parse_split(text: str | None) -> list[float] | None:
 
 
 def local_pipeline(
-    model: ModelFile, device: str, dtype: str, weights: str, n_slots: int, ctx: int, prefill_chunk: int = 512
+    model: ModelFile,
+    device: str,
+    dtype: str,
+    weights: str,
+    n_slots: int,
+    ctx: int,
+    prefill_chunk: int = 512,
+    kv_tokens: int | None = None,
 ) -> LocalPipeline:
     """Every block in this process on one device, its weights held as the plan resolves `weights`
     for that device (auto: the first mode that fits its free memory), as a worker's would be."""
@@ -106,7 +113,9 @@ def local_pipeline(
     if device.startswith("cpu") and not ggml_cpu.available():
         log.warning("%s", NO_GGML)
     planned = PlanDevice("local", device, free_memory(device), dtype, kernels, fastest)
-    plan = make_plan(model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights)
+    plan = make_plan(
+        model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights, kv_tokens=kv_tokens
+    )
     stage = plan.stages[0]
     return LocalPipeline(
         [
@@ -121,7 +130,8 @@ def local_pipeline(
             )
         ],
         n_slots=n_slots,
-        ctx=ctx,
+        ctx=plan.ctx,
+        kv_pages=plan.kv_pages,
     )
 
 
@@ -165,7 +175,7 @@ def build_pipeline(
     if not workers and (ngl is None or ngl >= model.config.n_layers) and not overrides:
         device = check_device(args.device or default_devices()[0])
         dtype = args.dtype or stored_precision_dtype(default_dtype(device), device, model.matrix_type)
-        return local_pipeline(model, device, dtype, args.weights, n_slots, ctx), None
+        return local_pipeline(model, device, dtype, args.weights, n_slots, ctx, kv_tokens=args.kv_budget), None
     accelerators = [d for d in default_devices() if d != "cpu"]
     # one process with -ot: its device takes the blocks, the -ot devices what the patterns name
     local = _local_devices(args, accelerators or ([] if workers or not overrides else ["cpu"]), overrides)
@@ -182,6 +192,7 @@ def build_pipeline(
             dtype=args.dtype,
             weights=args.weights,
             overrides=overrides,
+            kv_tokens=args.kv_budget,
         )
         if not quiet:
             print(plan.table(), file=sys.stderr)
@@ -209,6 +220,7 @@ def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
             dtype=args.dtype,
             weights=args.weights,
             overrides=overrides,
+            kv_tokens=args.kv_budget,
         )
     finally:
         cluster.close()

@@ -43,6 +43,7 @@ class RemotePipeline:
         plan_id: str,
         n_slots: int,
         ctx: int,
+        kv_pages: int,
         n_stages: int,
         vocab_size: int,
         recurrent: bool = False,
@@ -50,6 +51,7 @@ class RemotePipeline:
         """Point the pipeline at a loaded plan over `links`, first stage's worker first."""
         self.links, self.plan_id = links, plan_id
         self.n_slots, self.ctx, self.n_stages, self.vocab_size = n_slots, ctx, n_stages, vocab_size
+        self.kv_pages = kv_pages
         self.recurrent = recurrent
         self.broken, self.rebalance_due = None, False
         if self._vocabulary is not None:

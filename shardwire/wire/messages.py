@@ -409,6 +409,7 @@ class Assign(Message):
     n_slots: int
     ctx: int
     prefill_chunk: int  # the most tokens per row of a step: the stages' workspace follows it
+    kv_pages: int  # pages in each stage's KV pool: page ids in FORWARD stay below it
     stages: list[StageSpec]
     next: NextHop | None  # None after the last stage
 
@@ -430,6 +431,7 @@ class Assign(Message):
             _int(h, "n_slots", what, 1, 4096),
             _int(h, "ctx", what, 1, 1 << 24),
             _int(h, "prefill_chunk", what, 1, 1 << 20),
+            _int(h, "kv_pages", what, 1, 1 << 24),
             stages,
             None if nxt is None else NextHop.parse(nxt),
         )

@@ -20,7 +20,6 @@ import torch
 from ..config import ModelConfig
 from ..constrain import Matchers
 from ..devices import TORCH_DTYPES, release_memory
-from ..kvcache import pool_pages
 from ..model import Stage
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
@@ -59,7 +58,7 @@ class Ring:
         self.runners, self.coordinator, self.next_conn = runners, coordinator, next_conn
         self.next_address = assign.next.address if assign.next is not None else None
         self.weights, self.worker_id, self.idle_timeout = weights, worker_id, idle_timeout
-        self.n_pages = pool_pages(assign.n_slots, assign.ctx)
+        self.n_pages = assign.kv_pages
         self.matchers = Matchers()  # grammar matchers, used when this worker's last stage samples
         self.released = threading.Event()
 
