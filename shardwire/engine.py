@@ -287,7 +287,8 @@ class Engine:
         i = 0
         while i < len(self._waiting) and self._free_slots:
             handle = self._waiting[i]
-            detok = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+            tokenizer = self.tokenizer
+            detok = tokenizer.stream_decoder(after=handle.request.prompt) if tokenizer is not None else None
             stop_ids = frozenset() if handle.request.ignore_eos or self.tokenizer is None else self.tokenizer.stop_ids
             seq = _Sequence(handle, self._free_slots[0], detok, stop_ids)
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):

@@ -790,7 +790,7 @@ class CharTokenizer:
         def flush(self):
             return ""
 
-    def stream_decoder(self):
+    def stream_decoder(self, after=None):
         return self._Decoder()
 
 

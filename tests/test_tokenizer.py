@@ -9,6 +9,7 @@ from conftest import shared_path
 
 from shardwire.formats.gguf import read_gguf
 from shardwire.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from shardwire.tokenizer.hf import HFTokenizer
 
 VOCABS = ["llama-spm", "llama-bpe", "qwen2", "phi-3", "gpt-2"]
 MULTIBYTE = [
@@ -293,3 +294,21 @@ def test_gguf_metadata_with_huggingface_json():
     assert chars.index("abc") in ids and tok.decode(ids) == "abc cab, ab!"
     assert tok.stop_ids == {1} and tok.vocab_size == len(chars)
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+
+
+def test_a_continuation_keeps_the_space_before_its_first_word():
+    spm = vocab("llama-spm")
+    prompt, reply = spm.encode("The capital of France is"), spm.encode("Paris, of course", add_special=False)
+    stream = spm.stream_decoder(after=prompt)
+    assert "".join([stream.feed(i) for i in reply] + [stream.flush()]) == " Paris, of course"
+    assert spm.decode(reply) == "Paris, of course"  # a text of its own starts without it
+
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers
+
+    raw = Raw(models.WordLevel({"<s>": 0, "▁The": 1, "▁capital": 2, "▁Paris": 3, "[UNK]": 4}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    hf = HFTokenizer(raw, bos_id=0, eos_id=None, add_bos=True, add_eos=False, chat_template=None)
+    stream = hf.stream_decoder(after=[0, 1, 2])
+    assert stream.feed(3) + stream.flush() == " Paris" and hf.decode([3]) == "Paris"

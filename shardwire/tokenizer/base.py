@@ -81,7 +81,10 @@ class Tokenizer:
         """The piece as it would print (control tokens included)."""
         raise NotImplementedError
 
-    def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
+    def stream_decoder(self, skip_special: bool = True, after: list[int] | None = None) -> StreamDecoder:
+        """A decoder for ids that continue `after` (a prompt; default: none, the ids start the
+        text): what they add to it, so a continuation's first piece keeps the space SentencePiece
+        puts before a word, as llama-server prints generated tokens."""
         raise NotImplementedError
 
     def _encode(self, text: str, parse_special: bool) -> list[int]:

@@ -109,18 +109,18 @@ class HFTokenizer(Tokenizer):
     def token_text(self, id: int) -> str:
         return self._hf.decode(self.check_ids([id]), skip_special_tokens=False)
 
-    def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
-        return _WindowStreamDecoder(self, skip_special)
+    def stream_decoder(self, skip_special: bool = True, after: list[int] | None = None) -> StreamDecoder:
+        return _WindowStreamDecoder(self, skip_special, after or [])
 
 
 class _WindowStreamDecoder(StreamDecoder):
     """Decodes a short window of recent ids and emits what the newest id added, once it no longer ends
     in an incomplete character (the approach of text-generation-inference)."""
 
-    def __init__(self, tokenizer: HFTokenizer, skip_special: bool):
+    def __init__(self, tokenizer: HFTokenizer, skip_special: bool, after: list[int]):
         super().__init__(tokenizer, skip_special)
-        self._ids: list[int] = []
-        self._prefix = self._read = 0
+        self._ids: list[int] = list(after[-4:])  # what a first piece's text depends on
+        self._prefix, self._read = 0, len(self._ids)
 
     def _delta(self) -> tuple[str, str]:
         decode = self._tok.decode

@@ -314,16 +314,16 @@ class LlamaCppTokenizer(Tokenizer):
     def token_text(self, id: int) -> str:
         return self.piece(self.check_ids([id])[0]).decode("utf-8", "replace")
 
-    def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
-        return _ByteStreamDecoder(self, skip_special)
+    def stream_decoder(self, skip_special: bool = True, after: list[int] | None = None) -> StreamDecoder:
+        return _ByteStreamDecoder(self, skip_special, continues=bool(after))
 
 
 class _ByteStreamDecoder(StreamDecoder):
-    def __init__(self, tokenizer: LlamaCppTokenizer, skip_special: bool):
+    def __init__(self, tokenizer: LlamaCppTokenizer, skip_special: bool, continues: bool):
         super().__init__(tokenizer, skip_special)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._first = True
-        self._strip_space = tokenizer.add_space_prefix
+        self._first = not continues
+        self._strip_space = tokenizer.add_space_prefix and not continues
 
     def _text(self, id: int) -> str:
         tok = self._tok
