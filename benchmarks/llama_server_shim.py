@@ -57,7 +57,7 @@ DROPPED_WITH_VALUE = MODEL_FLAGS | set(
     --sleep-idle-seconds --cache-ram --tools --tools-runtime --mcp-servers-config --mcp-servers-json
     --models-dir --models-max --models-preset""".split()
 )
-# Without a value: dropped (--kv-unified only shapes -c).
+# Without a value: dropped (--kv-unified only shapes -c and --kv-budget).
 SWITCHES = set(
     """--offline --cont-batching -cb --no-cont-batching --embedding --embeddings --reranking --rerank
     --kv-unified --swa-full --no-ui --no-models-autoload --no-jinja --verbose -v --context-shift
@@ -128,9 +128,11 @@ def serve_command(argv: list[str], stand_in: Callable[[], Path]) -> list[str]:
     cmd += ["-np", str(parallel)]
     ctx = int(own.get("c") or own.get("ctx-size") or 0)
     if ctx > 0:
-        # llama-server's -c is shared by its slots (each may use all of it with --kv-unified);
-        # shardwire's is per sequence.
-        cmd += ["-c", str(ctx if own.get("kv-unified") else max(1, ctx // parallel))]
+        # llama-server's -c is shared by its slots (with --kv-unified each may use all of it, the
+        # pool holding -c positions in all); shardwire's is per sequence, --kv-budget the pool's
+        cmd += (
+            ["-c", str(ctx), "--kv-budget", str(ctx)] if own.get("kv-unified") else ["-c", str(max(1, ctx // parallel))]
+        )
     aliases = [a.strip() for a in str(own.get("a") or own.get("alias") or "").split(",") if a.strip()]
     if aliases:
         cmd += ["-a", sorted(aliases)[0]]  # llama-server's id: the first alias in sorted order

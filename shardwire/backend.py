@@ -28,7 +28,7 @@ class ServerSettings:
     """What `shardwire serve`'s flags set for every request, and what /props reports."""
 
     sampling: dict = field(default_factory=dict)  # request fields set by flags (--temp, --seed...)
-    n_predict: int | None = None  # -n: the default and the cap of max_tokens / n_predict
+    n_predict: int | None = None  # -n: max_tokens / n_predict of requests that give none
     model_path: str = ""
     metrics: bool = False  # GET /metrics answers only with --metrics, as llama-server's
 
@@ -38,9 +38,10 @@ class ServerSettings:
         given = {k: v for k, v in body.items() if v is not None}
         return {**(own or {}), **self.sampling, **given}
 
-    def cap(self, job: Job) -> Job:
-        if self.n_predict is not None:
-            job.max_tokens = self.n_predict if job.max_tokens is None else min(job.max_tokens, self.n_predict)
+    def default_length(self, job: Job) -> Job:
+        """-n for a request without its own length (a request's own wins, as in llama-server)."""
+        if self.n_predict is not None and job.max_tokens is None:
+            job.max_tokens = self.n_predict
         return job
 
 

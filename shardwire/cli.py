@@ -42,8 +42,8 @@ def _add_server_defaults_args(p: argparse.ArgumentParser) -> None:
         "--predict",
         type=int,
         default=-1,
-        help="most tokens per completion, for requests without max_tokens/n_predict and as a cap on "
-        "those with it (default: %(default)s = up to the end of the context)",
+        help="tokens per completion for requests without max_tokens/n_predict; a request's own wins, as "
+        "in llama-server (default: %(default)s = up to the end of the context)",
     )
     g.add_argument(
         "--chat-template",

@@ -137,7 +137,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     check_model(body)
     engine = backend.ready_engine()
     merged = backend.settings.with_defaults(body, LLAMA_DEFAULTS)
-    job = backend.settings.cap(await parse_off_loop(parse_native_completion, merged, backend.tokenizer))
+    job = backend.settings.default_length(await parse_off_loop(parse_native_completion, merged, backend.tokenizer))
     answer = _Answer(backend, job, merged)
     run = Run(engine, job, backend.ctx)
     try:

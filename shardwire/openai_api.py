@@ -538,7 +538,7 @@ def chunk_choice(
     tool_calls=(),
 ) -> dict:
     if job.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text or entries else {})
+        delta = {"role": "assistant", "content": None} if role else ({"content": text} if text or entries else {})
         if tool_calls:
             delta = {**delta, "tool_calls": [call.to_dict(i) for i, call in tool_calls]}
         return {

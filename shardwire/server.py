@@ -71,7 +71,7 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
     check_model(body)
     engine = backend.ready_engine()
     settings = backend.settings
-    job = settings.cap(await parse_off_loop(parse, settings.with_defaults(body), backend.tokenizer))
+    job = settings.default_length(await parse_off_loop(parse, settings.with_defaults(body), backend.tokenizer))
     run = Run(engine, job, backend.ctx)
     try:
         if job.stream:

@@ -438,18 +438,19 @@ def test_metrics_in_prometheus_format(engine):
 # -- server settings, keys, CORS ----------------------------------------------------------------
 
 
-def test_server_defaults_and_n_predict_cap(engine):
+def test_server_defaults_and_n_predict_default(engine):
     settings = ServerSettings(sampling={"temperature": 0.0, "seed": 7}, n_predict=3)
     app = AppThread(engine, settings)
     try:
         native = call(app.url, "/completion", {"prompt": PROMPT})[1]
         assert native["tokens_predicted"] == 3 and native["generation_settings"]["seed"] == 7
         assert native["generation_settings"]["temperature"] == 0
-        assert call(app.url, "/completion", {"prompt": PROMPT, "n_predict": 50})[1]["tokens_predicted"] == 3
+        own = {"prompt": PROMPT, "n_predict": 5, "ignore_eos": True}
+        assert call(app.url, "/completion", own)[1]["tokens_predicted"] == 5  # a request's own length wins
         openai_style = call(app.url, "/v1/completions", {"prompt": PROMPT})[1]
         assert openai_style["usage"]["completion_tokens"] == 3
         chat = call(app.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9})
-        assert chat[1]["usage"]["completion_tokens"] <= 3
+        assert chat[1]["usage"]["completion_tokens"] <= 9
         ids = engine.tokenizer.encode(PROMPT, add_special=True, parse_special=True)
         assert openai_style["choices"][0]["text"] == greedy(engine, ids, 3)[0]  # --temp 0 applies to /v1 too
         props = call(app.url, "/props")[1]["default_generation_settings"]["params"]

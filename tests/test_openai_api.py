@@ -760,7 +760,7 @@ def test_stream_chunks(tok):
         "model": "m",
         "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+            {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None, "logprobs": None}
         ],
     }
     assert "usage" not in first  # only with stream_options.include_usage
