@@ -12,16 +12,11 @@ MODEL = (
 )
 
 BY_TEST = [  # the first match wins
-    (r"::test_chat_completion_stream\[|::test_chat_completion_with_timings_per_token|::test_logprobs_stream",
-     "first chat chunk: delta.content is \"\" (OpenAI's), llama-server sends null"),
-    (r"::test_logprobs$", "the first generated token loses SentencePiece's leading space (text != its pieces)"),
     (r"::test_server_multiple_addresses", "missing feature: several listen addresses (--host a,b)"),
     (r"::test_no_ui|::test_access_static_assets_without_api_key", "missing feature: the web UI"),
     (r"::test_server_model_aliases_and_tags", "missing feature: several aliases and --tags for one model"),
-    (r"::test_completion_unified",
-     "-n caps a request's n_predict (as older llama-server); this one lets the request's own win"),
-    (r"::test_completion_prompt_cache|::test_chat_completion_cached_tokens|::test_metrics_prompt_processed_and_cached",
-     "missing feature: prompt cache across requests (cache_n, cached_tokens)"),
+    (r"::test_metrics_prompt_processed_and_cached",
+     "prefix reuse is by whole pages of 16 tokens (as vLLM's blocks); this prompt is shorter than one"),
     (r"::test_return_progress|::test_metrics_timings_on_prompt_progress",
      "missing feature: return_progress (prompt_progress events)"),
     (r"::test_chat_template$|::test_chat_template_assistant_prefill|::test_chat_template_continue_final|"

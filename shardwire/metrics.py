@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["CONTENT_TYPE_LATEST", "Totals", "registry_for", "render"]
 
@@ -81,11 +81,7 @@ class _ServerCollector:
 def _engine_families(engine):
     slots, done = engine.slots(), engine.counters
     yield _counter("llamacpp:n_decode", "Number of steps sent through the stages.", done.steps)
-    # llama-server types it a counter and names it without _total, which prometheus_client's
-    # CounterMetricFamily would add
-    most = Metric("llamacpp:n_tokens_max", "Largest number of positions a sequence has reached.", "counter")
-    most.add_sample("llamacpp:n_tokens_max", {}, done.most_positions)
-    yield most
+    yield _counter("llamacpp:n_tokens_max", "Largest number of positions a sequence has reached.", done.most_positions)
     yield _gauge(
         "llamacpp:n_busy_slots_per_decode",
         "Average number of sequences per decode step.",
@@ -164,4 +160,6 @@ def registry_for(backend) -> CollectorRegistry:
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
+    # llama-server's n_tokens_max is a counter without the _total that prometheus_client gives
+    # every counter
+    return generate_latest(registry).replace(b"llamacpp:n_tokens_max_total", b"llamacpp:n_tokens_max")

@@ -419,7 +419,9 @@ def test_metrics_in_prometheus_format(engine):
     assert samples["llamacpp:prompt_tokens_total"] == 2 * prompt_n - PAGE
     # the engine's counters, since it started (other tests use it too)
     assert samples["llamacpp:n_decode_total"] >= 2 + 5 and 1 <= samples["llamacpp:n_busy_slots_per_decode"] <= SLOTS
-    assert samples["llamacpp:n_tokens_max"] >= prompt_n + 4
+    # typed and named as llama-server's: a counter without _total
+    most = re.search(r"^llamacpp:n_tokens_max ([0-9.]+)$", text, re.M)
+    assert "# TYPE llamacpp:n_tokens_max counter" in text and float(most.group(1)) >= prompt_n + 4
     kv = {
         s.labels["state"]: s.value
         for f in text_string_to_metric_families(text)

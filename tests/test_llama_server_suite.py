@@ -27,6 +27,10 @@ KNOWN_TO_PASS = [
     "unit/test_security.py::test_incorrect_api_key",
     "unit/test_security.py::test_correct_api_key",
     "unit/test_metrics.py::test_metrics_generation_rate_excludes_first_token",
+    "unit/test_metrics.py::test_metrics_prometheus_format",
+    "unit/test_chat_completion.py::test_logprobs",
+    "unit/test_chat_completion.py::test_logprobs_stream",
+    "unit/test_completion.py::test_completion_unified",
 ]
 
 
@@ -39,4 +43,4 @@ def test_known_passing_llama_server_tests_pass():
     assert results, output[-3000:]
     failed = [r for r in results if r.outcome != "passed"]
     assert not failed, suite.summary(results) + "\n" + output[-3000:]
-    assert len(results) >= 14  # every file and id above ran (test_tokenize has 3, the parametrized ones 2 each)
+    assert len(results) >= 21  # every file and id above ran (test_tokenize has 3, the parametrized ones 2 or 4 each)
