@@ -43,7 +43,14 @@ SAME_MEANING = {
     "-t": "--threads",
     "--threads": "--threads",
 }
-SAME_SWITCH = {"--metrics": "--metrics", "--jinja": "--jinja", "--slots": "--slots", "--no-slots": "--no-slots"}
+SAME_SWITCH = {
+    "--metrics": "--metrics",
+    "--jinja": "--jinja",
+    "--slots": "--slots",
+    "--no-slots": "--no-slots",
+    "--verbose": "--verbose",
+    "-v": "--verbose",
+}
 # Read by the shim itself (they shape the flags above), with a value.
 OWN = set("--host -c --ctx-size -np --parallel -a --alias -m --model --cors-origins".split())
 # Models to download: the stand-in is served instead.
@@ -60,7 +67,7 @@ DROPPED_WITH_VALUE = MODEL_FLAGS | set(
 # Without a value: dropped (--kv-unified only shapes -c and --kv-budget).
 SWITCHES = set(
     """--offline --cont-batching -cb --no-cont-batching --embedding --embeddings --reranking --rerank
-    --kv-unified --swa-full --no-ui --no-models-autoload --no-jinja --verbose -v --context-shift
+    --kv-unified --swa-full --no-ui --no-models-autoload --no-jinja --context-shift
     --no-context-shift --no-mmproj --no-cache-idle-slots --ui-mcp-proxy --backend_sampling --no-webui""".split()
 )
 

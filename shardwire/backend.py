@@ -31,12 +31,13 @@ class ServerSettings:
     n_predict: int | None = None  # -n: max_tokens / n_predict of requests that give none
     model_path: str = ""
     metrics: bool = False  # GET /metrics answers only with --metrics, as llama-server's
+    verbose: bool = False  # --verbose: answers carry __verbose unless a request says "verbose": false
 
     def with_defaults(self, body: dict, own: dict | None = None) -> dict:
         """The request's fields over the flags' over the endpoint's own defaults; a field sent as
         null counts as not sent."""
         given = {k: v for k, v in body.items() if v is not None}
-        return {**(own or {}), **self.sampling, **given}
+        return {**(own or {}), **self.sampling, **({"verbose": True} if self.verbose else {}), **given}
 
     def default_length(self, job: Job) -> Job:
         """-n for a request without its own length (a request's own wins, as in llama-server)."""

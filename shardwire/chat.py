@@ -48,8 +48,12 @@ def render_chat(
     **extra,
 ) -> str:
     """The prompt text for `messages` (dicts with "role" and "content"). `template` None means the
-    ChatML fallback. Extra keywords reach the template as variables (e.g. enable_thinking=False)."""
+    ChatML fallback. Extra keywords reach the template as variables (e.g. enable_thinking=False).
+    Today's date is there too, under the names llama.cpp gives it (Llama 3.x and FireFunction
+    templates print it)."""
     compiled = _compile(template if template is not None else CHATML_TEMPLATE)
+    now = datetime.now()
+    extra = {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y"), **extra}
     try:
         return compiled.render(
             messages=_normalize(messages),

@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at GET /metrics")
     p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="answers carry llama-server's __verbose (the prompt as text, ...) unless a request sends "
+        '"verbose": false',
+    )
+    p.add_argument(
         "--slots",
         action=argparse.BooleanOptionalAction,
         default=True,

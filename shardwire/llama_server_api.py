@@ -21,7 +21,8 @@ from . import __version__
 from .backend import BACKEND, Backend, Run, check_model, failure, json_body, open_stream, parse_off_loop, skip_ids
 from .chat import CHATML_TEMPLATE
 from .metrics import CONTENT_TYPE_LATEST, render
-from .openai_api import APIError, Choice, Job, bad_request, chat_messages, text_job, unavailable
+from .openai_api import APIError, Choice, Job, bad_request, chat_messages, chat_text, text_job, unavailable
+from .tools import ToolError, parse_tools
 
 METRICS = web.AppKey("metrics", object)
 SLOTS = web.AppKey("slots", bool)  # GET /slots answers (--no-slots: 501, as llama-server's)
@@ -358,15 +359,12 @@ async def detokenize(request: web.Request) -> web.Response:
 async def apply_template(request: web.Request) -> web.Response:
     """{"messages", "add_generation_prompt"} -> {"prompt"}: the text /v1/chat/completions would continue."""
     body = await json_body(request)
-    messages = chat_messages(body.get("messages"))
-    add_generation_prompt = body.get("add_generation_prompt", True)
-    if not isinstance(add_generation_prompt, bool):
-        raise bad_request("'add_generation_prompt' must be true or false", "add_generation_prompt")
+    messages, tokenizer = chat_messages(body.get("messages")), request.app[BACKEND].tokenizer
     try:
-        prompt = request.app[BACKEND].tokenizer.apply_chat_template(messages, add_generation_prompt)
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
-    return web.json_response({"prompt": prompt})
+        tools = parse_tools(body, tokenizer)
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from None
+    return web.json_response({"prompt": chat_text(tokenizer, messages, body, tools.tools if tools else None)})
 
 
 # -- server state ------------------------------------------------------------------------------

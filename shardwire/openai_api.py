@@ -221,6 +221,7 @@ class Job:
     grammar: Grammar | None = None  # what every choice's output must follow
     tools: ToolSpec | None = None  # chat: the functions the model may call; its calls are parsed out
     cache_prompt: bool = True  # llama-server's field: reuse the cached KV pages of a prompt's prefix
+    verbose: bool = False  # llama-server's field: the answer carries __verbose (the prompt as text...)
     id: str = ""
     created: int = 0
 
@@ -302,6 +303,7 @@ def _common(
         _grammar(body, tokenizer, tools),
         tools,
         _bool(body, "cache_prompt", True),
+        _bool(body, "verbose"),
     )
 
 
@@ -354,7 +356,7 @@ def _message(m, i: int) -> dict:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{param}: only text content parts are supported", f"{param}.content")
             parts.append(part["text"])
-        content = "".join(parts)
+        content = "\n\n".join(parts)  # as llama-server flattens them
     elif content is not None and not isinstance(content, str):
         raise bad_request(f"{param}.content must be a string or a list of text parts", f"{param}.content")
     try:
@@ -372,6 +374,39 @@ def chat_messages(messages) -> list[dict]:
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
+def chat_text(tokenizer, messages: list[dict], body: dict, tools=None) -> str:
+    """The chat prompt's text, as llama-server renders it. A last assistant message is a prefill
+    the reply continues (vLLM's and transformers' `continue_final_message`): the prompt ends
+    where its content does, with no generation prompt after it."""
+    add = body.get("add_generation_prompt", True)
+    go_on = body.get("continue_final_message", False)
+    for name, value in (("add_generation_prompt", add), ("continue_final_message", go_on)):
+        if not isinstance(value, bool):
+            raise bad_request(f"'{name}' must be true or false", name)
+    prefill = messages[-1]["role"] == "assistant"
+    if prefill and not go_on:
+        if len(messages) > 1 and messages[-2]["role"] == "assistant":
+            raise bad_request("two assistant messages cannot end the conversation", "messages")
+        go_on, add = True, False
+    if go_on and add:
+        raise bad_request("'add_generation_prompt' and 'continue_final_message' cannot both be true", "messages")
+    if go_on and (not prefill or messages[-1].get("tool_calls")):
+        raise bad_request("'continue_final_message' needs a last assistant message without tool calls", "messages")
+    final = messages[-1]["content"].strip() if go_on else ""
+    if go_on and not final:  # nothing to continue: the reply starts where a new one would
+        messages, add, go_on = messages[:-1], True, False
+    try:
+        text = tokenizer.apply_chat_template(messages, add, **({"tools": tools} if tools else {}))
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    if go_on:
+        end = text.rfind(final)
+        if end < 0:
+            raise bad_request("the chat template does not write the final message as it is", "messages")
+        text = text[: end + len(final)]
+    return text
+
+
 def parse_chat(body: dict, tokenizer) -> Job:
     """POST /v1/chat/completions: the model's own chat template, then its special tokens read as
     tokens (the template already wrote BOS where the model wants one)."""
@@ -383,11 +418,8 @@ def parse_chat(body: dict, tokenizer) -> Job:
         tools = parse_tools(body, tokenizer)
     except ToolError as e:
         raise bad_request(str(e), e.param) from None
-    try:
-        # the tools reach the template (Qwen's and Llama 3.x's describe them to the model)
-        text = tokenizer.apply_chat_template(messages, **({"tools": tools.tools} if tools else {}))
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
+    # the tools reach the template (Qwen's and Llama 3.x's describe them to the model)
+    text = chat_text(tokenizer, messages, body, tools.tools if tools else None)
     prompt = tokenizer.encode(text, add_special=False, parse_special=True)
     if not prompt:
         raise bad_request("the rendered chat prompt is empty", "messages")

@@ -69,6 +69,7 @@ def settings(args: argparse.Namespace) -> ServerSettings:
         n_predict=None if args.n_predict < 0 else args.n_predict,
         model_path=str(args.model),
         metrics=args.metrics,
+        verbose=args.verbose,
     )
 
 

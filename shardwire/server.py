@@ -93,7 +93,22 @@ async def _whole(backend: Backend, run: Run) -> web.Response:
     use = run.usage()
     run.log_done(use)
     run.outcome = "served"
-    return web.json_response({**response(job, backend.model_id, choices, use), **_timings(run)})
+    answer = {**response(job, backend.model_id, choices, use), **_timings(run)}
+    if job.verbose:
+        answer["__verbose"] = _verbose(backend, job, choices[0], use)
+    return web.json_response(answer)
+
+
+def _verbose(backend: Backend, job, choice: Choice, use: dict) -> dict:
+    """llama-server's __verbose: what its native API would answer, the prompt as text first."""
+    return {
+        "prompt": backend.tokenizer.decode(job.prompts[0], skip_special=False),
+        "content": choice.text,
+        "tokens_evaluated": len(job.prompts[0]),
+        "tokens_predicted": use["completion_tokens"],
+        "stop_type": "limit" if choice.finish_reason == "length" else "eos",
+        "model": backend.model_id,
+    }
 
 
 def _timings(run: Run) -> dict:

@@ -4,6 +4,7 @@ import pytest
 from conftest import shared_path
 
 from shardwire.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
+from shardwire.chat_templates import BUILTIN
 from shardwire.formats.gguf import read_gguf
 from shardwire.tokenizer import Tokenizer
 
@@ -130,3 +131,39 @@ def test_broken_templates():
     with pytest.raises(ChatTemplateError):  # the sandbox refuses Python internals
         render_chat("{{ messages.__class__.__mro__ }}", [])
     assert issubclass(ChatTemplateError, ValueError)
+
+
+def test_templates_see_todays_date_as_llama_cpp_names_it():
+    from datetime import date
+
+    text = render_chat("{{ date_string }} | {{ 'Today is ' + datetime }}", [{"role": "user", "content": "Hi"}])
+    today = date.today()
+    assert text == f"{today.strftime('%d %b %Y')} | Today is {today.strftime('%b %d %Y')}"
+
+
+class _Llama3:
+    def apply_chat_template(self, messages, add_generation_prompt=True, **extra):
+        return render_chat(BUILTIN["llama3"], messages, add_generation_prompt=add_generation_prompt, **extra)
+
+
+def test_a_last_assistant_message_is_a_prefill_the_reply_continues():
+    from shardwire.openai_api import APIError, chat_text
+
+    asked = [{"role": "user", "content": "What is the best book"}]
+    head = "<|start_header_id|>user<|end_header_id|>\n\nWhat is the best book<|eot_id|>"
+    head += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    prefill = asked + [{"role": "assistant", "content": "Whill"}]
+    assert chat_text(_Llama3(), asked, {}).endswith(head)
+    assert chat_text(_Llama3(), prefill, {}).endswith(head + "Whill")
+    explicit = {"continue_final_message": True, "add_generation_prompt": False}
+    assert chat_text(_Llama3(), prefill, explicit) == chat_text(_Llama3(), prefill, {})
+    assert chat_text(_Llama3(), asked + [{"role": "assistant", "content": ""}], {}).endswith(head)
+    for messages, body in [
+        (prefill, {"continue_final_message": True}),  # and a generation prompt (the default)
+        (asked, {"continue_final_message": True, "add_generation_prompt": False}),  # nothing to continue
+        (prefill + [{"role": "assistant", "content": "x"}], {}),  # two assistant turns at the end
+        (asked, {"add_generation_prompt": "yes"}),
+    ]:
+        with pytest.raises(APIError) as e:
+            chat_text(_Llama3(), messages, body)
+        assert e.value.status == 400

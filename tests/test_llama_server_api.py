@@ -553,3 +553,36 @@ def test_serve_refuses_an_unknown_chat_template(model):
     proc = serve(model, "--chat-template", "no-such-template")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "no built-in template named 'no-such-template'" in out and "llama3" in out
+
+
+def test_verbose_answers_carry_the_prompt_as_text(engine):
+    chat = {"messages": [{"role": "user", "content": "What is the best book"}], "max_tokens": 2}
+    for settings, asked, shown in [
+        (ServerSettings(), {}, False),
+        (ServerSettings(), {"verbose": True}, True),
+        (ServerSettings(verbose=True), {}, True),  # serve --verbose
+        (ServerSettings(verbose=True), {"verbose": False}, False),
+    ]:
+        app = AppThread(engine, settings)
+        try:
+            code, body, _ = call(app.url, "/v1/chat/completions", {**chat, **asked})
+        finally:
+            app.stop()
+        assert code == 200 and ("__verbose" in body) == shown
+        if shown:
+            assert "What is the best book" in body["__verbose"]["prompt"]
+            assert (
+                body["__verbose"]["tokens_predicted"] == 2
+                and body["__verbose"]["content"] == body["choices"][0]["message"]["content"]
+            )
+
+
+def test_apply_template_continues_a_last_assistant_message(server):
+    asked = [{"role": "user", "content": "Hi"}]
+    code, fresh, _ = call(server.url, "/apply-template", {"messages": asked})
+    code2, prefill, _ = call(
+        server.url, "/apply-template", {"messages": asked + [{"role": "assistant", "content": "Sure,"}]}
+    )
+    assert code == code2 == 200 and prefill["prompt"] == fresh["prompt"] + "Sure,"
+    both = {"messages": asked, "continue_final_message": True}
+    assert call(server.url, "/apply-template", both)[0] == 400

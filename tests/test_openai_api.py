@@ -416,7 +416,7 @@ def test_chat_message_forms(tok):
     (messages,) = tok.templated
     assert messages == [
         {"role": "system", "content": "rules"},  # templates know system, not developer
-        {"role": "user", "content": "ab"},
+        {"role": "user", "content": "a\n\nb"},  # parts joined as llama-server joins them
         {"role": "assistant", "content": "", "name": "bot"},
         {"role": "user", "content": ""},
     ]
