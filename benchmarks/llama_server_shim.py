@@ -25,6 +25,10 @@ MODEL_NAME = "llama-server-suite-llama-spm-v1.gguf"
 # llama-server flag -> shardwire serve flag, both taking one value.
 SAME_MEANING = {
     "--port": "--port",
+    "--reasoning": "--reasoning",
+    "-rea": "--reasoning",
+    "--chat-template-kwargs": "--chat-template-kwargs",
+    "--reasoning-format": "--reasoning-format",
     "-n": "-n",
     "--n-predict": "-n",
     "--predict": "-n",
@@ -60,7 +64,7 @@ DROPPED_WITH_VALUE = MODEL_FLAGS | set(
     """-md --model-draft -b --batch-size -ub --ubatch-size
     -ngl --n-gpu-layers --gpu-layers --pooling --tags -ctk --cache-type-k -ctv --cache-type-v -fa --flash-attn
     --slot-save-path --grp-attn-n --grp-attn-w --lora --spec-type --spec-draft-n-max --spec-draft-n-min
-    --spec-synth-len --spec-synth-rates --reasoning-format --reasoning --mmproj-url --media-path
+    --spec-synth-len --spec-synth-rates --mmproj-url --media-path
     --sleep-idle-seconds --cache-ram --tools --tools-runtime --mcp-servers-config --mcp-servers-json
     --models-dir --models-max --models-preset""".split()
 )

@@ -32,12 +32,20 @@ class ServerSettings:
     model_path: str = ""
     metrics: bool = False  # GET /metrics answers only with --metrics, as llama-server's
     verbose: bool = False  # --verbose: answers carry __verbose unless a request says "verbose": false
+    chat_template_kwargs: dict = field(default_factory=dict)  # --chat-template-kwargs, --reasoning
+    reasoning_format: str = "auto"  # --reasoning-format: none leaves the reasoning in content
 
     def with_defaults(self, body: dict, own: dict | None = None) -> dict:
         """The request's fields over the flags' over the endpoint's own defaults; a field sent as
         null counts as not sent."""
         given = {k: v for k, v in body.items() if v is not None}
-        return {**(own or {}), **self.sampling, **({"verbose": True} if self.verbose else {}), **given}
+        flags = {"verbose": True} if self.verbose else {}
+        flags |= {"reasoning_format": self.reasoning_format} if self.reasoning_format != "auto" else {}
+        merged = {**(own or {}), **self.sampling, **flags, **given}
+        asked = given.get("chat_template_kwargs", {})
+        if self.chat_template_kwargs and isinstance(asked, dict):  # the request's add to the flags'
+            merged["chat_template_kwargs"] = {**self.chat_template_kwargs, **asked}
+        return merged
 
     def default_length(self, job: Job) -> Job:
         """-n for a request without its own length (a request's own wins, as in llama-server)."""

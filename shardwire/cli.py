@@ -46,6 +46,28 @@ def _add_server_defaults_args(p: argparse.ArgumentParser) -> None:
         "in llama-server (default: %(default)s = up to the end of the context)",
     )
     g.add_argument(
+        "--reasoning",
+        choices=["on", "off", "auto"],
+        default="auto",
+        help="thinking models (a chat template with <think>): off renders the template with "
+        "enable_thinking false and closes a block it opens; on with true; auto: the template's own "
+        "default. The reasoning comes back apart, as reasoning_content (default: %(default)s)",
+    )
+    g.add_argument(
+        "--reasoning-format",
+        choices=["auto", "deepseek", "none"],
+        default="auto",
+        help="none: the reasoning stays in content, as the model wrote it; auto, deepseek: apart, as "
+        "reasoning_content (a request's reasoning_format wins) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="variables for the chat template, e.g. '{\"enable_thinking\": false}'; a request's own "
+        "chat_template_kwargs add to them",
+    )
+    g.add_argument(
         "--chat-template",
         default=None,
         help="chat template instead of the model's: a built-in name (chatml, llama3, gemma, phi3, zephyr) "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from . import __version__
 from .constrain import ConstraintError, Grammar, vocabulary_of
 from .engine import Event, Request
+from .reasoning import ReasoningSplit, close_thinking, opens_thinking, tags_of
 from .sampling import MAX_LOGIT_BIAS, SamplingParams
 from .tools import ToolError, ToolSpec, ToolStream, history_message, parse_tools
 
@@ -222,6 +223,8 @@ class Job:
     tools: ToolSpec | None = None  # chat: the functions the model may call; its calls are parsed out
     cache_prompt: bool = True  # llama-server's field: reuse the cached KV pages of a prompt's prefix
     verbose: bool = False  # llama-server's field: the answer carries __verbose (the prompt as text...)
+    reasoning: tuple[str, str] | None = None  # chat: the tags the reasoning comes between, read apart
+    thinking: bool = False  # the prompt leaves the reply inside a reasoning block
     id: str = ""
     created: int = 0
 
@@ -374,6 +377,9 @@ def chat_messages(messages) -> list[dict]:
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
+_TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
+
+
 def chat_text(tokenizer, messages: list[dict], body: dict, tools=None) -> str:
     """The chat prompt's text, as llama-server renders it. A last assistant message is a prefill
     the reply continues (vLLM's and transformers' `continue_final_message`): the prompt ends
@@ -383,7 +389,7 @@ def chat_text(tokenizer, messages: list[dict], body: dict, tools=None) -> str:
     for name, value in (("add_generation_prompt", add), ("continue_final_message", go_on)):
         if not isinstance(value, bool):
             raise bad_request(f"'{name}' must be true or false", name)
-    prefill = messages[-1]["role"] == "assistant"
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")  # calls: a whole turn
     if prefill and not go_on:
         if len(messages) > 1 and messages[-2]["role"] == "assistant":
             raise bad_request("two assistant messages cannot end the conversation", "messages")
@@ -392,11 +398,18 @@ def chat_text(tokenizer, messages: list[dict], body: dict, tools=None) -> str:
         raise bad_request("'add_generation_prompt' and 'continue_final_message' cannot both be true", "messages")
     if go_on and (not prefill or messages[-1].get("tool_calls")):
         raise bad_request("'continue_final_message' needs a last assistant message without tool calls", "messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or kwargs.keys() & _TEMPLATE_OWN:
+        raise bad_request(
+            f"'chat_template_kwargs' must be an object without {', '.join(sorted(_TEMPLATE_OWN))}",
+            "chat_template_kwargs",
+        )
     final = messages[-1]["content"].strip() if go_on else ""
     if go_on and not final:  # nothing to continue: the reply starts where a new one would
         messages, add, go_on = messages[:-1], True, False
     try:
-        text = tokenizer.apply_chat_template(messages, add, **({"tools": tools} if tools else {}))
+        extra = {**kwargs, **({"tools": tools} if tools else {})}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, **extra)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     if go_on:
@@ -404,6 +417,9 @@ def chat_text(tokenizer, messages: list[dict], body: dict, tools=None) -> str:
         if end < 0:
             raise bad_request("the chat template does not write the final message as it is", "messages")
         text = text[: end + len(final)]
+    tags = tags_of(getattr(tokenizer, "chat_template", None))
+    if tags is not None and kwargs.get("enable_thinking") is False and not go_on:
+        text = close_thinking(text, tags)
     return text
 
 
@@ -420,6 +436,7 @@ def parse_chat(body: dict, tokenizer) -> Job:
         raise bad_request(str(e), e.param) from None
     # the tools reach the template (Qwen's and Llama 3.x's describe them to the model)
     text = chat_text(tokenizer, messages, body, tools.tools if tools else None)
+    tags = tags_of(getattr(tokenizer, "chat_template", None)) if body.get("reasoning_format") != "none" else None
     prompt = tokenizer.encode(text, add_special=False, parse_special=True)
     if not prompt:
         raise bad_request("the rendered chat prompt is empty", "messages")
@@ -431,7 +448,9 @@ def parse_chat(body: dict, tokenizer) -> Job:
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", None, 0, integer=True)
     logprobs = (top or 0) if wants_logprobs else None
-    return _common(body, "chat", [prompt], logprobs, max_tokens, tokenizer=tokenizer, tools=tools)
+    job = _common(body, "chat", [prompt], logprobs, max_tokens, tokenizer=tokenizer, tools=tools)
+    job.reasoning, job.thinking = tags, tags is not None and opens_thinking(text, tags)
+    return job
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -440,23 +459,35 @@ def parse_chat(body: dict, tokenizer) -> Job:
 class Choice:
     """What one choice has produced so far."""
 
-    def __init__(self, index: int, tokenizer, skip_ids: frozenset[int]):
+    def __init__(self, index: int, tokenizer, skip_ids: frozenset[int], job: "Job | None" = None):
         self.index, self.tokenizer, self.skip_ids = index, tokenizer, skip_ids
-        self.text = ""
+        tags = job.reasoning if job is not None else None
+        self.split = ReasoningSplit(tags, job.thinking) if tags is not None else None
+        self.text = ""  # the answer (without the reasoning, where it is read apart)
+        self.reasoning = ""
+        self.new_reasoning = ""  # what the last add() added to it
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
 
     def add(self, event: Event) -> tuple[str, list]:
-        """Record an event; returns the text and logprob entries it adds."""
+        """Record an event; returns the answer's text and the logprob entries it adds."""
         entries = []
         if event.token is not None and event.logprob is not None and event.token not in self.skip_ids:
             entries.append((event.token, event.logprob, event.top_logprobs))
-        self.text += event.text
+        text = event.text
+        if self.split is not None:
+            reasoning, text = self.split.feed(text)
+            if event.finish_reason is not None:
+                more, rest = self.split.flush()
+                reasoning, text = reasoning + more, text + rest
+            self.reasoning += reasoning
+            self.new_reasoning = reasoning
+        self.text += text
         self.logprobs += entries
         if event.finish_reason is not None:
             self.finish_reason, self.error = event.finish_reason, event.error
-        return event.text, entries
+        return text, entries
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.token_text(token)
@@ -507,6 +538,8 @@ def response(job: Job, model: str, choices: list[Choice], use: dict) -> dict:
     for c in choices:
         if job.kind == "chat":
             message = {"role": "assistant", "content": c.text, "refusal": None}
+            if c.reasoning.strip():
+                message["reasoning_content"] = c.reasoning.strip()
             finish_reason = c.finish_reason
             if job.tools is not None:
                 content, calls = job.tools.read_calls(c.text)
@@ -568,9 +601,12 @@ def chunk_choice(
     role: bool = False,
     finish_reason: str | None = None,
     tool_calls=(),
+    reasoning: str = "",
 ) -> dict:
     if job.kind == "chat":
         delta = {"role": "assistant", "content": None} if role else ({"content": text} if text or entries else {})
+        if reasoning:
+            delta = {**delta, "reasoning_content": reasoning}
         if tool_calls:
             delta = {**delta, "tool_calls": [call.to_dict(i) for i, call in tool_calls]}
         return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 import threading
@@ -70,7 +71,22 @@ def settings(args: argparse.Namespace) -> ServerSettings:
         model_path=str(args.model),
         metrics=args.metrics,
         verbose=args.verbose,
+        chat_template_kwargs=template_kwargs(args),
+        reasoning_format=args.reasoning_format,
     )
+
+
+def template_kwargs(args: argparse.Namespace) -> dict:
+    """--chat-template-kwargs, with --reasoning on/off as enable_thinking."""
+    try:
+        kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-kwargs must be a JSON object")
+    if args.reasoning != "auto":
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    return kwargs
 
 
 def _origins(text: str) -> tuple[str, ...]:

@@ -83,7 +83,7 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
 
 async def _whole(backend: Backend, run: Run) -> web.Response:
     job = run.job
-    choices = [Choice(i, backend.tokenizer, skip_ids(backend.tokenizer, job)) for i in range(len(run.handles))]
+    choices = [Choice(i, backend.tokenizer, skip_ids(backend.tokenizer, job), job) for i in range(len(run.handles))]
     while run.open:
         index, event = await run.next()
         choices[index].add(event)
@@ -120,7 +120,7 @@ async def _stream(request: web.Request, backend: Backend, run: Run) -> web.Strea
     job, model = run.job, backend.model_id
     resp, send, pending = await open_stream(request, run)
 
-    choices = [Choice(i, backend.tokenizer, skip_ids(backend.tokenizer, job)) for i in range(len(run.handles))]
+    choices = [Choice(i, backend.tokenizer, skip_ids(backend.tokenizer, job), job) for i in range(len(run.handles))]
     holds = [tool_stream(job) for _ in choices]  # with tools: text that may be a call waits for its end
     try:
         for c in choices:
@@ -140,8 +140,9 @@ async def _stream(request: web.Request, backend: Backend, run: Run) -> web.Strea
             hold = holds[index]
             if hold is not None:
                 text = hold.feed(text)
-            if text or entries:
-                await send(chunk(job, model, [chunk_choice(job, c, text=text, entries=entries, offset=offset)]))
+            if text or entries or c.new_reasoning:
+                piece = chunk_choice(job, c, text=text, entries=entries, offset=offset, reasoning=c.new_reasoning)
+                await send(chunk(job, model, [piece]))
             if event.finish_reason is not None:
                 finish_reason = event.finish_reason
                 if hold is not None:

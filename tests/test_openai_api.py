@@ -59,7 +59,7 @@ class FakeTokenizer:
     def token_text(self, id: int) -> str:
         return {BOS: "<s>", 2: "</s>"}.get(id, chr(id))
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         self.templated.append(messages)
         if any(m["role"] == "tool" for m in messages):
             raise ValueError("this template has no tool role")
@@ -496,7 +496,7 @@ def test_chat_rendering_to_nothing_is_a_bad_request(tok):
 
 
 class FakeTokenizerRenderingNothing(FakeTokenizer):
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **extra):
         return ""
 
 

@@ -1,0 +1,79 @@
+"""Thinking models write their reasoning between tags before the answer (<think>...</think> in
+Qwen3, QwQ and DeepSeek-R1). llama-server returns it apart, as message.reasoning_content (and
+delta.reasoning_content when streamed); so does shardwire, for models whose chat template uses
+the tags. A template may open the block itself (DeepSeek-R1's ends the prompt with <think>), so
+the reply can start inside it."""
+
+from __future__ import annotations
+
+TAGS = (("<think>", "</think>"),)
+
+
+def tags_of(template: str | None) -> tuple[str, str] | None:
+    """The reasoning tags a chat template writes, if any."""
+    return next((tags for tags in TAGS if template and tags[0] in template), None)
+
+
+def close_thinking(prompt: str, tags: tuple[str, str]) -> str:
+    """With thinking off: a prompt the template left inside an open block gets it closed, so the
+    reply is the answer (what llama-server does with --reasoning off)."""
+    return prompt + tags[1] if prompt.rstrip().endswith(tags[0]) else prompt
+
+
+def opens_thinking(prompt: str, tags: tuple[str, str]) -> bool:
+    return prompt.rstrip().endswith(tags[0])
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may be the start of `tag`."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
+
+
+class ReasoningSplit:
+    """Streamed text into (reasoning, answer) pieces; a piece that may be part of a tag is held
+    until the next one says."""
+
+    def __init__(self, tags: tuple[str, str], inside: bool):
+        self.open, self.close = tags
+        self.state = "reasoning" if inside else "start"
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        buf, self.held = self.held + text, ""
+        reasoning = answer = ""
+        while buf or self.state == "start":
+            if self.state == "start":  # the reply may open a block (after blank space)
+                lead = buf.lstrip()
+                if lead.startswith(self.open):
+                    buf, self.state = lead[len(self.open) :], "reasoning"
+                    continue
+                if self.open.startswith(lead):  # blank, or the tag's start: wait for more
+                    self.held = buf
+                    return reasoning, answer
+                self.state = "answer"
+            elif self.state == "reasoning":
+                end = buf.find(self.close)
+                if end >= 0:
+                    reasoning += buf[:end]
+                    buf, self.state = buf[end + len(self.close) :], "after"
+                    continue
+                keep = _held(buf, self.close)
+                reasoning += buf[: len(buf) - keep]
+                self.held = buf[len(buf) - keep :]
+                return reasoning, answer
+            elif self.state == "after":  # blank space between the reasoning and the answer
+                buf = buf.lstrip()
+                if buf:
+                    self.state = "answer"
+            else:
+                answer += buf
+                buf = ""
+        return reasoning, answer
+
+    def flush(self) -> tuple[str, str]:
+        """The end of the reply: what is held is what it looked like (an unclosed block stays
+        reasoning)."""
+        held, self.held = self.held, ""
+        if self.state == "reasoning":
+            return held, ""
+        return "", held if self.state in ("start", "answer") and held.strip() else ""
