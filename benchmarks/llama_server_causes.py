@@ -34,12 +34,14 @@ BY_TEST = [  # the first match wins
     (r"::test_metrics_prometheus_format",
      "metrics: llama-server's newer series (prompt_tokens_cached_total, n_decode_total, n_tokens_max, ...)"),
     (r"::test_metrics_embedding", "missing feature: embeddings"),
-    (r"test_template\.py::test_reasoning", "missing feature: --reasoning on/off/auto (thinking in chat templates)"),
+    (r"test_template\.py::test_reasoning",
+     "reasoning: Command R7B's thinking tags (<|START_THINKING|>) are not among those shardwire knows"),
     (r"test_template\.py::test_date_inside_prompt",
-     "chat templates: no strftime_now / today's date (the firefunction template fails to render)"),
+     "chat templates: FireFunction's needs a 'functions' variable (llama.cpp's Jinja reads an undefined one as '')"),
     (r"test_basic\.py::test_load_split_model|::test_completion\[|::test_completion_stream\[", MODEL),
     (r"::test_completion(_stream)?_with_openai_library$|::test_chat_completion_with_openai_library$", MODEL),
     (r"::test_chat_completion\[|::test_nocache_long_input_prompt|test_ctx_shift\.py::test_ctx_shift_disabled", MODEL),
+    (r"::test_chat_completion_stream\[|::test_completion_prompt_cache|::test_chat_completion_cached_tokens", MODEL),
 ]  # fmt: skip
 
 BY_MESSAGE = [

@@ -49,9 +49,9 @@ def _add_server_defaults_args(p: argparse.ArgumentParser) -> None:
         "--reasoning",
         choices=["on", "off", "auto"],
         default="auto",
-        help="thinking models (a chat template with <think>): off renders the template with "
-        "enable_thinking false and closes a block it opens; on with true; auto: the template's own "
-        "default. The reasoning comes back apart, as reasoning_content (default: %(default)s)",
+        help="thinking models (a chat template with <think>): templates see enable_thinking true, "
+        "or false with off (a block the template opens is then closed); the reasoning comes back "
+        "apart, as reasoning_content (default: %(default)s)",
     )
     g.add_argument(
         "--reasoning-format",

@@ -358,8 +358,9 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def apply_template(request: web.Request) -> web.Response:
     """{"messages", "add_generation_prompt"} -> {"prompt"}: the text /v1/chat/completions would continue."""
-    body = await json_body(request)
-    messages, tokenizer = chat_messages(body.get("messages")), request.app[BACKEND].tokenizer
+    backend = request.app[BACKEND]
+    body = backend.settings.with_defaults(await json_body(request))  # --chat-template-kwargs, --reasoning
+    messages, tokenizer = chat_messages(body.get("messages")), backend.tokenizer
     try:
         tools = parse_tools(body, tokenizer)
     except ToolError as e:

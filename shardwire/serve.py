@@ -77,15 +77,15 @@ def settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
-    """--chat-template-kwargs, with --reasoning on/off as enable_thinking."""
+    """--chat-template-kwargs, with --reasoning as enable_thinking: true unless off, as llama.cpp
+    passes it (DeepSeek-R1's template closes its block when enable_thinking is not true)."""
     try:
         kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
     except json.JSONDecodeError as e:
         raise ValueError(f"--chat-template-kwargs is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise ValueError("--chat-template-kwargs must be a JSON object")
-    if args.reasoning != "auto":
-        kwargs["enable_thinking"] = args.reasoning == "on"
+    kwargs.setdefault("enable_thinking", args.reasoning != "off")
     return kwargs
 
 

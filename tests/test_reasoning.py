@@ -96,6 +96,10 @@ def test_server_flags_become_template_variables_a_request_adds_to():
     settings = ServerSettings(chat_template_kwargs=kwargs)
     body = settings.with_defaults({"chat_template_kwargs": {"style": "long"}})
     assert body["chat_template_kwargs"] == {"style": "long", "enable_thinking": False}
+    assert template_kwargs(Namespace(chat_template_kwargs=None, reasoning="auto")) == {"enable_thinking": True}
+    assert template_kwargs(Namespace(chat_template_kwargs='{"enable_thinking": false}', reasoning="on")) == {
+        "enable_thinking": False  # the explicit variable wins
+    }
     for bad in ("{not json", "[1]"):
         with pytest.raises(ValueError, match="--chat-template-kwargs"):
             template_kwargs(Namespace(chat_template_kwargs=bad, reasoning="auto"))
