@@ -98,6 +98,7 @@ class Handle:
         self.events: queue.Queue[Event] = queue.Queue() if events is None else events
         self.stats = Stats(prompt_tokens=len(request.prompt))
         self.tokens: list[int] = []
+        self.prefix_hashes: list[bytes] = []  # of the prompt's full pages, kept while it waits
         self.finish_reason: str | None = None
         self.error: str | None = None
 
@@ -291,7 +292,9 @@ class Engine:
             detok = tokenizer.stream_decoder(after=handle.request.prompt) if tokenizer is not None else None
             stop_ids = frozenset() if handle.request.ignore_eos or self.tokenizer is None else self.tokenizer.stop_ids
             seq = _Sequence(handle, self._free_slots[0], detok, stop_ids)
+            seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
+                handle.prefix_hashes = seq.hashes  # not hashed again on the next pass
                 i += 1  # it waits for pages, or for a prefix another request is computing
                 continue
             del self._waiting[i]
