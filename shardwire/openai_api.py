@@ -396,7 +396,7 @@ def chat_text(tokenizer, messages: list[dict], body: dict, tools=None) -> str:
         go_on, add = True, False
     if go_on and add:
         raise bad_request("'add_generation_prompt' and 'continue_final_message' cannot both be true", "messages")
-    if go_on and (not prefill or messages[-1].get("tool_calls")):
+    if go_on and not prefill:
         raise bad_request("'continue_final_message' needs a last assistant message without tool calls", "messages")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or kwargs.keys() & _TEMPLATE_OWN:

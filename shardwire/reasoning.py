@@ -14,14 +14,15 @@ def tags_of(template: str | None) -> tuple[str, str] | None:
     return next((tags for tags in TAGS if template and tags[0] in template), None)
 
 
-def close_thinking(prompt: str, tags: tuple[str, str]) -> str:
-    """With thinking off: a prompt the template left inside an open block gets it closed, so the
-    reply is the answer (what llama-server does with --reasoning off)."""
-    return prompt + tags[1] if prompt.rstrip().endswith(tags[0]) else prompt
-
-
 def opens_thinking(prompt: str, tags: tuple[str, str]) -> bool:
+    """Whether the template left the prompt inside an open block (the reply starts in it)."""
     return prompt.rstrip().endswith(tags[0])
+
+
+def close_thinking(prompt: str, tags: tuple[str, str]) -> str:
+    """With thinking off: a block the template opened is closed, so the reply is the answer (what
+    llama-server does with --reasoning off)."""
+    return prompt + tags[1] if opens_thinking(prompt, tags) else prompt
 
 
 def _held(text: str, tag: str) -> int:
