@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,24 +26,8 @@ sys.path.insert(0, str(HERE / "benchmarks"))
 import run  # noqa: E402
 
 
-def _env(tree: Path) -> dict:
-    return dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _start_workers(tree: Path, n: int, log: Path) -> list[run.Server]:
-    """`n` workers from `tree`'s code (run from inside it, so its own package is the one imported)."""
-    _, cores = run.cores_for(n, 1)
-    cmd = [sys.executable, "-m", "shardwire", "worker", "--port", "0", "--device", "cpu", "--threads", "1"]
-    workers = []
-    for i in range(n):
-        worker = run.Server(f"worker{i}", cmd, cores[i], _env(tree), log, cwd=tree)
-        workers.append(worker)
-        worker.address = f"127.0.0.1:{worker.wait_for(run.LISTENING, 120)[2]}"
-    return workers
-
-
 def bench(tree: Path, model: Path, args, log: Path) -> dict[str, float]:
-    workers = _start_workers(tree, args.workers, log)
+    workers = run.start_tree_workers(tree, args.workers, log)
     try:
         cmd = [
             sys.executable,
@@ -67,7 +50,8 @@ def bench(tree: Path, model: Path, args, log: Path) -> dict[str, float]:
             cmd += ["--rpc", ",".join(w.address for w in workers)]
         if args.streams:
             cmd += ["--streams", str(args.streams)]
-        out = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=args.timeout)
+        env = run.tree_env(tree)
+        out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
         if out.returncode != 0:
             raise RuntimeError(f"bench in {tree} failed:\n{out.stderr[-2000:]}")
         return {t["test"]: t["avg_ts"] for t in json.loads(out.stdout)["tests"]}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -63,26 +62,17 @@ USER_TURNS = [
 ]
 
 
-def _env(tree: Path) -> dict:
-    return dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 class Cluster:
     """Two workers and a server from one tree's code, each pinned to its own core."""
 
     def __init__(self, tree: Path, model: Path, log: Path, serve_args: list[str]):
-        coordinator, cores = run.cores_for(2, 1)
-        worker = [sys.executable, "-m", "shardwire", "worker", "--port", "0", "--device", "cpu", "--threads", "1"]
-        self.workers = []
+        self.workers = run.start_tree_workers(tree, 2, log)
         try:
-            for i in range(2):
-                w = run.Server(f"worker{i}", worker, cores[i], _env(tree), log, cwd=tree)
-                self.workers.append(w)
-                w.address = f"127.0.0.1:{w.wait_for(run.LISTENING, 120)[2]}"
             self.port = run.free_port()
             cmd = [sys.executable, "-m", "shardwire", "serve", str(model), "--port", str(self.port), "-t", "1"]
             cmd += ["--rpc", ",".join(w.address for w in self.workers), *serve_args]
-            self.server = run.Server("serve", cmd, coordinator, _env(tree), log, cwd=tree)
+            coordinator, _ = run.cores_for(2, 1)
+            self.server = run.Server("serve", cmd, coordinator, run.tree_env(tree), log, cwd=tree)
             run.wait_healthy(self.port, self.server.proc, 300)
         except BaseException:
             self.stop()

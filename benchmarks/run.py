@@ -131,6 +131,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tree_env(tree: Path) -> dict:
+    """The environment that runs `tree`'s shardwire (another checkout, e.g. main before a change)."""
+    return dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def start_tree_workers(tree: Path, n: int, log: Path) -> list["Server"]:
+    """`n` workers from `tree`'s code (run from inside it, so its own package is the one
+    imported), one thread each, pinned as cores_for() pins them; if one fails to start, the others
+    are stopped."""
+    _, cores = cores_for(n, 1)
+    cmd = [sys.executable, "-m", "shardwire", "worker", "--port", "0", "--device", "cpu", "--threads", "1"]
+    workers: list[Server] = []
+    try:
+        for i in range(n):
+            worker = Server(f"worker{i}", cmd, cores[i], tree_env(tree), log, cwd=tree)
+            workers.append(worker)
+            worker.address = f"127.0.0.1:{worker.wait_for(LISTENING, 120)[2]}"
+    except BaseException:
+        for worker in workers:
+            worker.stop()
+        raise
+    return workers
+
+
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> None:
     """Until a server's GET /health answers 200 (its model is loaded); an error if it exits first."""
     import urllib.request
