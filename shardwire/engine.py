@@ -290,7 +290,7 @@ class Engine:
             handle = self._waiting[i]
             tokenizer = self.tokenizer
             detok = tokenizer.stream_decoder(after=handle.request.prompt) if tokenizer is not None else None
-            stop_ids = frozenset() if handle.request.ignore_eos or self.tokenizer is None else self.tokenizer.stop_ids
+            stop_ids = frozenset() if handle.request.ignore_eos or tokenizer is None else tokenizer.stop_ids
             seq = _Sequence(handle, self._free_slots[0], detok, stop_ids)
             seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
