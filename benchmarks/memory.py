@@ -5,7 +5,8 @@
 For each file, worker count and system: the workers (shardwire worker / ggml-rpc-server), idle
 first; then a server as a user runs it (shardwire serve --rpc / llama-server --rpc -ngl 99 -ts
 1,1,...) loads the blocks onto them and answers one 32-token completion of a prompt longer than a
-prefill chunk, in one sequence slot of 2048 tokens. From each worker's /proc/PID/status: idle
+prefill chunk, in one sequence slot whose context (CTX tokens) the prompt and reply nearly fill, so
+that the KV cache each system sizes for that context is in use. From each worker's /proc/PID/status: idle
 (settled, before the server), peak (VmHWM) and at rest (a second after the completion, the
 model loaded), as growth over idle, split into anonymous and file-backed memory, and as a ratio
 to the file bytes of the tensors it holds (llama.cpp's server keeps the token embedding itself;
@@ -26,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+CTX = 1024  # each system's one sequence slot; the completion below fills ~97% of it
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
@@ -75,7 +77,7 @@ def planned_bytes(path: Path, addresses: list[str], workdir: Path) -> list[int]:
     cluster = Cluster(addresses, cache_dir=workdir / "plan", show_progress=False)
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(n_slots=1, ctx=2048, weights="auto", tensor_split=[1.0] * len(addresses))
+        plan = cluster.make_plan(n_slots=1, ctx=CTX, weights="auto", tensor_split=[1.0] * len(addresses))
         return [s.total_bytes + sum(s.elsewhere.values()) for s in plan.stages]
     finally:
         cluster.close()
@@ -97,7 +99,7 @@ def _complete(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
     """Wait for the server's /health, then one greedy 32-token completion of a prompt longer than
     a prefill chunk (so the workspace a chunk needs is used)."""
     wait_healthy(port, proc, timeout)
-    prompt = "Once upon a time, in a small town beside a wide river, there lived a clockmaker. " * 40
+    prompt = "Once upon a time, in a small town beside a wide river, there lived a clockmaker. " * 48
     body = json.dumps({"prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
@@ -137,7 +139,7 @@ def measure(
                 "--port",
                 str(port),
                 "-c",
-                "2048",
+                str(CTX),
                 "-np",
                 "1",
                 "-ts",
@@ -147,7 +149,7 @@ def measure(
             ]
         else:
             server = [str(prefix / "bin" / "llama-server"), "-m", str(path), "--rpc", ",".join(addresses)]
-            server += ["-ngl", "99", "-ts", split, "--port", str(port), "-t", str(threads), "-c", "2048", "-np", "1"]
+            server += ["-ngl", "99", "-ts", split, "--port", str(port), "-t", str(threads), "-c", str(CTX), "-np", "1"]
         idle = [settled(w.proc.pid) for w in workers]
         planned = planned_bytes(path, addresses, workdir) if system == "shardwire" else [None] * n_workers
         started = time.monotonic()
@@ -206,10 +208,10 @@ def status():
 model = open_model(sys.argv[1])
 idle = status()
 start = time.monotonic()
-pipeline = local_pipeline(model, "cpu", default_dtype("cpu"), "auto", 1, 2048)
+pipeline = local_pipeline(model, "cpu", default_dtype("cpu"), "auto", 1, CTX_TOKENS)
 loaded_s = time.monotonic() - start
 engine = Engine(pipeline)
-handle = engine.submit(Request(list(range(10, 610)), GREEDY, max_tokens=32))
+handle = engine.submit(Request(list(range(10, PROMPT_END)), GREEDY, max_tokens=32))
 handle.result()
 time.sleep(1.0)
 print(json.dumps({"idle": idle, "rest": status(), "load_s": loaded_s}))
@@ -219,10 +221,11 @@ engine.close()
 
 def one_process(path: Path, threads: int) -> dict:
     """`generate`/`serve`/`bench` without workers: the model loaded in the process itself, a
-    600-token prompt and 32 tokens decoded."""
+    prompt and 32 tokens decoded that nearly fill its CTX-token context."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    script = ONE_PROCESS.replace("CTX_TOKENS", str(CTX)).replace("PROMPT_END", str(10 + CTX - 48))
     out = subprocess.run(
-        ["taskset", "-c", "0", sys.executable, "-c", ONE_PROCESS, str(path)],
+        ["taskset", "-c", "0", sys.executable, "-c", script, str(path)],
         capture_output=True,
         text=True,
         env=env,
@@ -296,10 +299,10 @@ def main() -> int:
                 alone.append(one_process(path, args.threads))
     cpu = machine_info().get("cpu", "?")
     source = "weights streamed into its cache" if args.streamed else "its own copy of the file"
-    print(f"{cpu}, workers reading {source}, {args.threads} thread(s), one 2048-token slot\n")
+    print(f"{cpu}, workers reading {source}, {args.threads} thread(s), one {CTX}-token slot\n")
     print(table(rows))
     if alone:
-        print("\nshardwire in one process (no workers), 600-token prompt, 32 tokens:\n")
+        print(f"\nshardwire in one process (no workers), {CTX - 48}-token prompt, 32 tokens:\n")
         print("| file | file MiB | peak growth MiB (x file) | at rest growth MiB (x file) | load s |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for r in alone:

@@ -14,6 +14,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1] and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             # one row: PyTorch's bf16 matrix-vector kernel reads the weights ~1.6x faster than

@@ -128,7 +128,11 @@ def build_stage(
             built[name] = where.hold(Linear(t)) if where else t
         else:
             itemsize = PLAIN[info.dtype].itemsize if info.dtype in PLAIN else 0
-            rows = model_rows(cfg, name, raw_rows(raw, info.dtype, tuple(info.shape)), qk_interleaved, itemsize)
+            # ggml's repack copies the stored rows into its own layout: they need no copy of ours
+            # unless a token table is also made of them
+            table_too = name == "token_embd.weight" and EMBEDDING in formats
+            stored_rows = raw_rows(raw, info.dtype, tuple(info.shape), copy=fmt != "repacked" or table_too)
+            rows = model_rows(cfg, name, stored_rows, qk_interleaved, itemsize)
             module = pack_matrix(rows, info.dtype, fmt, on, dt)
             if name == "token_embd.weight" and not (last and cfg.tied_embeddings):
                 embedding = module

@@ -51,6 +51,9 @@ class Elsewhere(nn.Module):
     def _apply(self, fn, recurse=True):
         return self
 
+    def prefers_whole(self, rows: int) -> bool:
+        return True
+
 
 class Embedding(nn.Module):
     """Token ids -> rows of a table: a dense tensor, or any module with rows(ids) (a packed
@@ -151,22 +154,47 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)
         k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, Q + KV :].transpose(1, 2)
         keys, values = cache.update(layer, k, v, ctx.at)
-        out = attention(q, keys, values, ctx.mask).transpose(1, 2).reshape(B, T, H * D)
+        out = attention(q, keys, values, ctx).transpose(1, 2).reshape(B, T, H * D)
         if self.gated:
             out = out * torch.sigmoid(qkv[:, :, 1:Q:2].reshape(B, T, H * D))
         return out
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scaled dot-product attention of queries [B, H, T, D] over [B, KV, n, D]. One float32 query
-    of one sequence on a CPU (a decode step) is two small matrix products, which start faster
-    than PyTorch's fused kernel (measured 29 against 47 us a block at 1B width)."""
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """Scaled dot-product attention of queries [B, H, T, D] over [B, KV, n, D]. In float32 on a
+    CPU each query row is computed alone over exactly the keys it sees, as two small matrix
+    products (for one row they also start faster than PyTorch's fused kernel: 29 against 47 us a
+    block at 1B width): no row's result depends on the other rows of its step, so a prompt leaves
+    the same keys and values however it was cut into chunks and whatever part of it was cached,
+    and a sequence decodes the same beside others as alone."""
     B, H, T, D = q.shape
     KV = keys.shape[1]
-    if mask is None and B == 1 and T == 1 and q.dtype == torch.float32 and q.device.type == "cpu":
-        scores = torch.matmul(q.reshape(KV, H // KV, D), keys[0].transpose(-1, -2)).mul_(D**-0.5)
-        return torch.matmul(scores.softmax(-1), values[0]).view(1, H, 1, D)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != KV)
+    if q.dtype == torch.float32 and q.device.type == "cpu":
+        out = torch.empty_like(q)
+        for b, positions in enumerate(ctx.positions.tolist()):
+            for t, p in enumerate(positions):
+                seen_k, seen_v = keys[b, :, : p + 1], values[b, :, : p + 1]
+                scores = torch.matmul(q[b, :, t].reshape(KV, H // KV, D), seen_k.transpose(-1, -2)).mul_(D**-0.5)
+                out[b, :, t] = torch.matmul(scores.softmax(-1), seen_v).view(H, D)
+        return out
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=H != KV)
+
+
+# On a CPU a prompt chunk's rows go through the feed-forward in pieces of about this many values of
+# its hidden width (at least this many rows), so that gate and up, the largest activations of a step, need
+# a few MiB; not where a matrix prefers whole chunks (it is dequantized for each product, or elsewhere)
+FFN_PIECE_ELEMENTS = 1 << 20
+FFN_PIECE_ROWS = 64
+
+
+def ffn_piece_rows(hidden: int) -> int:
+    return max(FFN_PIECE_ROWS, FFN_PIECE_ELEMENTS // hidden)
+
+
+def _prefers_whole(module: nn.Module, rows: int) -> bool:
+    """Whether a product of `rows` rows costs `module` more per row than a whole chunk's (it
+    decodes its whole matrix again for each, or each is a round trip to another device)."""
+    return getattr(module, "prefers_whole", lambda rows: False)(rows)
 
 
 class FeedForward(nn.Module):
@@ -178,11 +206,19 @@ class FeedForward(nn.Module):
         self.down = linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        piece = ffn_piece_rows(self.down.in_features)
+        if x.device.type != "cpu" or rows <= piece or any(_prefers_whole(m, piece) for m in self.children()):
+            return self._rows(x)
+        flat = x.reshape(rows, x.shape[-1])
+        return torch.cat([self._rows(flat[a : a + piece]) for a in range(0, rows, piece)]).view(*x.shape[:-1], -1)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate(x), self.up(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate, inplace=True).mul_(up))  # the intermediates held twice, not 4x
 
 
 class MixtureOfExperts(nn.Module):

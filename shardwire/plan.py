@@ -18,6 +18,7 @@ from .deltanet import CHUNK
 from .devices import parse_dtype
 from .formats import ModelFile
 from .kvcache import PAGE, pool_pages, stage_cache_nbytes
+from .model import ffn_piece_rows
 from .quant.packed import CHUNK_ELEMENTS
 from .quant.policy import EMBEDDING, WeightModeError, modes_for, weight_formats, weight_nbytes
 
@@ -231,28 +232,40 @@ def split_blocks_by_bytes(block_bytes: list[int], weights: list[float]) -> list[
     return counts
 
 
-# Bytes per value of a chunk of packed rows being dequantized for a GEMM (the unpacked
-# integers, float32 weights and their bf16 copy, with the allocator's slack).
+# Bytes per value of a chunk of packed rows being dequantized for a prompt chunk's GEMM: by
+# PyTorch (the unpacked integers, float32 weights and their copy in the compute dtype, with the
+# allocator's slack), or by ggml into one float32 scratch buffer (plus its copy in a 16-bit
+# compute dtype). Dense and repacked weights multiply a chunk as they are held.
 DEQUANT_BYTES_PER_VALUE = 16
+GGML_DEQUANT_BYTES_PER_VALUE = 4
+
+
+def dequant_bytes_per_value(formats, dtype: torch.dtype) -> int:
+    """What the formats a stage's matrices are held in dequantize per value for a prompt chunk."""
+    size = torch.empty((), dtype=dtype).element_size()
+    ggml = GGML_DEQUANT_BYTES_PER_VALUE + (size if size < 4 else 0)
+    return max([{"dense": 0, "repacked": 0, "ggml": ggml}.get(f, DEQUANT_BYTES_PER_VALUE) for f in formats] or [0])
 
 
 def workspace_bytes(
-    cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype, device_type: str, packed: bool = False
+    cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype, device_type: str, dequant_per_value: int = 0
 ) -> int:
-    """Peak activations of one prefill chunk: the FFN intermediates, attention scores, logits,
-    and with packed weights the chunk of rows dequantized for a GEMM and the bf16 activations.
-    PyTorch's CPU attention works through the scores in small blocks and never holds them all
-    (measured: a 4096-token chunk with 32 heads peaks at 40-100 MiB, not the 2 GiB its scores
-    take); other devices may fall back to the plain product with a mask, so they count them."""
+    """Peak activations of one prefill chunk: the FFN's gate and up (SwiGLU in place; on a CPU a
+    piece of the chunk's rows at a time, model.FeedForward), attention scores, logits, the residual
+    stream's few copies, and where matrices are dequantized a chunk of rows at a time
+    (`dequant_per_value` bytes each) those rows and the product's pieces, which are joined in a
+    copy. A CPU computes attention one query row at a time (model.attention): its scores are a
+    row's; other devices may fall back to the plain product with a mask, so they count them."""
     size = torch.empty((), dtype=dtype).element_size()
-    ffn = 3 * chunk * cfg.ffn_dim * size
+    whole = device_type != "cpu" or dequant_per_value  # else the FFN takes a chunk's rows in pieces
+    ffn = 2 * (chunk if whole else min(chunk, ffn_piece_rows(cfg.ffn_dim))) * cfg.ffn_dim * size
     scores = 0 if device_type == "cpu" else cfg.n_heads * chunk * chunk * 4
     if cfg.linear_blocks:  # the chunked delta rule, per value head and token: float32 vectors and
         # three rows of the chunk's [CHUNK, CHUNK] matrices
         per_token = 8 * max(cfg.ssm_k_dim, cfg.ssm_v_dim) + 3 * CHUNK
         scores = max(scores, chunk * cfg.ssm_v_heads * per_token * 4)
     logits = cfg.vocab_size * 4 * 2 if last else 0
-    dequant = (CHUNK_ELEMENTS * DEQUANT_BYTES_PER_VALUE + 2 * chunk * max(cfg.ffn_dim, cfg.dim) * 2) if packed else 0
+    dequant = CHUNK_ELEMENTS * dequant_per_value + chunk * max(cfg.ffn_dim, cfg.dim) * size if dequant_per_value else 0
     return ffn + scores + logits + 4 * chunk * cfg.dim * size + dequant
 
 
@@ -299,12 +312,13 @@ def stage_cost(
             kind = by_type.setdefault(info.dtype, fmt)
             if fmt not in kind.split("+"):
                 by_type[info.dtype] = kind + "+" + fmt
-    packed = any(f != "dense" for f in formats.values())  # a prompt chunk dequantizes rows into a GEMM
+    head = stage.last and cfg.tied_embeddings  # where token_embd is also the head; a token table is only looked up
+    products = [f for n, f in formats.items() if n != EMBEDDING and (n != "token_embd.weight" or head)]
     return StageCost(
         weight_bytes,
         # keys and values, the delta-net state
         stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, kv_pages, dtype),
-        workspace_bytes(cfg, chunk, stage.last, dtype, stage.device.type, packed=packed),
+        workspace_bytes(cfg, chunk, stage.last, dtype, stage.device.type, dequant_bytes_per_value(products, dtype)),
         by_type,
         elsewhere,
     )

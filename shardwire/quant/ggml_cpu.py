@@ -35,6 +35,8 @@ except ImportError:  # the `cpu` extra is not installed
 
 log = logging.getLogger("shardwire.ggml")
 
+_local = threading.local()
+
 GRAPHS_KEPT = 64  # graphs a thread keeps built: per op, type and shape (decode's one row, prompt chunks, ...)
 GRAPH_NODES = 4  # one operation on two inputs
 
@@ -62,6 +64,16 @@ def available() -> bool:
     return True
 
 
+def _work_buffer(nbytes: int):
+    """This thread's scratch for ggml's work (activations quantized for a kernel, ...): one for
+    every graph it runs, as they run one at a time, grown to the largest asked for."""
+    work = _local.__dict__.get("work")
+    if work is None or work[0].nbytes < nbytes:
+        memory = np.empty(max(nbytes, 1), dtype=np.uint8)
+        work = _local.work = memory, memory.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    return work[1]
+
+
 class _Built:
     """A ggml graph built once in a context of its own; a call points its tensors at data and
     computes it."""
@@ -72,14 +84,13 @@ class _Built:
         self._nodes = nodes
 
     def _finish(self, y, threads: int) -> None:
-        """Build the graph that computes y, and its plan and work buffer for `threads`."""
+        """Build the graph that computes y, and its plan for `threads`."""
         self.graph = ggml.ggml_new_graph_custom(self.ctx, self._nodes, False)
         ggml.ggml_build_forward_expand(self.graph, y)
         self.plan = ggml.ggml_graph_plan(self.graph, threads, None)
-        self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
-        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
     def _compute(self) -> None:
+        self.plan.work_data = _work_buffer(self.plan.work_size)
         if ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
             raise RuntimeError("ggml could not compute")
 
@@ -110,9 +121,6 @@ class _Graph(_Built):
     def run(self, w: int, x: int, y: int) -> None:
         self.w.contents.data, self.x.contents.data, self.y.contents.data = w, x, y
         self._compute()
-
-
-_local = threading.local()
 
 
 def _kept(cls, *shape, weight=None):
@@ -164,9 +172,12 @@ class GGMLLinear(GGUFLinear):
         self._graph("mul_mat", self.out_features, x.shape[0]).run(self.raw.data_ptr(), x.data_ptr(), y.data_ptr())
         return y
 
+    def prefers_whole(self, rows: int) -> bool:
+        return self.gemm_rows is not None and rows >= self.gemm_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.gemm_rows is not None and rows >= self.gemm_rows:
+        if self.prefers_whole(rows):
             return super().forward(x)  # dequantized chunks into a GEMM (PackedLinear.forward)
         shape = x.shape
         y = self.kernel(x.reshape(-1, self.in_features)).to(x.dtype)

@@ -76,6 +76,11 @@ class PackedLinear(nn.Module):
     def gather(self, index: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def prefers_whole(self, rows: int) -> bool:
+        """Whether a product costs more per row in pieces than whole: forward() on `rows` rows (on a
+        CPU) decodes all of W, a chunk at a time, into a GEMM."""
+        return rows > CPU_KERNEL_MAX_ROWS and self.can_dequantize
+
     def _chunk(self, a: int, b: int) -> torch.Tensor:
         """Rows a..b for one GEMM of forward(), used before the next chunk is asked for."""
         return self.dequantize(a, b)
@@ -287,8 +292,9 @@ def _pack(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.dtype) 
 
         try:
             return RepackedLinear(raw, stored, K, dtype)
-        except RepackError:
-            fmt = "ggml"  # a shape this CPU's layout does not take: the stored blocks serve as they are
+        except RepackError:  # a shape this CPU's layout does not take: the stored blocks serve as
+            # they are, in memory of the module's own (rows for a repack may view the mapped file)
+            return _pack(raw.clone(), stored, "ggml", device, dtype)
     if fmt == "ggml":
         from .ggml_cpu import GGMLLinear  # it builds on GGUFLinear
         from .measure import gemm_rows  # it times this function's modules
