@@ -131,3 +131,27 @@ def test_the_compute_dtype_keeps_weights_at_their_stored_precision():
     # the type that holds most of a file's matrix bytes (its norms are F32 in every file)
     assert open_model(model_path("llama", "F16")).matrix_type == "F16"
     assert open_model(model_path("llama", "Q4_0")).matrix_type == "Q4_0"
+
+
+@needs_repack
+def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded():
+    """Where every kernel gives a row the same result whatever rows come with it (ggml's repacked
+    Q4_0, and attention one query row at a time), the KV pages a reply filled one token at a time
+    are the ones a later prompt holding it computes, in one chunk or in several: a cached reply
+    continues a chat exactly as without the cache. (Where a prompt chunk is measured faster as a
+    dequantized GEMM, its rows differ from decode's in the last bits.)"""
+    model = open_model(model_path("llama", "Q4_0"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
+    n, ctx = 600, 608  # longer than PyTorch's fused attention takes keys in one block
+    stage.allocate_cache(3, ctx)
+    tokens = torch.tensor([(PROMPT * 40)[:n]])
+    whole = stage(tokens, [0], [0], all_logits=True)
+    decoded = [stage(tokens[:, :560], [1], [0], all_logits=True)]
+    decoded += [stage(tokens[:, t : t + 1], [1], [t], all_logits=True) for t in range(560, n)]
+    chunks = [stage(tokens[:, a : a + 512], [2], [a], all_logits=True) for a in (0, 512)]
+    assert torch.equal(whole, torch.cat(decoded, dim=1))
+    assert torch.equal(whole, torch.cat(chunks, dim=1))
+    k, v = stage.cache.k, stage.cache.v
+    for slot in (1, 2):
+        assert torch.equal(k[:, :, :n], k[:, :, ctx * slot : ctx * slot + n])
+        assert torch.equal(v[:, :, :n], v[:, :, ctx * slot : ctx * slot + n])
