@@ -21,6 +21,7 @@ from .devices import attention_without_cudnn
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
+from .quant.ggml_block import release_prompt_memory
 
 
 class RMSNorm(nn.Module):
@@ -180,10 +181,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: St
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=H != KV)
 
 
-# On a CPU a prompt chunk's rows go through the feed-forward in pieces of about this many values of
-# its hidden width (at least this many rows), so that gate and up, the largest activations of a step, need
-# a few MiB; not where a matrix prefers whole chunks (it is dequantized for each product, or elsewhere)
-FFN_PIECE_ELEMENTS = 1 << 20
+# On a CPU a prompt chunk goes through a block's feed-forward (its ggml graphs, quant/ggml_block.py,
+# or the modules) in pieces of about this many values of the hidden width, at least this many rows,
+# so that gate, up and SwiGLU, the largest activations of a step, need a few MiB; not where a matrix
+# prefers whole chunks (it is dequantized for each product, or elsewhere)
+FFN_PIECE_ELEMENTS = 1 << 19
 FFN_PIECE_ROWS = 64
 
 
@@ -301,7 +303,7 @@ class Block(nn.Module):
             self.ffn = MixtureOfExperts(cfg, w)
         else:
             self.ffn = FeedForward(w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
-        self.graphs = None  # quant.ggml_block.BlockGraphs, where ggml runs this block's decode rows
+        self.graphs = None  # quant.ggml_block.BlockGraphs, where ggml runs this block's rows
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
         if self.graphs is not None and self.graphs.takes(x):
@@ -443,6 +445,8 @@ class Stage(nn.Module):
             recurrent.begin(slots, starts, x.shape[1])
         for block in self.blocks:
             x = block(x, self.cache, block.layer, ctx)
+        if x.shape[1] > 1 and self.device.type == "cpu":
+            release_prompt_memory()
         if recurrent is not None:
             recurrent.end()
         if not self.last:

@@ -19,6 +19,7 @@ from .devices import parse_dtype
 from .formats import ModelFile
 from .kvcache import PAGE, pool_pages, stage_cache_nbytes
 from .model import ffn_piece_rows
+from .quant.codecs import stored_nbytes
 from .quant.packed import CHUNK_ELEMENTS
 from .quant.policy import EMBEDDING, WeightModeError, modes_for, weight_formats, weight_nbytes
 
@@ -58,7 +59,7 @@ class PlannedStage:
     last: bool
     weight_bytes: int = 0
     kv_bytes: int = 0
-    workspace_bytes: int = 0
+    workspace_bytes: int = 0  # a prompt chunk's activations or a tensor being loaded, and a CPU's kernel code
     weights: str = "dequant"  # fast | dequant | packed | compact: how its weights live on the device
     formats: dict[str, str] = field(default_factory=dict)  # stored type -> on-device format(s)
     # -ot: (pattern, device of this stage's worker) for block matrices kept apart from `device`,
@@ -240,6 +241,11 @@ DEQUANT_BYTES_PER_VALUE = 16
 GGML_DEQUANT_BYTES_PER_VALUE = 4
 
 
+# The code of the kernels a CPU stage runs, resident in its process once it computes (measured:
+# 12-14 MiB with torch 2.13 and ggml on x86)
+CPU_RUNTIME_BYTES = 16 << 20
+
+
 def dequant_bytes_per_value(formats, dtype: torch.dtype) -> int:
     """What the formats a stage's matrices are held in dequantize per value for a prompt chunk."""
     size = torch.empty((), dtype=dtype).element_size()
@@ -251,14 +257,16 @@ def workspace_bytes(
     cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype, device_type: str, dequant_per_value: int = 0
 ) -> int:
     """Peak activations of one prefill chunk: the FFN's gate and up (SwiGLU in place; on a CPU a
-    piece of the chunk's rows at a time, model.FeedForward), attention scores, logits, the residual
+    piece of the chunk's rows at a time, quant/ggml_block.py), attention scores, logits, the residual
     stream's few copies, and where matrices are dequantized a chunk of rows at a time
     (`dequant_per_value` bytes each) those rows and the product's pieces, which are joined in a
     copy. A CPU computes attention one query row at a time (model.attention): its scores are a
     row's; other devices may fall back to the plain product with a mask, so they count them."""
     size = torch.empty((), dtype=dtype).element_size()
-    whole = device_type != "cpu" or dequant_per_value  # else the FFN takes a chunk's rows in pieces
-    ffn = 2 * (chunk if whole else min(chunk, ffn_piece_rows(cfg.ffn_dim))) * cfg.ffn_dim * size
+    if device_type != "cpu" or dequant_per_value or chunk <= ffn_piece_rows(cfg.ffn_dim):
+        ffn = 2 * chunk * cfg.ffn_dim * size
+    else:  # a piece of rows at a time, through a block's ggml graph with all its intermediates
+        ffn = (3 * cfg.ffn_dim + 5 * cfg.dim) * ffn_piece_rows(cfg.ffn_dim) * size
     scores = 0 if device_type == "cpu" else cfg.n_heads * chunk * chunk * 4
     if cfg.linear_blocks:  # the chunked delta rule, per value head and token: float32 vectors and
         # three rows of the chunk's [CHUNK, CHUNK] matrices
@@ -314,11 +322,17 @@ def stage_cost(
                 by_type[info.dtype] = kind + "+" + fmt
     head = stage.last and cfg.tied_embeddings  # where token_embd is also the head; a token table is only looked up
     products = [f for n, f in formats.items() if n != EMBEDDING and (n != "token_embd.weight" or head)]
+    activations = workspace_bytes(
+        cfg, chunk, stage.last, dtype, stage.device.type, dequant_bytes_per_value(products, dtype)
+    )
+    # while loading, the stored bytes of the tensor being built are resident beside the weights built
+    loading = max((stored_nbytes(t.dtype, tuple(t.shape)) for t in tensors.values()), default=0)
+    runtime = CPU_RUNTIME_BYTES if stage.device.type == "cpu" else 0
     return StageCost(
         weight_bytes,
         # keys and values, the delta-net state
         stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, kv_pages, dtype),
-        workspace_bytes(cfg, chunk, stage.last, dtype, stage.device.type, dequant_bytes_per_value(products, dtype)),
+        max(activations, loading) + runtime,
         by_type,
         elsewhere,
     )

@@ -1,16 +1,20 @@
-"""A dense block's arithmetic around attention as two ggml graphs, for the few rows of a decode
-step on a CPU: the norm and the Q, K, V projections; then the output projection and residual,
-the feed-forward norm, gate, up, SwiGLU, down and the second residual. PyTorch keeps RoPE, the
-KV cache and attention in between.
+"""A dense block's arithmetic around attention as two ggml graphs on a CPU: the norm and the Q, K,
+V projections; then the output projection and residual, the feed-forward norm, gate, up, SwiGLU,
+down and the second residual. PyTorch keeps RoPE, the KV cache and attention in between.
 
 A decode step is a few rows against every weight of the model. Run one PyTorch or ggml call at
 a time, its ~20 calls per block cost more than their arithmetic, and every matrix starts its
 stream from a cold prefetcher; two graphs per block stream the block's matrices back to back,
-as llama.cpp's graph does. Prompt chunks keep the module path, whose GEMMs suit many rows.
+as llama.cpp's graph does. A prompt chunk goes through the same graphs in pieces of rows where
+every matrix multiplies a piece as it is held (no dequantized GEMM that pieces would repeat):
+each row then meets the same kernels (ggml's norm and SwiGLU round unlike PyTorch's) whether it
+is decoded or read in a prompt, so the keys and values a reply left in the cache are the ones a
+prompt holding it computes.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 
@@ -21,9 +25,10 @@ from torch import nn
 from . import ggml_cpu
 from .ggml_cpu import GGMLLinear, RepackedLinear, ggml
 
-MAX_ROWS = 8  # rows (sequences of a decode step) the graphs take; more go through the modules
-KEPT = 4  # (thread, row count) pairs a block keeps its graphs built for
+MAX_ROWS = 8  # rows (sequences of a decode step) the graphs take in one go
+KEPT = 6  # (thread, row count) pairs a block keeps its graphs built for: decode's, a prompt's pieces
 ALIGN = 64
+PROMPT = "prompt"  # the arena of a prompt's pieces
 
 _GGML_TYPES = {torch.float32: "GGML_TYPE_F32", torch.float16: "GGML_TYPE_F16", torch.bfloat16: "GGML_TYPE_BF16"}
 
@@ -74,12 +79,18 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class _Arena:
-    """Memory for graph intermediates; a thread's graphs for a row count share one, as the
-    blocks run one after another."""
+    """Memory for graph intermediates; a thread's graphs for a row count (or for a prompt's
+    pieces) share one, as the blocks run one after another. Mapped apart, so that its pages can
+    be given back between steps while the graphs keep pointing at it."""
 
     def __init__(self, nbytes: int):
-        self.memory = np.empty(max(nbytes, ALIGN), dtype=np.uint8)
+        self.map = mmap.mmap(-1, max(nbytes, ALIGN))
+        self.memory = np.frombuffer(self.map, dtype=np.uint8)
         self.nbytes = nbytes
+
+    def release(self) -> None:
+        """Give its pages back (the next use finds them zeroed, which the graphs never read)."""
+        self.map.madvise(mmap.MADV_DONTNEED)
 
 
 class _Part(ggml_cpu._Built):
@@ -97,9 +108,10 @@ class _Part(ggml_cpu._Built):
         nodes = [ggml.ggml_graph_node(self.graph, i) for i in range(ggml.ggml_graph_n_nodes(self.graph))]
         unplaced = [t for t in nodes if not t.contents.data]
         sizes = [-(-ggml.ggml_nbytes(t) // ALIGN) * ALIGN for t in unplaced]
-        arena = arenas.get(rows)
+        key = rows if rows <= MAX_ROWS else PROMPT  # a prompt's pieces of every size share one
+        arena = arenas.get(key)
         if arena is None or arena.nbytes < sum(sizes):
-            arena = arenas[rows] = _Arena(sum(sizes))  # graphs built on a smaller one keep theirs
+            arena = arenas[key] = _Arena(sum(sizes))  # graphs built on a smaller one keep theirs
         at = arena.memory.ctypes.data
         for t, size in zip(unplaced, sizes):
             t.contents.data = at
@@ -117,11 +129,18 @@ class _Part(ggml_cpu._Built):
 _local = threading.local()
 
 
+def release_prompt_memory() -> None:
+    """After a step with a prompt chunk: the intermediates of its pieces need not stay resident."""
+    arena = _local.__dict__.get("arenas", {}).get(PROMPT)
+    if arena is not None:
+        arena.release()
+
+
 class BlockGraphs:
     """The two graphs of a dense block (attention projections; output projection through the
     feed-forward), built per row count and thread on first use."""
 
-    def __init__(self, block: nn.Module, qkv: list[_Matrix], out: _Matrix, ffn: list[_Matrix]):
+    def __init__(self, block: nn.Module, qkv: list[_Matrix], out: _Matrix, ffn: list[_Matrix], piece: int | None):
         # no reference to the block, which holds this: its weights are freed with it, not by the
         # cycle collector some time later
         self.attn_norm = _f32(block.attn_norm.weight)
@@ -132,12 +151,13 @@ class BlockGraphs:
             m.bias = _f32(m.bias)
         self.dim = self.attn_norm.shape[0]
         self.qkv_width = sum(m.N for m in qkv)
+        self.piece = piece  # rows of a prompt chunk a graph takes at once; None: prompts go through the modules
         self._built: OrderedDict[tuple[int, int], tuple[_Part, _Part]] = OrderedDict()
 
     @classmethod
     def of(cls, block: nn.Module) -> "BlockGraphs | None":
         """The graphs for a block of the dense kind whose weights ggml can all run as held."""
-        from ..model import Attention, FeedForward
+        from ..model import Attention, FeedForward, ffn_piece_rows
 
         attn, ffn = block.attn, block.ffn
         if not ggml_cpu.available() or not isinstance(attn, Attention) or not isinstance(ffn, FeedForward):
@@ -158,10 +178,19 @@ class BlockGraphs:
         down = _matrices(ffn.down)
         if qkv is None or out is None or gate_up is None or down is None:
             return None
-        return cls(block, qkv, out[0], [*gate_up, down[0]])
+        piece = ffn_piece_rows(down[0].K) // MAX_ROWS * MAX_ROWS
+        whole = any(getattr(m, "prefers_whole", lambda rows: False)(piece) for m in block.modules())
+        return cls(block, qkv, out[0], [*gate_up, down[0]], None if whole else piece)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() // self.dim <= MAX_ROWS
+        rows = x.numel() // self.dim
+        return x.dtype == torch.float32 and x.device.type == "cpu" and (rows <= MAX_ROWS or self.piece is not None)
+
+    def _pieces(self, rows: int):
+        """Row ranges of a step: whole pieces, then the rest (decode's few rows are one)."""
+        piece = self.piece or rows
+        for a in range(0, rows, piece):
+            yield a, min(a + piece, rows)
 
     # -- the two graphs ---------------------------------------------------------------------
 
@@ -202,6 +231,8 @@ class BlockGraphs:
     # --------------------------------------------------------------------------------------------
 
     def _parts(self, rows: int) -> tuple[_Part, _Part]:
+        if MAX_ROWS < rows < self.piece:
+            self._parts(self.piece)  # first, so that the prompt arena has the largest piece's size
         key = (threading.get_ident(), rows)
         parts = self._built.pop(key, None)
         if parts is None:
@@ -218,11 +249,17 @@ class BlockGraphs:
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """attn_norm(x) through Q, K and V: [..., dim] -> [..., q | k | v]."""
         rows = x.numel() // self.dim
-        out = torch.empty(*x.shape[:-1], self.qkv_width, dtype=torch.float32)
-        return self._parts(rows)[0](out, x.contiguous())
+        shape, x = x.shape, x.reshape(rows, self.dim).contiguous()
+        out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
+        for a, b in self._pieces(rows):
+            self._parts(b - a)[0](out[a:b], x[a:b])
+        return out.view(*shape[:-1], self.qkv_width)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x + o(attn), then that plus the feed-forward of its norm."""
         rows = x.numel() // self.dim
+        shape, x, attn = x.shape, x.reshape(rows, self.dim).contiguous(), attn.reshape(rows, -1).contiguous()
         out = torch.empty_like(x)
-        return self._parts(rows)[1](out, x.contiguous(), attn.contiguous())
+        for a, b in self._pieces(rows):
+            self._parts(b - a)[1](out[a:b], x[a:b], attn[a:b])
+        return out.view(shape)
