@@ -52,6 +52,10 @@ class Elsewhere(nn.Module):
     def _apply(self, fn, recurse=True):
         return self
 
+    @property
+    def in_features(self) -> int:
+        return self.inner.in_features
+
     def prefers_whole(self, rows: int) -> bool:
         return True
 
