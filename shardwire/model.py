@@ -175,14 +175,22 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: St
     B, H, T, D = q.shape
     KV = keys.shape[1]
     if q.dtype == torch.float32 and q.device.type == "cpu":
+        if B == 1 and T == 1:  # one sequence's decode step sees every key it was given
+            return _one_query(q[0, :, 0], keys[0], values[0]).view(1, H, 1, D)
         out = torch.empty_like(q)
         for b, positions in enumerate(ctx.positions.tolist()):
             for t, p in enumerate(positions):
-                seen_k, seen_v = keys[b, :, : p + 1], values[b, :, : p + 1]
-                scores = torch.matmul(q[b, :, t].reshape(KV, H // KV, D), seen_k.transpose(-1, -2)).mul_(D**-0.5)
-                out[b, :, t] = torch.matmul(scores.softmax(-1), seen_v).view(H, D)
+                out[b, :, t] = _one_query(q[b, :, t], keys[b, :, : p + 1], values[b, :, : p + 1])
         return out
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=H != KV)
+
+
+def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One query row's heads [H, D] over the keys and values it sees, [KV, n, D] each."""
+    H, D = q.shape
+    KV = keys.shape[0]
+    scores = torch.matmul(q.reshape(KV, H // KV, D), keys.transpose(-1, -2)).mul_(D**-0.5)
+    return torch.matmul(scores.softmax(-1), values).view(H, D)
 
 
 # On a CPU a prompt chunk goes through a block's feed-forward (its ggml graphs, quant/ggml_block.py,

@@ -187,10 +187,9 @@ class BlockGraphs:
         return x.dtype == torch.float32 and x.device.type == "cpu" and (rows <= MAX_ROWS or self.piece is not None)
 
     def _pieces(self, rows: int):
-        """Row ranges of a step: whole pieces, then the rest (decode's few rows are one)."""
-        piece = self.piece or rows
-        for a in range(0, rows, piece):
-            yield a, min(a + piece, rows)
+        """Row ranges of a prompt chunk: whole pieces, then the rest."""
+        for a in range(0, rows, self.piece):
+            yield a, min(a + self.piece, rows)
 
     # -- the two graphs ---------------------------------------------------------------------
 
@@ -249,6 +248,8 @@ class BlockGraphs:
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """attn_norm(x) through Q, K and V: [..., dim] -> [..., q | k | v]."""
         rows = x.numel() // self.dim
+        if rows <= MAX_ROWS:  # a decode step: one graph, nothing to cut
+            return self._parts(rows)[0](torch.empty(*x.shape[:-1], self.qkv_width), x.contiguous())
         shape, x = x.shape, x.reshape(rows, self.dim).contiguous()
         out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
         for a, b in self._pieces(rows):
@@ -258,6 +259,8 @@ class BlockGraphs:
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x + o(attn), then that plus the feed-forward of its norm."""
         rows = x.numel() // self.dim
+        if rows <= MAX_ROWS:
+            return self._parts(rows)[1](torch.empty_like(x), x.contiguous(), attn.contiguous())
         shape, x, attn = x.shape, x.reshape(rows, self.dim).contiguous(), attn.reshape(rows, -1).contiguous()
         out = torch.empty_like(x)
         for a, b in self._pieces(rows):
