@@ -205,7 +205,7 @@ def ffn_piece_rows(hidden: int) -> int:
     return max(FFN_PIECE_ROWS, FFN_PIECE_ELEMENTS // hidden)
 
 
-def _prefers_whole(module: nn.Module, rows: int) -> bool:
+def prefers_whole(module: nn.Module, rows: int) -> bool:
     """Whether a product of `rows` rows costs `module` more per row than a whole chunk's (it
     decodes its whole matrix again for each, or each is a round trip to another device)."""
     return getattr(module, "prefers_whole", lambda rows: False)(rows)
@@ -222,7 +222,7 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         piece = ffn_piece_rows(self.down.in_features)
-        if x.device.type != "cpu" or rows <= piece or any(_prefers_whole(m, piece) for m in self.children()):
+        if x.device.type != "cpu" or rows <= piece or any(prefers_whole(m, piece) for m in self.children()):
             return self._rows(x)
         flat = x.reshape(rows, x.shape[-1])
         return torch.cat([self._rows(flat[a : a + piece]) for a in range(0, rows, piece)]).view(*x.shape[:-1], -1)

@@ -157,7 +157,7 @@ class BlockGraphs:
     @classmethod
     def of(cls, block: nn.Module) -> "BlockGraphs | None":
         """The graphs for a block of the dense kind whose weights ggml can all run as held."""
-        from ..model import Attention, FeedForward, ffn_piece_rows
+        from ..model import Attention, FeedForward, ffn_piece_rows, prefers_whole
 
         attn, ffn = block.attn, block.ffn
         if not ggml_cpu.available() or not isinstance(attn, Attention) or not isinstance(ffn, FeedForward):
@@ -179,17 +179,12 @@ class BlockGraphs:
         if qkv is None or out is None or gate_up is None or down is None:
             return None
         piece = ffn_piece_rows(down[0].K) // MAX_ROWS * MAX_ROWS
-        whole = any(getattr(m, "prefers_whole", lambda rows: False)(piece) for m in block.modules())
+        whole = any(prefers_whole(m, piece) for m in block.modules())
         return cls(block, qkv, out[0], [*gate_up, down[0]], None if whole else piece)
 
     def takes(self, x: torch.Tensor) -> bool:
         rows = x.numel() // self.dim
         return x.dtype == torch.float32 and x.device.type == "cpu" and (rows <= MAX_ROWS or self.piece is not None)
-
-    def _pieces(self, rows: int):
-        """Row ranges of a prompt chunk: whole pieces, then the rest."""
-        for a in range(0, rows, self.piece):
-            yield a, min(a + self.piece, rows)
 
     # -- the two graphs ---------------------------------------------------------------------
 
@@ -245,24 +240,27 @@ class BlockGraphs:
         self._built[key] = parts
         return parts
 
+    def _through(self, part: int, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        """Graph `part` (0: project, 1: finish) over the rows of `inputs` into `out`, [rows, ...]
+        each: a decode step's few rows at once, a prompt chunk's a piece at a time."""
+        rows = out.shape[0]
+        if rows <= MAX_ROWS:
+            return self._parts(rows)[part](out, *inputs)
+        for a in range(0, rows, self.piece):
+            b = min(a + self.piece, rows)
+            self._parts(b - a)[part](out[a:b], *(t[a:b] for t in inputs))
+        return out
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """attn_norm(x) through Q, K and V: [..., dim] -> [..., q | k | v]."""
         rows = x.numel() // self.dim
-        if rows <= MAX_ROWS:  # a decode step: one graph, nothing to cut
-            return self._parts(rows)[0](torch.empty(*x.shape[:-1], self.qkv_width), x.contiguous())
-        shape, x = x.shape, x.reshape(rows, self.dim).contiguous()
         out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
-        for a, b in self._pieces(rows):
-            self._parts(b - a)[0](out[a:b], x[a:b])
-        return out.view(*shape[:-1], self.qkv_width)
+        self._through(0, out, x.reshape(rows, self.dim).contiguous())
+        return out.view(*x.shape[:-1], self.qkv_width)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x + o(attn), then that plus the feed-forward of its norm."""
         rows = x.numel() // self.dim
-        if rows <= MAX_ROWS:
-            return self._parts(rows)[1](torch.empty_like(x), x.contiguous(), attn.contiguous())
-        shape, x, attn = x.shape, x.reshape(rows, self.dim).contiguous(), attn.reshape(rows, -1).contiguous()
-        out = torch.empty_like(x)
-        for a, b in self._pieces(rows):
-            self._parts(b - a)[1](out[a:b], x[a:b], attn[a:b])
-        return out.view(shape)
+        flat = x.reshape(rows, self.dim).contiguous()
+        out = self._through(1, torch.empty_like(flat), flat, attn.reshape(rows, -1).contiguous())
+        return out.view(x.shape)
