@@ -115,14 +115,17 @@ class KVCache:
         if isinstance(at.write, slice):
             k_pool[:, at.write] = k[0].to(self.dtype)
             v_pool[:, at.write] = v[0].to(self.dtype)
-        else:
+        else:  # index_copy_ and index_select: several times faster than indexing with a tensor
             H, D = k.shape[1], k.shape[3]
-            k_pool[:, at.write] = k.transpose(0, 1).reshape(H, -1, D).to(self.dtype)
-            v_pool[:, at.write] = v.transpose(0, 1).reshape(H, -1, D).to(self.dtype)
+            k_pool.index_copy_(1, at.write, k.transpose(0, 1).reshape(H, -1, D).to(self.dtype))
+            v_pool.index_copy_(1, at.write, v.transpose(0, 1).reshape(H, -1, D).to(self.dtype))
         if isinstance(at.read, slice):
             keys, values = k_pool[None, :, at.read], v_pool[None, :, at.read]
         else:
-            keys, values = k_pool[:, at.read].transpose(0, 1), v_pool[:, at.read].transpose(0, 1)
+            shape = (k_pool.shape[0], *at.read.shape, k_pool.shape[2])
+            positions = at.read.flatten()
+            keys = torch.index_select(k_pool, 1, positions).view(shape).transpose(0, 1)
+            values = torch.index_select(v_pool, 1, positions).view(shape).transpose(0, 1)
         return keys.to(k.dtype), values.to(v.dtype)
 
     @staticmethod
