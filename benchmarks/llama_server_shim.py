@@ -46,6 +46,8 @@ SAME_MEANING = {
     "--chat-template-file": "--chat-template-file",
     "-t": "--threads",
     "--threads": "--threads",
+    "--cors-methods": "--cors-methods",
+    "--cors-headers": "--cors-headers",
 }
 SAME_SWITCH = {
     "--metrics": "--metrics",
@@ -54,6 +56,8 @@ SAME_SWITCH = {
     "--no-slots": "--no-slots",
     "--verbose": "--verbose",
     "-v": "--verbose",
+    "--cors-credentials": "--cors-credentials",
+    "--no-cors-credentials": "--no-cors-credentials",
 }
 # Read by the shim itself (they shape the flags above), with a value.
 OWN = set("--host -c --ctx-size -np --parallel -a --alias -m --model --cors-origins".split())
@@ -151,10 +155,7 @@ def serve_command(argv: list[str], stand_in: Callable[[], Path]) -> list[str]:
             dropped.append(f"--alias {','.join(sorted(aliases)[1:])} (one name per model)")
     origins = own.get("cors-origins")
     if origins is not None:
-        if origins == "localhost":
-            dropped.append("--cors-origins localhost (the localhost shorthand; every origin stays allowed)")
-        else:
-            cmd += ["--cors-origins", str(origins)]
+        cmd += ["--cors-origins", str(origins)]
     for flag in dropped:
         note(f"dropped {flag}: shardwire serve has no counterpart")
     return cmd

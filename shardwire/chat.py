@@ -50,10 +50,16 @@ def render_chat(
     """The prompt text for `messages` (dicts with "role" and "content"). `template` None means the
     ChatML fallback. Extra keywords reach the template as variables (e.g. enable_thinking=False).
     Today's date is there too, under the names llama.cpp gives it (Llama 3.x and FireFunction
-    templates print it)."""
+    templates print it), and the tools as JSON text under `functions` ('' without tools), which
+    FireFunction's template adds to its system prompt."""
     compiled = _compile(template if template is not None else CHATML_TEMPLATE)
     now = datetime.now()
-    extra = {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y"), **extra}
+    extra = {
+        "date_string": now.strftime("%d %b %Y"),
+        "datetime": now.strftime("%b %d %Y"),
+        "functions": json.dumps(tools, indent=2) if tools else "",
+        **extra,
+    }
     try:
         return compiled.render(
             messages=_normalize(messages),

@@ -9,6 +9,7 @@ import sys
 
 from . import __version__
 from .coordinator.launch import add_cluster_args
+from .cors import CorsPolicy
 from .enums import COMPUTE_DTYPES, WEIGHT_MODES
 from .pipeline import PipelineError
 from .security import add_worker_tls_args, resolve_token, server_tls
@@ -203,8 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cors-origins",
         default="*",
-        help="comma-separated origins whose browser pages may call the API; '*' = any, '' = none "
-        "(default: %(default)s)",
+        help="comma-separated origins whose browser pages may call the API; '*' = any, 'localhost' = "
+        "pages served from this machine, '' = no CORS (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cors-methods",
+        default=CorsPolicy.methods,
+        help="what a CORS preflight says the pages may send (default: %(default)s)",
+    )
+    p.add_argument("--cors-headers", default=CorsPolicy.headers, help="request headers pages may send (default: *)")
+    p.add_argument(
+        "--cors-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=CorsPolicy.credentials,
+        help="pages may send cookies and credentials (default: on, as llama-server)",
     )
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at GET /metrics")
     p.add_argument(

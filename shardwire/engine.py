@@ -42,12 +42,24 @@ class Request:
     ignore_eos: bool = False
     grammar: Grammar | None = None  # what the output must follow (see constrain.py)
     cache_prompt: bool = True  # reuse the KV pages of a cached prefix of the prompt
+    report_progress: bool = False  # events tell how far the prompt is, before its first token
 
     def __post_init__(self):
         if not self.prompt:
             raise ValueError("the prompt is empty")
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far a prompt is (llama-server's prompt_progress): `processed` of its `total` positions,
+    the first `cached` of them found in the KV cache; `ms` since the request came in."""
+
+    total: int
+    cached: int
+    processed: int
+    ms: float
 
 
 @dataclass
@@ -58,6 +70,7 @@ class Event:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
+    progress: PromptProgress | None = None  # only this: the prompt got this far (report_progress)
 
 
 @dataclass
@@ -136,6 +149,7 @@ class _Sequence:
         self.filling: tuple[int, list[bytes]] | None = None  # (last prefill step, prefixes it computes)
         self.preempted = False  # its pages went to others; it restarts from its tokens when some are free
         self.failed = False  # a step of it failed: its pages may hold anything
+        self.progress_at: dict[int, int] = {}  # prompt chunk's step id -> positions done once it is back
 
     @property
     def n_generated(self) -> int:
@@ -261,6 +275,9 @@ class Engine:
             if seq.filling is not None and seq.filling[0] == result.step_id:
                 self.pages.computed(seq.filling[1], ok=not seq.failed)
                 seq.filling = None
+            reached = seq.progress_at.pop(result.step_id, None)
+            if reached is not None and result.error is None and not seq.finished:
+                self._progress(seq, reached)
             if result.error is not None:
                 if broken and not seq.finished:
                     seq.interrupted = True  # replayed once the pipeline is back
@@ -434,6 +451,9 @@ class Engine:
         tokens, n = seq.tokens, seq.n_prompt
         end = n if end is None else end
         step = None
+        report = seq.request.report_progress and seq.n_generated == 0
+        if report:
+            self._progress(seq, seq.n_cached)
         for start in range(seq.n_cached, end, self.prefill_chunk):
             chunk = tokens[start : min(start + self.prefill_chunk, end)]
             last = start + len(chunk) == len(tokens)
@@ -450,6 +470,8 @@ class Engine:
                 generated = tokens[n:]
                 row.constraint = RowConstraint(grammar.key, len(generated), grammar.text, generated)
             step = Step([row])
+            if report:
+                seq.progress_at[step.id] = start + len(chunk)
             self._send(step, [seq])
         if step is not None and self._reuse and seq.request.cache_prompt:
             seq.filling = (step.id, self._filling(seq, end))
@@ -535,6 +557,11 @@ class Engine:
                     break
         seq.pending_text = pending[len(pending) - hold :] if hold else ""
         return pending[: len(pending) - hold], False
+
+    @staticmethod
+    def _progress(seq: _Sequence, processed: int) -> None:
+        ms = (time.perf_counter() - seq.handle.stats.t_submit) * 1000
+        seq.handle.events.put(Event(progress=PromptProgress(seq.n_prompt, seq.n_cached, processed, ms)))
 
     def _emit(self, seq: _Sequence, text: str, sampled: Sampled) -> None:
         seq.handle.events.put(Event(text, sampled.token, sampled.logprob, sampled.top))

@@ -13,6 +13,7 @@ server's flags, as llama-server has them.
 from __future__ import annotations
 
 import math
+import time
 
 import psutil
 from aiohttp import web
@@ -20,6 +21,7 @@ from aiohttp import web
 from . import __version__
 from .backend import BACKEND, Backend, Run, check_model, failure, json_body, open_stream, parse_off_loop, skip_ids
 from .chat import CHATML_TEMPLATE
+from .engine import PromptProgress
 from .metrics import CONTENT_TYPE_LATEST, render
 from .openai_api import APIError, Choice, Job, bad_request, chat_messages, chat_text, text_job, unavailable
 from .tools import ToolError, parse_tools
@@ -31,7 +33,9 @@ LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 MAX_PROBS = 20  # the sampler reports at most this many alternatives
 RANDOM_SEED = 0xFFFFFFFF  # how llama-server shows "a random seed per request" (-1)
 # Native fields read here, not by the OpenAI parsing the rest of the body goes through.
-_NATIVE_ONLY = set("prompt n_predict max_tokens n_probs logprobs n echo stream_options response_fields".split())
+_NATIVE_ONLY = set(
+    "prompt n_predict max_tokens n_probs logprobs n echo stream_options response_fields timings_per_token".split()
+)
 
 
 # -- POST /completion --------------------------------------------------------------------------
@@ -123,7 +127,7 @@ def parse_native_completion(body: dict, tokenizer) -> Job:
     if n_predict is None:
         n_predict = _integer(body, "max_tokens", -1)
     n_probs = _integer(body, "n_probs", 0, MAX_PROBS)
-    for name in ("cache_prompt", "return_tokens", "post_sampling_probs"):
+    for name in ("cache_prompt", "return_tokens", "post_sampling_probs", "timings_per_token"):
         _flag(body, name)
     _response_fields(body)
     rest = {k: v for k, v in body.items() if k not in _NATIVE_ONLY}
@@ -155,6 +159,7 @@ class _Answer:
     def __init__(self, backend: Backend, job: Job, body: dict):
         self.backend, self.job, self.tokenizer = backend, job, backend.tokenizer
         self.return_tokens = body.get("return_tokens", False)
+        self.timings_per_token = body.get("timings_per_token", False)
         self.post_sampling = body.get("post_sampling_probs", False)
         self.fields = _response_fields(body)
         self.skip = skip_ids(self.tokenizer, job)
@@ -184,6 +189,15 @@ class _Answer:
         }
         if self.job.logprobs is not None and entries:
             out["completion_probabilities"] = self.probs(entries)
+        if self.timings_per_token:
+            out["timings"] = timings(run.handles[index].stats)
+        return out
+
+    def progress(self, index: int, run: Run, progress: PromptProgress) -> dict:
+        """llama-server's prompt_progress event (return_progress): no text yet."""
+        out = {**self.partial(index, run, "", None, ()), "prompt_progress": prompt_progress(progress)}
+        if self.timings_per_token:
+            out["timings"] = timings(run.handles[index].stats, progress)
         return out
 
     def final(self, index: int, run: Run, choice: Choice, streamed: bool) -> dict:
@@ -252,15 +266,22 @@ def sampling_params(fields: dict, n_predict: int) -> dict:
     return out
 
 
-def timings(stats) -> dict:
+def timings(stats, progress: PromptProgress | None = None) -> dict:
     """As llama-server reports them: the first token comes with the prompt, so predicted_ms and
-    the rates cover the decode steps after it (n - 1)."""
-    prompt_ms = max(0.0, stats.t_first_token - stats.t_submit) * 1000 if stats.t_first_token else 0.0
-    predicted_ms = max(0.0, stats.t_end - stats.t_first_token) * 1000 if stats.t_first_token else 0.0
-    n_prompt, n_predicted = stats.prompt_tokens - stats.cached_tokens, stats.completion_tokens
+    the rates cover the decode steps after it (n - 1); mid-stream, the times so far. With
+    `progress`, the prompt's so far while it is processed."""
+    if progress is not None:
+        cached, n_prompt, n_predicted, predicted_ms = progress.cached, progress.processed - progress.cached, 0, 0.0
+        prompt_ms = progress.ms if n_prompt else 0.0
+    else:
+        end = stats.t_end or time.perf_counter()
+        prompt_ms = max(0.0, stats.t_first_token - stats.t_submit) * 1000 if stats.t_first_token else 0.0
+        predicted_ms = max(0.0, end - stats.t_first_token) * 1000 if stats.t_first_token else 0.0
+        cached, n_prompt = stats.cached_tokens, stats.prompt_tokens - stats.cached_tokens
+        n_predicted = stats.completion_tokens
     steps = max(0, n_predicted - 1)
     return {
-        "cache_n": stats.cached_tokens,
+        "cache_n": cached,
         "prompt_n": n_prompt,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / n_prompt if n_prompt else 0.0,
@@ -270,6 +291,10 @@ def timings(stats) -> dict:
         "predicted_per_token_ms": predicted_ms / steps if steps and predicted_ms else 0.0,
         "predicted_per_second": steps / predicted_ms * 1000 if steps and predicted_ms else 0.0,
     }
+
+
+def prompt_progress(progress: PromptProgress) -> dict:
+    return {"total": progress.total, "cache": progress.cached, "processed": progress.processed, "time_ms": progress.ms}
 
 
 async def _whole(run: Run, answer: _Answer) -> web.Response:
@@ -295,6 +320,9 @@ async def _stream(request: web.Request, run: Run, answer: _Answer) -> web.Stream
     try:
         while pending or run.open:
             index, event = pending.pop() if pending else await run.next()
+            if event.progress is not None:
+                await send(answer.progress(index, run, event.progress))
+                continue
             text, entries = choices[index].add(event)
             if event.finish_reason in ("error", "cancelled"):
                 await send(failure(event).body())

@@ -132,10 +132,19 @@ _TOKEN_ID = re.compile(r"-?[0-9]+")
 
 def _logit_bias(body: dict, tokenizer) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias}; llama-server also takes [[id or text, bias], ...], text keys
-    (every token of the text gets the bias) and false for a bias that bans the token."""
+    (every token of the text gets the bias) and false for a bias that bans the token. With
+    `ignore_eos` the end-of-generation tokens are banned, as llama-server does, so that a reply
+    runs on without one in its text."""
     value = body.get("logit_bias")
-    if value is None:
-        return ()
+    out = _logit_bias_given(value, tokenizer) if value is not None else {}
+    if _bool(body, "ignore_eos") and tokenizer is not None:
+        out.update((i, -math.inf) for i in tokenizer.stop_ids)  # over any bias given for them
+    if len(out) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    return tuple(sorted(out.items()))
+
+
+def _logit_bias_given(value, tokenizer) -> dict[int, float]:
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
@@ -161,9 +170,7 @@ def _logit_bias(body: dict, tokenizer) -> tuple[tuple[int, float], ...]:
             if i < 0 or (vocab is not None and i >= vocab):
                 raise bad_request(f"logit_bias token id {i} is not in the vocabulary [0, {vocab})", "logit_bias")
             out[i] = float(bias)
-    if len(out) > MAX_LOGIT_BIAS:
-        raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
-    return tuple(sorted(out.items()))
+    return out
 
 
 def _sampling(body: dict, logprobs: int | None, tokenizer=None) -> SamplingParams:
@@ -223,6 +230,7 @@ class Job:
     tools: ToolSpec | None = None  # chat: the functions the model may call; its calls are parsed out
     cache_prompt: bool = True  # llama-server's field: reuse the cached KV pages of a prompt's prefix
     verbose: bool = False  # llama-server's field: the answer carries __verbose (the prompt as text...)
+    return_progress: bool = False  # llama-server's field: a stream tells how far the prompt is
     reasoning: tuple[str, str] | None = None  # chat: the tags the reasoning comes between, read apart
     thinking: bool = False  # the prompt leaves the reply inside a reasoning block
     id: str = ""
@@ -266,6 +274,7 @@ class Job:
                         ignore_eos=self.ignore_eos,
                         grammar=self.grammar,
                         cache_prompt=self.cache_prompt,
+                        report_progress=self.stream and self.return_progress,
                     )
                 )
         return out
@@ -307,6 +316,7 @@ def _common(
         tools,
         _bool(body, "cache_prompt", True),
         _bool(body, "verbose"),
+        return_progress=_bool(body, "return_progress"),
     )
 
 

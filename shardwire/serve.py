@@ -16,6 +16,7 @@ from aiohttp import web
 from .backend import ServerSettings
 from .chat_templates import chosen_template
 from .coordinator.launch import build_pipeline
+from .cors import CorsPolicy
 from .devices import set_threads
 from .engine import Engine
 from .formats import open_model
@@ -89,8 +90,11 @@ def template_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _origins(text: str) -> tuple[str, ...]:
-    return tuple(o.strip() for o in text.split(",") if o.strip())
+def _cors(args: argparse.Namespace) -> CorsPolicy | None:
+    origins = tuple(o.strip() for o in args.cors_origins.split(",") if o.strip())
+    if not origins:
+        return None
+    return CorsPolicy(origins, args.cors_methods, args.cors_headers, args.cors_credentials)
 
 
 async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
@@ -102,7 +106,7 @@ async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
         except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C raises KeyboardInterrupt instead
             pass
     runner = web.AppRunner(
-        create_app(backend, args.api_key, _origins(args.cors_origins), args.slots),
+        create_app(backend, args.api_key, _cors(args), args.slots),
         handler_cancellation=True,
         shutdown_timeout=3,
     )

@@ -22,7 +22,6 @@ import asyncio
 import hmac
 import logging
 
-import aiohttp_cors
 from aiohttp import web
 
 from . import llama_server_api as native
@@ -39,6 +38,7 @@ from .backend import (
     skip_ids,
 )
 from .coordinator.links import parse_address
+from .cors import CorsPolicy, allow_cors
 from .metrics import registry_for
 from .openai_api import (
     APIError,
@@ -131,6 +131,10 @@ async def _stream(request: web.Request, backend: Backend, run: Run) -> web.Strea
         while pending or run.open:
             index, event = pending.pop() if pending else await run.next()
             c = choices[index]
+            if event.progress is not None:  # as llama-server: an empty delta, how far the prompt is
+                piece = chunk_choice(job, c, role=job.kind == "chat")
+                await send({**chunk(job, model, [piece]), "prompt_progress": native.prompt_progress(event.progress)})
+                continue
             offset = len(c.text) + (len(job.echo[index // job.n]) if job.echo else 0)
             text, entries = c.add(event)
             if event.finish_reason in ("error", "cancelled"):
@@ -274,16 +278,12 @@ async def _openai_errors(request: web.Request, handler):
         )
 
 
-def _is_preflight(request: web.Request) -> bool:
-    return request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
-
-
 @web.middleware
 async def _api_key(request: web.Request, handler):
     """Authorization: Bearer KEY or X-Api-Key: KEY, as llama-server takes either. A browser's CORS
-    preflight never carries the key: it is answered without, and the request that follows needs it."""
+    preflight never carries the key: cors.py answers it first, and the request that follows needs it."""
     key = request.app[API_KEY]
-    if key and request.path not in PUBLIC_PATHS and not _is_preflight(request):
+    if key and request.path not in PUBLIC_PATHS:
         bearer = request.headers.get("Authorization", "")
         given = request.headers.get("X-Api-Key") or (bearer[7:] if bearer.lower().startswith("bearer ") else "")
         if not hmac.compare_digest(given.encode(), key.encode()):
@@ -298,18 +298,11 @@ async def _api_key(request: web.Request, handler):
     return await handler(request)
 
 
-def _allow_cors(app: web.Application, origins: tuple[str, ...]) -> None:
-    """Browser pages from these origins ("*": any, llama-server's default) may call every route."""
-    options = aiohttp_cors.ResourceOptions(allow_headers="*", expose_headers="*", max_age=86400)
-    cors = aiohttp_cors.setup(app, defaults={origin: options for origin in origins})
-    for route in list(app.router.routes()):
-        cors.add(route)
-
-
 def create_app(
-    backend: Backend, api_key: str | None = None, cors_origins: tuple[str, ...] = ("*",), slots: bool = True
+    backend: Backend, api_key: str | None = None, cors: CorsPolicy | None = CorsPolicy(), slots: bool = True
 ) -> web.Application:
-    """`slots`: GET /slots answers (llama-server's --slots, its default; --no-slots: 501)."""
+    """`cors`: which browser pages may call the API (None: no CORS answers); `slots`: GET /slots
+    answers (llama-server's --slots, its default; --no-slots: 501)."""
     app = web.Application(middlewares=[_openai_errors, _api_key], client_max_size=MAX_BODY)
     app[BACKEND], app[API_KEY], app[native.SLOTS] = backend, api_key, slots
     app[native.METRICS] = registry_for(backend) if backend.settings.metrics else None
@@ -334,6 +327,6 @@ def create_app(
     app.router.add_get("/props", native.props)
     app.router.add_get("/slots", native.slots)
     app.router.add_get("/metrics", native.metrics)
-    if cors_origins:
-        _allow_cors(app, cors_origins)
+    if cors is not None:
+        allow_cors(app, cors)
     return app

@@ -1,3 +1,4 @@
+import json
 from functools import lru_cache
 
 import pytest
@@ -139,6 +140,14 @@ def test_templates_see_todays_date_as_llama_cpp_names_it():
     text = render_chat("{{ date_string }} | {{ 'Today is ' + datetime }}", [{"role": "user", "content": "Hi"}])
     today = date.today()
     assert text == f"{today.strftime('%d %b %Y')} | Today is {today.strftime('%b %d %Y')}"
+
+
+def test_templates_see_the_tools_as_functions_text_as_firefunction_reads_them():
+    template = "{{ 'Functions:\\n' + functions }}"
+    assert render_chat(template, [{"role": "user", "content": "Hi"}]) == "Functions:\n"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    text = render_chat(template, [{"role": "user", "content": "Hi"}], tools=[tool])
+    assert json.loads(text.removeprefix("Functions:\n")) == [tool]
 
 
 class _Llama3:

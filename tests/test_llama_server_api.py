@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shardwire.backend import Backend, ServerSettings
 from shardwire.chat_templates import BUILTIN
+from shardwire.cors import CorsPolicy
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.kvcache import PAGE
@@ -180,6 +181,46 @@ def test_stream_sends_each_token_then_the_totals(server):
     assert last["generation_settings"]["n_predict"] == 8 and last["content"] == ""
 
 
+def test_return_progress_tells_how_far_the_prompt_is(server, engine):
+    """llama-server's return_progress: an event at the cached part, one as each prompt chunk is
+    back, the last at the whole prompt, all before the first token; a repeat finds pages cached."""
+    body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 6, "n_predict": 2, "temperature": 0}
+    body |= {"stream": True, "return_progress": True, "timings_per_token": True}
+    engine.prefill_chunk, chunk = 16, engine.prefill_chunk
+    try:
+        for turn in range(2):
+            chunks = events(server.url, "/completion", body)
+            progress = [c for c in chunks if "prompt_progress" in c]
+            assert chunks[: len(progress)] == progress and all(c["content"] == "" for c in progress)
+            reached = [c["prompt_progress"] for c in progress]
+            cached, total = reached[0]["cache"], reached[0]["total"]
+            assert (cached > 0) == (turn == 1) and {r["cache"] for r in reached} == {cached}
+            assert [r["processed"] for r in reached] == [cached, *range(cached + 16, total, 16), total]
+            assert reached[0]["time_ms"] <= reached[-1]["time_ms"]
+            timings = [c["timings"] for c in progress]
+            assert timings[0]["prompt_n"] == 0 and timings[0]["prompt_ms"] == 0.0
+            assert timings[-1]["prompt_n"] == total - cached and timings[-1]["prompt_ms"] > 0
+            assert all(v >= 0 for t in timings for v in t.values())
+        chat = {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "stream": True,
+            "return_progress": True,
+        }
+        req = urllib.request.Request(
+            server.url + "/v1/chat/completions",
+            data=json.dumps(chat).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            lines = [json.loads(x[6:]) for x in r.read().decode().split("\n\n") if x.startswith("data: {")]
+        first = next(c for c in lines if "prompt_progress" in c)
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}
+        assert "prompt_progress" not in call(server.url, "/completion", {**body, "stream": False})[1]
+    finally:
+        engine.prefill_chunk = chunk
+
+
 def test_n_probs_whole_streamed_and_post_sampling(server):
     request = {"prompt": PROMPT, "n_predict": 5, "n_probs": 3, "temperature": 0}
     body = call(server.url, "/completion", request)[1]
@@ -271,6 +312,16 @@ def test_generation_settings_list_the_logit_biases(server):
     assert call(server.url, "/completion", one)[1]["generation_settings"]["logit_bias"] == []
     biased = call(server.url, "/completion", {**one, "logit_bias": [[5, 2.5], [7, False]]})[1]
     assert biased["generation_settings"]["logit_bias"] == [{"bias": 2.5, "token": 5}, {"bias": None, "token": 7}]
+
+
+def test_ignore_eos_bans_the_end_of_generation_tokens(server, engine):
+    """As llama-server: listed as bans, and never sampled, even when a bias pushes them."""
+    stops = sorted(engine.tokenizer.stop_ids)
+    pushed = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "logit_bias": [[t, 100] for t in stops]}
+    assert call(server.url, "/completion", pushed)[1]["tokens_predicted"] == 1  # the pushed EOS ends it
+    body = call(server.url, "/completion", {**pushed, "ignore_eos": True, "return_tokens": True})[1]
+    assert body["generation_settings"]["logit_bias"] == [{"bias": None, "token": t} for t in stops]
+    assert body["tokens_predicted"] == 6 and not set(body["tokens"]) & set(stops)
 
 
 def test_timings_rate_the_decode_steps_after_the_first_token(server):
@@ -462,7 +513,7 @@ def test_server_defaults_and_n_predict_default(engine):
 
 
 def test_api_key_by_either_header_and_cors_origins(engine):
-    app = AppThread(engine, api_key="k", cors_origins=("http://ok.example",))
+    app = AppThread(engine, api_key="k", cors=CorsPolicy(("http://ok.example", "localhost")))
     try:
         code, body, _ = call(app.url, "/props")
         assert code == 401 and body["error"]["type"] == "authentication_error"  # llama-server's type
@@ -481,23 +532,36 @@ def test_api_key_by_either_header_and_cors_origins(engine):
                     "Access-Control-Request-Headers": "x-api-key, content-type",
                 },
             )
-            try:
-                with urllib.request.urlopen(req, timeout=30) as r:
-                    return r.status, r.headers
-            except urllib.error.HTTPError as e:
-                return e.code, e.headers
+            with urllib.request.urlopen(req, timeout=30) as r:  # answered without the key
+                return r.status, r.headers
 
         code, headers = preflight("http://ok.example")
         assert code == 200 and headers["Access-Control-Allow-Origin"] == "http://ok.example"
-        assert "POST" in headers["Access-Control-Allow-Methods"]
-        assert "x-api-key" in headers["Access-Control-Allow-Headers"].lower()
-        assert preflight("http://evil.example")[0] == 403
+        assert headers["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"  # llama-server's answer
+        assert headers["Access-Control-Allow-Credentials"] == "true"
+        assert headers["Access-Control-Allow-Headers"] == "x-api-key, content-type"  # "*" would not cover them
+        for local in ("http://localhost:8080", "http://127.0.0.1", "http://[::1]:3000"):
+            assert preflight(local)[1]["Access-Control-Allow-Origin"] == local
+        for other in ("http://evil.example", "http://localhost.evil.example", "http://notlocalhost", "not a url"):
+            code, headers = preflight(other)  # as llama-server: 200, but no origin the browser would accept
+            assert code == 200 and "Access-Control-Allow-Origin" not in headers
         code, _, headers = call(app.url, "/props", headers={"X-Api-Key": "k", "Origin": "http://ok.example"})
         assert code == 200 and headers["Access-Control-Allow-Origin"] == "http://ok.example"
         code, _, headers = call(app.url, "/props", headers={"X-Api-Key": "k", "Origin": "http://evil.example"})
         assert "Access-Control-Allow-Origin" not in headers
     finally:
         app.stop()
+
+
+def test_cors_policy_as_llama_server_answers():
+    anyone = CorsPolicy()
+    assert anyone.allowed_origin("https://ui.example") == "https://ui.example"  # reflected: credentials allowed
+    assert anyone.allowed_origin(None) == "*"
+    assert CorsPolicy(credentials=False).allowed_origin("https://ui.example") == "*"
+    local = CorsPolicy(("localhost",))
+    assert local.allowed_origin("http://127.0.0.1:5173") == "http://127.0.0.1:5173"
+    assert local.allowed_origin("http://[::1") is None  # unparseable
+    assert local.allowed_origin(None) is None
 
 
 # -- `shardwire serve` and its flags -------------------------------------------------------------
