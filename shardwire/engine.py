@@ -327,11 +327,14 @@ class Engine:
             self._prefill(seq)
         # One decode step per stage keeps every stage busy; sequences that become ready while
         # that many are in flight wait and join the next step, so a step carries many rows and
-        # each stage reads its weights once for all of them.
-        free = max(1, self.pipeline.n_stages) - len(self._decoding)
-        ready = [
-            s for s in self._running.values() if not (s.finished or s.interrupted or s.preempted) and s.in_flight == 0
-        ]
+        # each stage reads its weights once for all of them. A step takes at most its share of
+        # the decoding sequences: rows cost time (on a CPU, ggml's kernels are bound by
+        # arithmetic past a few rows), and steps of 7 rows and 1 would keep the stages waiting
+        # on the large one where two of 4 keep both at work.
+        stages = max(1, self.pipeline.n_stages)
+        free = stages - len(self._decoding)
+        decoding = [s for s in self._running.values() if not (s.finished or s.interrupted or s.preempted)]
+        ready = [s for s in decoding if s.in_flight == 0][: max(0, free) * -(-len(decoding) // stages)]
         if not ready or free <= 0:
             return
         ready = self._with_pages(ready)

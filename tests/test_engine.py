@@ -462,6 +462,29 @@ def test_with_one_stage_one_decode_step_is_in_flight_and_carries_all_ready_seque
     assert len(decode) <= 6 and max(len(s.rows) for s in decode) == 4
 
 
+def test_stages_share_the_sequences_between_their_decode_steps(make_engine):
+    """Eight sequences on two stages: the first two back decode alone, and then no step takes
+    more than its share (4), where steps of 7 rows and 1 would leave one stage idle while the
+    other works through 7."""
+    pipe = FakePipeline(n_slots=8, n_stages=2, hold=True)
+    engine = make_engine(pipe)
+    handles = [engine.submit(req([10 * i + 1], max_tokens=6)) for i in range(8)]
+    prefills = pipe.wait_pending(8)
+    for n, step in enumerate(prefills[:2]):
+        pipe.answer(step)
+        pipe.wait_steps(9 + n)  # its decode step, one row
+    for step in prefills[2:]:
+        pipe.answer(step)
+    first, second = pipe.wait_pending(2)
+    pipe.answer(first)
+    assert len(pipe.wait_steps(11)[-1].rows) == 4  # 1 back + 6 waiting: 4 go, 3 wait for the next
+    pipe.answer(second)
+    assert len(pipe.wait_steps(12)[-1].rows) == 4
+    pipe.drive(handles)
+    assert [h.tokens for h in handles] == [expected([10 * i + 1], 6) for i in range(8)]
+    assert max(len(s.rows) for s in pipe.steps[8:]) == 4
+
+
 # -- cancellation ------------------------------------------------------------------------------
 
 
