@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow  # worker processes
 
 openai = pytest.importorskip("openai")
 
+from test_tools import QWEN25_TEMPLATE, WEATHER  # noqa: E402
+
 from shardwire.devices import default_dtype  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
@@ -48,7 +50,7 @@ PROMPTS = [
 
 
 class ServeProcess:
-    def __init__(self, model, workers, cache_dir):
+    def __init__(self, model, workers, cache_dir, *flags: str):
         cmd = [
             sys.executable,
             "-m",
@@ -74,6 +76,7 @@ class ServeProcess:
             "--dtype",
             "float32",
             "--metrics",
+            *flags,
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
@@ -198,6 +201,57 @@ def test_completion_chat_and_streamed_chat_through_the_openai_client(client, mod
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+
+
+def test_a_tool_call_round_trip_through_the_openai_client(model, tmp_path):
+    """A served model with a tool-capable template (Qwen2.5's, --chat-template-file) on 2 workers:
+    tools in the request, a named tool_choice (the constraint makes the random model's call
+    valid), tool_calls in the answer; the call and its result go back in the next request,
+    through the template, and the model answers."""
+    template = tmp_path / "qwen25.jinja"
+    template.write_text(QWEN25_TEMPLATE)
+    workers = [WorkerProcess(tmp_path / f"worker{i}").start() for i in range(2)]
+    serve = ServeProcess(model, workers, tmp_path / "coordinator", "--chat-template-file", str(template), "--jinja")
+    try:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        _tool_call_round_trip(client, model)
+    finally:
+        assert serve.stop() == 0
+        for w in workers:
+            w.stop()
+
+
+def _tool_call_round_trip(client, model) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Rome?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model=model.name,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice=forced,
+        parallel_tool_calls=False,
+        max_tokens=200,
+        seed=1,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"},
+    ]
+    second = client.chat.completions.create(
+        model=model.name, messages=messages, tools=[WEATHER], max_tokens=8, seed=1, extra_body={"verbose": True}
+    )
+    prompt = second.model_extra["__verbose"]["prompt"]  # llama-server's field: the prompt as text
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt  # the tools
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": ' in prompt  # the model's call
+    assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt  # its result
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_n_choices_logprobs_and_stop(client, model):
