@@ -111,15 +111,7 @@ def vocabulary_of(tokenizer) -> Vocabulary:
     from .tokenizer.llamacpp import CONTROL, USER_DEFINED
 
     if isinstance(tokenizer, HFTokenizer):
-        # llguidance reads a tokenizer.json's pieces (byte-level or metaspace, byte fallback) itself.
-        hf = llguidance.LLTokenizer(tokenizer.tokenizer_json, n_vocab=tokenizer.vocab_size, eos_token=0)
-        # Tokens that end generation are control tokens, as llama.cpp marks them, whatever the file says.
-        tokens = [
-            CONTROL_MARK + hf.decode_bytes([i])
-            if hf.is_special_token(i) or i in tokenizer.stop_ids
-            else hf.decode_bytes([i])
-            for i in range(tokenizer.vocab_size)
-        ]
+        tokens = _hf_tokens(tokenizer)
     else:
         tokens = []
         for i in range(tokenizer.vocab_size):
@@ -129,6 +121,25 @@ def vocabulary_of(tokenizer) -> Vocabulary:
             tokens.append(CONTROL_MARK + piece if special else piece)
     eos = sorted(tokenizer.stop_ids) or [tokenizer.eos_id or 0]
     return Vocabulary(tokens, eos)
+
+
+def _hf_tokens(tokenizer) -> list[bytes]:
+    """llguidance reads a tokenizer.json's pieces (byte-level or metaspace, byte fallback) itself.
+    A decoder it does not know (a character vocabulary whose decoder is a list of replacements,
+    like the demo model's) gives each token's own decoded text instead, a token that decodes to
+    nothing (<pad>, <bos>) being a control token. Tokens that end generation are control tokens,
+    as llama.cpp marks them, whatever the file says."""
+    n = tokenizer.vocab_size
+    try:
+        hf = llguidance.LLTokenizer(tokenizer.tokenizer_json, n_vocab=n, eos_token=0)
+    except ValueError:
+        texts = [tokenizer.token_text(i).encode() for i in range(n)]
+        return [
+            CONTROL_MARK + tokenizer.token_name(i).encode() if not t or i in tokenizer.stop_ids else t
+            for i, t in enumerate(texts)
+        ]
+    control = [hf.is_special_token(i) or i in tokenizer.stop_ids for i in range(n)]
+    return [CONTROL_MARK + hf.decode_bytes([i]) if c else hf.decode_bytes([i]) for i, c in enumerate(control)]
 
 
 # -- grammars, on the coordinator ---------------------------------------------------------------

@@ -109,6 +109,10 @@ class HFTokenizer(Tokenizer):
     def token_text(self, id: int) -> str:
         return self._hf.decode(self.check_ids([id]), skip_special_tokens=False)
 
+    def token_name(self, id: int) -> str:
+        """The token as the vocabulary spells it ("<pad>", "▁the"), not as it decodes."""
+        return self._hf.id_to_token(self.check_ids([id])[0])
+
     def stream_decoder(self, skip_special: bool = True, after: list[int] | None = None) -> StreamDecoder:
         return _WindowStreamDecoder(self, skip_special, after or [])
 
