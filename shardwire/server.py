@@ -5,7 +5,7 @@
                                                        recoveries)
     llama-server's: /chat/completions, /models, /v1/health, and its native API
     (llama_server_api.py): /completion (and /completions), /tokenize, /detokenize, /apply-template,
-    /props, /slots, /metrics; CORS for browsers (aiohttp-cors; a preflight is answered without the API key)
+    /props, /slots, /metrics; CORS for browsers as llama-server answers it (cors.py)
     POST /v1/cluster/workers {"address": "host:port"}  (admit a new worker; stages move onto it)
     POST /v1/chat/completions/input_tokens            (llama-server's: the prompt's length in tokens)
 
