@@ -177,7 +177,11 @@ class _Answer:
         top_name = "top_probs" if self.post_sampling else "top_logprobs"
         return [{**item(t, lp), top_name: [item(a, b) for a, b in top]} for t, lp, top in entries]
 
-    def partial(self, index: int, run: Run, text: str, token: int | None, entries) -> dict:
+    def partial(
+        self, index: int, run: Run, text: str, token: int | None, entries, progress: PromptProgress | None = None
+    ) -> dict:
+        """One streamed event: a token's text, or with `progress` (return_progress) how far the
+        prompt is, before any text."""
         out = {
             "index": index,
             "content": text,
@@ -190,14 +194,9 @@ class _Answer:
         if self.job.logprobs is not None and entries:
             out["completion_probabilities"] = self.probs(entries)
         if self.timings_per_token:
-            out["timings"] = timings(run.handles[index].stats)
-        return out
-
-    def progress(self, index: int, run: Run, progress: PromptProgress) -> dict:
-        """llama-server's prompt_progress event (return_progress): no text yet."""
-        out = {**self.partial(index, run, "", None, ()), "prompt_progress": prompt_progress(progress)}
-        if self.timings_per_token:
             out["timings"] = timings(run.handles[index].stats, progress)
+        if progress is not None:
+            out["prompt_progress"] = prompt_progress(progress)
         return out
 
     def final(self, index: int, run: Run, choice: Choice, streamed: bool) -> dict:
@@ -321,7 +320,7 @@ async def _stream(request: web.Request, run: Run, answer: _Answer) -> web.Stream
         while pending or run.open:
             index, event = pending.pop() if pending else await run.next()
             if event.progress is not None:
-                await send(answer.progress(index, run, event.progress))
+                await send(answer.partial(index, run, "", None, (), event.progress))
                 continue
             text, entries = choices[index].add(event)
             if event.finish_reason in ("error", "cancelled"):
