@@ -5,6 +5,7 @@ fixed number of slots (one per sequence)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -34,6 +35,13 @@ class Addresses:
 
     write: slice | torch.Tensor
     read: slice | torch.Tensor
+
+    @cached_property
+    def read32(self) -> torch.Tensor:
+        """read as int32 pool positions, [B, n_keys] ([1, n_keys] for a slice)."""
+        if isinstance(self.read, slice):
+            return torch.arange(self.read.start, self.read.stop, dtype=torch.int32)[None]
+        return self.read.to(torch.int32)
 
     @classmethod
     def of(cls, tables: list[list[int]], starts: list[int], T: int, n_keys: int, device) -> "Addresses":
@@ -108,17 +116,22 @@ class KVCache:
             setattr(self, name, new)
             del old
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: Addresses) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([B, KV, T, D]) where `at` says; return each row's keys and values up to
-        the step's last position, ([B, KV, n_keys, D], same)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: Addresses) -> None:
+        """Store k, v ([B, KV, T, D]) where `at` says."""
         k_pool, v_pool = self.k[layer], self.v[layer]
         if isinstance(at.write, slice):
-            k_pool[:, at.write] = k[0].to(self.dtype)
-            v_pool[:, at.write] = v[0].to(self.dtype)
+            k_pool[:, at.write] = k[0]
+            v_pool[:, at.write] = v[0]
         else:  # index_copy_ and index_select: several times faster than indexing with a tensor
             H, D = k.shape[1], k.shape[3]
             k_pool.index_copy_(1, at.write, k.transpose(0, 1).reshape(H, -1, D).to(self.dtype))
             v_pool.index_copy_(1, at.write, v.transpose(0, 1).reshape(H, -1, D).to(self.dtype))
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: Addresses) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([B, KV, T, D]) where `at` says; return each row's keys and values up to
+        the step's last position, ([B, KV, n_keys, D], same)."""
+        self.write(layer, k, v, at)
+        k_pool, v_pool = self.k[layer], self.v[layer]
         if isinstance(at.read, slice):
             keys, values = k_pool[None, :, at.read], v_pool[None, :, at.read]
         else:

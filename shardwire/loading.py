@@ -151,7 +151,7 @@ def build_stage(
     stage = Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
     if device.type == "cpu" and dtype == torch.float32:
         for block in stage.blocks:
-            block.graphs = BlockGraphs.of(block)
+            block.graphs = BlockGraphs.of(block, stage.inv_freq, cfg.rope_theta)
     return stage
 
 

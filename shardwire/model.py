@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 import torch
@@ -114,6 +115,16 @@ class StepContext:
     mask: torch.Tensor | None  # [B, 1, T, n_keys], True where attention is allowed
     cos: torch.Tensor
     sin: torch.Tensor
+
+    @cached_property
+    def positions32(self) -> torch.Tensor:
+        """positions, [B * T] int32 (for ggml)."""
+        return self.positions.flatten().to(torch.int32)
+
+    @cached_property
+    def key_counts(self) -> list[list[int]]:
+        """How many keys each row sees."""
+        return (self.positions + 1).tolist()
 
 
 class Attention(nn.Module):
@@ -319,7 +330,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
         if self.graphs is not None and self.graphs.takes(x):
-            return self.graphs.finish(x, self.attn.attend(self.graphs.project(x), cache, layer, ctx))
+            return self.graphs(x, self.attn, cache, layer, ctx)
         x = x + self.attn(self.attn_norm(x), cache, layer, ctx)
         return x + self.ffn(self.ffn_norm(x))
 
