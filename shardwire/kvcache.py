@@ -37,6 +37,13 @@ class Addresses:
     read: slice | torch.Tensor
 
     @cached_property
+    def write64(self) -> torch.Tensor:
+        """write as int64 pool positions, [B * T]."""
+        if isinstance(self.write, slice):
+            return torch.arange(self.write.start, self.write.stop)
+        return self.write
+
+    @cached_property
     def read32(self) -> torch.Tensor:
         """read as int32 pool positions, [B, n_keys] ([1, n_keys] for a slice)."""
         if isinstance(self.read, slice):

@@ -18,7 +18,7 @@ from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert
 from .model import Elsewhere, Linear, Stage
 from .plan import placed_apart
 from .quant.codecs import PLAIN, raw_rows, to_torch
-from .quant.ggml_block import BlockGraphs
+from .quant.ggml_block import BlockGraphs, StageGraph
 from .quant.ggml_cpu import GGMLExperts
 from .quant.kernels import kernels_on
 from .quant.packed import pack_matrix
@@ -152,6 +152,7 @@ def build_stage(
     if device.type == "cpu" and dtype == torch.float32:
         for block in stage.blocks:
             block.graphs = BlockGraphs.of(block, stage.inv_freq, cfg.rope_theta)
+        stage.graph = StageGraph.of([block.graphs for block in stage.blocks])
     return stage
 
 

@@ -22,7 +22,7 @@ from .devices import attention_without_cudnn
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
-from .quant.ggml_block import release_prompt_memory
+from .quant.ggml_graph import release_prompt_memory
 
 
 class RMSNorm(nn.Module):
@@ -382,6 +382,7 @@ class Stage(nn.Module):
             )
         self.register_buffer("inv_freq", rope_inv_freq(cfg, weights.get("rope_freqs.weight")), persistent=False)
         self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
+        self.graph = None  # quant.ggml_block.StageGraph, where ggml runs a decode step of all the blocks
         self.cache: KVCache | None = None
         self.ctx = 0  # positions a sequence may reach, set with the cache
         self.kv_dtype: torch.dtype | None = None  # keys and values: kvcache.kv_dtype(dtype) unless set
@@ -466,8 +467,11 @@ class Stage(nn.Module):
         recurrent = self.cache.recurrent
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])
-        for block in self.blocks:
-            x = block(x, self.cache, block.layer, ctx)
+        if self.graph is not None and self.graph.takes(x, self.cache):
+            x = self.graph(x, self.cache, ctx)
+        else:
+            for block in self.blocks:
+                x = block(x, self.cache, block.layer, ctx)
         if x.shape[1] > 1 and self.device.type == "cpu":
             release_prompt_memory()
         if recurrent is not None:

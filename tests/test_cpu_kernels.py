@@ -1,6 +1,7 @@
 """ggml on CPU devices: weights in ggml's repacked layout multiply as their stored blocks do, a dense
-block's decode rows run as two ggml graphs with the results of the modules they replace, and
-the compute dtype keeps every weight at its stored precision unless the user asks otherwise."""
+block's rows run as ggml graphs (a decode step of a dense stage as one graph) with the results of
+the modules they replace, and the compute dtype keeps every weight at its stored precision unless
+the user asks otherwise."""
 
 import pytest
 import torch
@@ -76,8 +77,9 @@ def test_the_measurement_times_the_repacked_layout_where_ggml_has_one():
 def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
     """Logits of a 3-token prompt, then decode steps of 2 and of 9 sequences (the second more rows
     than the graphs take), with or without the blocks' graphs."""
-    kept = [b.graphs for b in stage.blocks]
+    kept, kept_stage = [b.graphs for b in stage.blocks], stage.graph
     if not use_graphs:
+        stage.graph = None
         for b in stage.blocks:
             b.graphs = None
     try:
@@ -87,6 +89,7 @@ def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
         out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [4, 1, 0, 0, 0, 0, 0, 0, 0]))
         return out
     finally:
+        stage.graph = kept_stage
         for b, g in zip(stage.blocks, kept):
             b.graphs = g
 
@@ -99,6 +102,8 @@ def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
         ("llama", "F16", {"F16": "ggml"}),
         ("qwen2", "Q8_0", {"Q8_0": "ggml"}),  # biases on Q, K and V
         ("llama", "Q4_0", {"Q4_0": "repacked"}),
+        ("llama3.1", "F32", {"F32": "dense"}),  # RoPE with Llama 3.1's frequency factors
+        ("qwen3", "F16", {"F16": "ggml"}),  # a norm on each head's queries and keys
     ],
 )
 def test_block_graphs_give_what_the_modules_give(name, stored, fastest):
@@ -110,6 +115,31 @@ def test_block_graphs_give_what_the_modules_give(name, stored, fastest):
         scale = float(b.abs().max())
         assert float((a - b).abs().max()) <= 2e-3 * scale
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_ggml
+def test_a_dense_stage_decodes_in_one_graph_as_its_blocks_graphs_do():
+    """The stage's one graph (RoPE, the cache write, attention and the rest of every block) gives
+    the logits and cache entries the blocks' own graphs give, bit for bit, for 3 sequences of
+    different lengths in one step."""
+    model = open_model(model_path("qwen2", "Q8_0"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q8_0": "ggml"})
+    assert isinstance(stage.graph, ggml_block.StageGraph)
+    stage.allocate_cache(6, 32)
+    lengths = [5, 9, 2]
+    for slot, n in enumerate(lengths):
+        for copy in (slot, slot + 3):
+            stage(torch.tensor([PROMPT[:n]]), [copy], [0])
+    step = torch.tensor([[PROMPT[n]] for n in lengths])
+    one_graph = stage(step, [0, 1, 2], lengths)
+    kept, stage.graph = stage.graph, None
+    by_blocks = stage(step, [3, 4, 5], lengths)
+    stage.graph = kept
+    assert torch.equal(one_graph, by_blocks)
+    k, v = stage.cache.k, stage.cache.v
+    for slot, n in enumerate(lengths):
+        mine, theirs = slice(32 * slot, 32 * slot + n + 1), slice(32 * (slot + 3), 32 * (slot + 3) + n + 1)
+        assert torch.equal(k[:, :, mine], k[:, :, theirs]) and torch.equal(v[:, :, mine], v[:, :, theirs])
 
 
 @needs_ggml

@@ -1,20 +1,19 @@
-"""A dense block's rows on a CPU as ggml graphs, as llama.cpp's CPU backend computes them: first
-the norm, the Q, K and V projections and RoPE; then attention over the cached keys and values, the
-output projection and residual, the feed-forward norm, gate, up, SwiGLU, down and the second
-residual. PyTorch only writes the new keys and values into the cache in between.
+"""A dense block's rows on a CPU as ggml graphs, as llama.cpp's CPU backend computes them: the
+norm, the Q, K and V projections and RoPE; attention over the cached keys and values; the output
+projection and residual, the feed-forward norm, gate, up, SwiGLU, down and the second residual.
 
 A decode step is a few rows against every weight of the model. Run one PyTorch or ggml call at
-a time, its ~20 calls per block cost more than their arithmetic (PyTorch's dispatch, cold after
-each block's weights went through the caches, cost 170 us a block at 1B width, half of it
-attention's few small products), and every matrix starts its stream from a cold prefetcher;
-two graphs per block stream the block's matrices back to back, as llama.cpp's graph does.
+a time, its ~20 calls per block cost more than their arithmetic (PyTorch's dispatch, its code
+cold after each block's weights went through the caches: 170 us a block at 1B width), and every
+matrix starts its stream from a cold prefetcher. So a decode step of a stage whose blocks are all
+of this kind is one graph (StageGraph), as llama.cpp's is; other stages run a block as two graphs.
 
-A prompt chunk goes through the same graphs in pieces of rows where every matrix multiplies a
+A prompt chunk goes through the same kernels in pieces of rows where every matrix multiplies a
 piece as it is held (no dequantized GEMM that pieces would repeat). Attention takes each row
-alone over exactly the keys it sees (a graph's shapes follow each call's key counts: the fields
-that say them are rewritten before the graph runs), so each row meets the same kernels whether it
-is decoded or read in a prompt, and the keys and values a reply left in the cache are the ones a
-prompt holding it computes.
+alone over exactly the keys it sees (a graph's shapes follow each call's key counts), the values
+weighted one key after another, so each row meets the same arithmetic whether it is decoded or
+read in a prompt, and the keys and values a reply left in the cache are the ones a prompt
+holding it computes.
 
 Attention in the graphs needs a plain block (no gate on its output); a gated one keeps PyTorch's
 attention between a projection graph without RoPE and the rest.
@@ -22,28 +21,26 @@ attention between a projection graph without RoPE and the rest.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 import threading
 from collections import OrderedDict
 
-import numpy as np
 import torch
 from torch import nn
 
 from . import ggml_cpu
 from .ggml_cpu import GGMLLinear, RepackedLinear, ggml
+from .ggml_graph import MAX_ROWS, Graph
 
-MAX_ROWS = 8  # rows (sequences of a decode step) the graphs take in one go
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces
-ALIGN = 64
-PROMPT = "prompt"  # the arena of a prompt's pieces
 FIRST_KEYS = 256  # keys a graph's attention is first built for; doubled as its sequences grow
 
 _GGML_TYPES = {torch.float32: "GGML_TYPE_F32", torch.float16: "GGML_TYPE_F16", torch.bfloat16: "GGML_TYPE_BF16"}
 
-PROJECT, FINISH, STEP, EACH, SHARED = "project", "finish", "step", "each", "shared"  # graph kinds, see BlockGraphs
+# a block's graph kinds: PROJECT (norm, Q, K, V, RoPE); then STEP (a decode step's attention, one
+# row per sequence, and the rest of the block), or EACH (that attention alone) or SHARED (rows of
+# one sequence, a prompt's, attention alone) followed by FINISH (the rest)
+PROJECT, FINISH, STEP, EACH, SHARED = "project", "finish", "step", "each", "shared"
 
 
 class _Matrix:
@@ -91,154 +88,39 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().to(torch.float32).contiguous()
 
 
-class _Arena:
-    """Memory for graph intermediates; a thread's graphs for a row count (or for a prompt's
-    pieces) share one, as the blocks run one after another. Mapped apart, so that its pages can
-    be given back between steps while the graphs keep pointing at it."""
-
-    def __init__(self, nbytes: int):
-        self.map = mmap.mmap(-1, max(nbytes, ALIGN))
-        self.memory = np.frombuffer(self.map, dtype=np.uint8)
-        self.nbytes = nbytes
-
-    def release(self) -> None:
-        """Give its pages back (the next use finds them zeroed, which the graphs never read)."""
-        self.map.madvise(mmap.MADV_DONTNEED)
-
-
-_NE, _NB, _DATA = (getattr(ggml.ggml_tensor, f).offset for f in ("ne", "nb", "data")) if ggml else (0, 0, 0)
-
-
-class _Fields:
-    """The tensor fields a graph sets on each call, written at once into its context's memory:
-    data pointers (an input's address plus an offset) and the extents and strides that follow a
-    count (a row's keys, the cache pool's positions). Each is `scale * value + offset` of one of
-    the call's values, named at build."""
-
-    def __init__(self, ctx, names: list[str]):
-        self.base = ggml.ggml_get_mem_buffer(ctx)
-        words = ggml.ggml_get_mem_size(ctx) // 8
-        self.memory = np.ctypeslib.as_array((ctypes.c_int64 * words).from_address(self.base))
-        self.index = {name: i for i, name in enumerate(names)}
-        self._set: list[tuple[int, int, int, int]] = []  # (word, value, scale, offset)
-        self.placed: set[int] = set()  # addresses of the tensors whose data is set on each call
-
-    def _word(self, t, field: int) -> int:
-        return (ctypes.addressof(t.contents) + field - self.base) // 8
-
-    def data(self, t, name: str, offset: int = 0) -> None:
-        self._set.append((self._word(t, _DATA), self.index[name], 1, offset))
-        self.placed.add(ctypes.addressof(t.contents))
-
-    def follow(self, t, name: str, built: int, ne: tuple[int, ...] = (), nb: tuple[int, ...] = ()) -> None:
-        """t's extents `ne` and strides `nb` are proportional to value `name`, which was `built` when t was made."""
-        for field, dims in ((_NE, ne), (_NB, nb)):
-            for i in dims:
-                word = self._word(t, field + 8 * i)
-                scale, rest = divmod(int(self.memory[word]), built)
-                assert rest == 0, "a field that follows a count is a multiple of it"
-                self._set.append((word, self.index[name], scale, 0))
-
-    def freeze(self) -> None:
-        at, self.which, self.scale, self.offset = (np.array(c, dtype=np.int64) for c in zip(*self._set))
-        self.at = at
-
-    def __call__(self, values: list[int]) -> None:
-        self.memory[self.at] = self.scale * np.array(values, dtype=np.int64)[self.which] + self.offset
-
-
-class _Part(ggml_cpu._Built):
-    """One graph of a block for `rows` rows: its inputs, output and call-dependent shapes set
-    through its fields on each call, intermediates in the thread's arena. `build(part)` makes
-    the tensors (using part.fields, part.share, part.inside, part.before) and returns the output."""
-
-    def __init__(self, build, names: list[str], rows: int, size: int, threads: int, arenas: dict):
-        super().__init__(size, size)
-        self.fields = _Fields(self.ctx, names)
-        self._groups: dict[int, str] = {}  # tensor address -> the region it shares with others
-        self._inside: list[tuple] = []  # (tensor, host, offset): placed within another tensor
-        self._before: list = []  # nodes the graph computes before the rest, in order
-        self._hosts: list = []
-        self.y = build(self)
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, size, False)
-        for t in self._before:
-            ggml.ggml_build_forward_expand(self.graph, t)
-        ggml.ggml_build_forward_expand(self.graph, self.y)
-        self.plan = ggml.ggml_graph_plan(self.graph, threads, None)  # work size at the shapes built
-        self.fields.freeze()
-        self.arena = self._place(rows, arenas)
-
-    def share(self, t, group: str):
-        """t lives in a region shared by its group (tensors computed one after another, each used
-        only before the next one of its group is)."""
-        self._groups[ctypes.addressof(t.contents)] = group
-        return t
-
-    def inside(self, t, host, offset: int):
-        """t is computed straight into `host` (a tensor the graph reads later), at `offset`."""
-        self._inside.append((t, host, offset))
-        return t
-
-    def host(self, t):
-        """An intermediate that no operation computes (filled through tensors placed inside it)."""
-        self._hosts.append(t)
-        return t
-
-    def before(self, t):
-        self._before.append(t)
-        return t
-
-    def _place(self, rows: int, arenas: dict) -> _Arena:
-        nodes = [ggml.ggml_graph_node(self.graph, i) for i in range(ggml.ggml_graph_n_nodes(self.graph))]
-        elsewhere = self.fields.placed | {ctypes.addressof(t.contents) for t, _, _ in self._inside}
-        regions: dict[str, list] = {}
-        for t in [*self._hosts, *nodes]:
-            address = ctypes.addressof(t.contents)
-            if t.contents.data or t.contents.view_src or address in elsewhere:
-                continue
-            regions.setdefault(self._groups.get(address, str(address)), []).append(t)
-        sizes = {g: max(-(-ggml.ggml_nbytes(t) // ALIGN) * ALIGN for t in ts) for g, ts in regions.items()}
-        key = rows if rows <= MAX_ROWS else PROMPT  # a prompt's pieces of every size share one
-        arena = arenas.get(key)
-        if arena is None or arena.nbytes < sum(sizes.values()):
-            arena = arenas[key] = _Arena(sum(sizes.values()))  # graphs built on a smaller one keep theirs
-        at = arena.memory.ctypes.data
-        for group, ts in regions.items():
-            for t in ts:
-                t.contents.data = at
-            at += sizes[group]
-        for t, host, offset in self._inside:
-            t.contents.data = host.contents.data + offset
-        for t in nodes:
-            if t.contents.view_src:
-                t.contents.data = t.contents.view_src.contents.data + t.contents.view_offs
-        return arena
-
-    def __call__(self, values: list[int]) -> None:
-        self.fields(values)
-        self._compute()
-
-
-_local = threading.local()
-
-
-def release_prompt_memory() -> None:
-    """After a step with a prompt chunk: the intermediates of its pieces need not stay resident."""
-    arena = _local.__dict__.get("arenas", {}).get(PROMPT)
-    if arena is not None:
-        arena.release()
-
-
 def _capacity(n: int) -> int:
     return max(FIRST_KEYS, 1 << (n - 1).bit_length())
 
 
+def pool_type(cache) -> int | None:
+    """The ggml type of a KV cache's pool, None where the graphs cannot read it."""
+    name = _GGML_TYPES.get(cache.dtype)
+    return None if name is None else getattr(ggml, name)
+
+
+def _vector(ctx, t: torch.Tensor):
+    v = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, t.shape[0])
+    v.contents.data = t.data_ptr()
+    return v
+
+
+def _linear(ctx, m: _Matrix, h):
+    y = ggml.ggml_mul_mat(ctx, m.tensor(ctx), h)
+    return y if m.bias is None else ggml.ggml_add(ctx, y, _vector(ctx, m.bias))
+
+
+def _norm(ctx, x, weight: torch.Tensor, eps: float):
+    return ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), _vector(ctx, weight))
+
+
+def _input(g: Graph, name: str, *shape: int, kind=None):
+    make = getattr(ggml, f"ggml_new_tensor_{len(shape)}d")
+    return g.fields.data(make(g.ctx, ggml.GGML_TYPE_F32 if kind is None else kind, *shape), name)
+
+
 class BlockGraphs:
-    """The graphs of a dense block, built per kind, row count and thread on first use:
-    PROJECT (norm, Q, K, V, and RoPE when `attends`), then either FINISH (the rest after
-    PyTorch's attention) or attention and the rest for one row per sequence (EACH: a decode
-    step) or for rows of one sequence (SHARED: a prompt's piece, whose rows share one gathering
-    of the keys)."""
+    """A dense block's graphs (see the kinds above), built per kind, row count and thread on first
+    use, and its part of a stage's decode graph."""
 
     def __init__(self, block: nn.Module, qkv: list[_Matrix], out: _Matrix, ffn: list[_Matrix], piece: int | None):
         # no reference to the block, which holds this: its weights are freed with it, not by the
@@ -254,9 +136,10 @@ class BlockGraphs:
         self.qkv_width = sum(m.N for m in qkv)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.attends = not attn.gated
-        self.q_norm = (
-            None if attn.q_norm is None else (_f32(attn.q_norm.weight), _f32(attn.k_norm.weight), attn.q_norm.eps)
-        )
+        self.head_norms = None
+        if attn.q_norm is not None:
+            eps = attn.q_norm.eps
+            self.head_norms = ((_f32(attn.q_norm.weight), eps), (_f32(attn.k_norm.weight), eps))
         self.piece = piece  # rows of a prompt chunk a graph takes at once; None: prompts go through the modules
         self._built: dict[str, OrderedDict] = {}
         self.rope: tuple | None = None  # (rotated dims, base, frequency factors or None)
@@ -305,158 +188,157 @@ class BlockGraphs:
         rows = x.numel() // self.dim
         return x.dtype == torch.float32 and x.device.type == "cpu" and (rows <= MAX_ROWS or self.piece is not None)
 
-    # -- building ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _linear(ctx, m: _Matrix, h):
-        y = ggml.ggml_mul_mat(ctx, m.tensor(ctx), h)
-        if m.bias is None:
-            return y
-        return ggml.ggml_add(ctx, y, BlockGraphs._vector(ctx, m.bias))
-
-    @staticmethod
-    def _vector(ctx, t: torch.Tensor):
-        v = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, t.shape[0])
-        v.contents.data = t.data_ptr()
-        return v
-
-    def _norm(self, ctx, x, weight: torch.Tensor, eps: float):
-        return ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), self._vector(ctx, weight))
-
-    @staticmethod
-    def _input(part, name: str, *shape: int, kind=None):
-        t = getattr(ggml, f"ggml_new_tensor_{len(shape)}d")(
-            part.ctx, ggml.GGML_TYPE_F32 if kind is None else kind, *shape
-        )
-        part.fields.data(t, name)
-        return t
+    # -- the arithmetic -----------------------------------------------------------------------------
 
     def _rotate(self, ctx, t, heads: int, rows: int, positions, norm: tuple | None):
         """RoPE (after a per-head norm, where the model has one) on [heads * D, rows]."""
         t = ggml.ggml_reshape_3d(ctx, t, self.head_dim, heads, rows)
         if norm is not None:
-            t = self._norm(ctx, t, *norm)
+            t = _norm(ctx, t, *norm)
         dims, base, factors = self.rope
-        factors = None if factors is None else self._vector(ctx, factors)
+        factors = None if factors is None else _vector(ctx, factors)
         mode = ggml.GGML_ROPE_TYPE_NEOX
         t = ggml.ggml_rope_ext(ctx, t, positions, factors, dims, mode, 0, base, 1.0, 0.0, 1.0, 32.0, 1.0)
         return ggml.ggml_reshape_2d(ctx, t, self.head_dim * heads, rows)
 
-    def _build_project(self, part, rows: int):
-        ctx = part.ctx
-        x = self._input(part, "x", self.dim, rows)
-        h = self._norm(ctx, x, self.attn_norm, self.eps_attn)
-        outs = [self._linear(ctx, m, h) for m in self.qkv]
+    def _project(self, ctx, x, rows: int, positions) -> list:
+        """Queries, keys and values of x [dim, rows], each [heads * D, rows]; the first two
+        turned by RoPE where attention is in the graphs."""
+        h = _norm(ctx, x, self.attn_norm, self.eps_attn)
+        q, k, v = (_linear(ctx, m, h) for m in self.qkv)
         if self.attends:
-            positions = self._input(part, "positions", rows, kind=ggml.GGML_TYPE_I32)
-            q_norm, k_norm = (
-                (None, None)
-                if self.q_norm is None
-                else ((self.q_norm[0], self.q_norm[2]), (self.q_norm[1], self.q_norm[2]))
-            )
-            outs[0] = self._rotate(ctx, outs[0], self.heads, rows, positions, q_norm)
-            outs[1] = self._rotate(ctx, outs[1], self.kv_heads, rows, positions, k_norm)
-        y = outs[0]
-        for o in outs[1:]:
-            y = ggml.ggml_concat(ctx, y, o, 0)
-        part.fields.data(y, "out")
-        return y
+            q_norm, k_norm = self.head_norms or (None, None)
+            q = self._rotate(ctx, q, self.heads, rows, positions, q_norm)
+            k = self._rotate(ctx, k, self.kv_heads, rows, positions, k_norm)
+        return [q, k, v]
 
-    def _build_rest(self, part, rows: int, attn):
-        """Output projection and residual, then the feed-forward and its residual."""
-        ctx = part.ctx
-        x = self._input(part, "x", self.dim, rows)
-        mid = ggml.ggml_add(ctx, x, self._linear(ctx, self.out, attn))
-        h = self._norm(ctx, mid, self.ffn_norm, self.eps_ffn)
-        swiglu = ggml.ggml_swiglu_split(ctx, self._linear(ctx, self.gate, h), self._linear(ctx, self.up, h))
-        y = ggml.ggml_add(ctx, mid, self._linear(ctx, self.down, swiglu))
-        part.fields.data(y, "out")
-        return y
+    def _rest(self, ctx, x, attn):
+        """x + o(attn), then that plus the feed-forward of its norm."""
+        mid = ggml.ggml_add(ctx, x, _linear(ctx, self.out, attn))
+        h = _norm(ctx, mid, self.ffn_norm, self.eps_ffn)
+        swiglu = ggml.ggml_swiglu_split(ctx, _linear(ctx, self.gate, h), _linear(ctx, self.up, h))
+        return ggml.ggml_add(ctx, mid, _linear(ctx, self.down, swiglu))
 
-    def _build_finish(self, part, rows: int):
-        return self._build_rest(part, rows, self._input(part, "attn", self.out.K, rows))
+    def _pool(self, g: Graph, name: str, built: int, kind: int):
+        """A layer's keys or values pool, head-major [KV, positions, D]: as ggml sees it [D, positions, KV]."""
+        pool = ggml.ggml_new_tensor_3d(g.ctx, kind, self.head_dim, built, self.kv_heads)
+        return self._follow_pool(g, pool, name, built)
 
-    def _gather(self, part, pool: str, index, n: str, built: int, pool_type: int):
-        """A head-major pool [KV, positions, D] read at `index`'s positions: [D, n, KV] in float32."""
-        ctx, D, KV = part.ctx, self.head_dim, self.kv_heads
-        t = ggml.ggml_new_tensor_3d(ctx, pool_type, D, built, KV)
-        part.fields.data(t, pool)
-        part.fields.follow(t, "pool", built, ne=(1,), nb=(2, 3))
-        got = ggml.ggml_get_rows(ctx, t, index)
-        part.fields.follow(got, n, built, ne=(1,), nb=(2, 3))
-        return got
+    @staticmethod
+    def _follow_pool(g: Graph, t, name: str, built: int):
+        g.fields.data(t, name)
+        return g.fields.follow(t, "pool", built, ne=(1,), nb=(2, 3))
 
-    def _index(self, part, name: str, n: str, built: int):
-        """A sequence's cache positions, int32; every kv head reads the same list."""
-        t = ggml.ggml_new_tensor_2d(part.ctx, ggml.GGML_TYPE_I32, built, self.kv_heads)
+    def _index(self, g: Graph, name: str, n: str, built: int):
+        """A sequence's first n cache positions, int32; every kv head reads the same list."""
+        t = ggml.ggml_new_tensor_2d(g.ctx, ggml.GGML_TYPE_I32, built, self.kv_heads)
         t.contents.nb[1] = 0
-        part.fields.data(t, name)
-        part.fields.follow(t, n, built, ne=(0,))
-        return t
+        g.fields.data(t, name)
+        return g.fields.follow(t, n, built, ne=(0,))
 
-    def _keys_values(self, part, n: str, built: int, pool_type: int, group: str | None):
-        """A sequence's first n keys and values, [D, n, KV] each in float32 (read at the
-        positions value `index0`/`index<r>` points at)."""
-        idx = self._index(part, "index0" if group is None else "index" + n[1:], n, built)
-        keys = self._gather(part, "k", idx, n, built, pool_type)
-        values = self._gather(part, "v", idx, n, built, pool_type)
-        if group is not None:  # one row's, used before the next row's are gathered
-            part.share(keys, f"{group} keys")
-            part.share(values, f"{group} values")
-        return keys, values
+    @staticmethod
+    def _gather(g: Graph, pool, index, n: str, built: int):
+        """The pool's rows at the index's positions: [D, n, KV] in float32."""
+        return g.fields.follow(ggml.ggml_get_rows(g.ctx, pool, index), n, built, ne=(1,), nb=(2, 3))
 
-    def _attend_row(self, part, r: int, keys, values, n: str, built: int):
-        """Row r's heads over `keys` and `values` (their first n), [D, H // KV, KV]. Each kv
-        head's group of query heads in one product; the values weighted one key after another
-        (an outer product), so a row's sums never depend on how many keys follow."""
-        ctx, H, KV, D = part.ctx, self.heads, self.kv_heads, self.head_dim
-        q = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, D, H // KV, KV)
-        part.fields.data(q, "qkv", r * self.qkv_width * 4)
-        scores = part.share(ggml.ggml_mul_mat(ctx, keys, q), "scores")
-        part.fields.follow(scores, n, built, ne=(0,), nb=(1, 2, 3))
-        probs = part.share(ggml.ggml_soft_max_ext(ctx, scores, None, 1 / math.sqrt(D), 0.0), "probs")
-        part.fields.follow(probs, n, built, ne=(0,), nb=(1, 2, 3))
-        turned = ggml.ggml_transpose(ctx, probs)
-        part.fields.follow(turned, n, built, ne=(1,), nb=(0, 2, 3))
-        return part.before(ggml.ggml_out_prod(ctx, values, turned))
+    def _query(self, g: Graph, r: int):
+        """Row r's queries from the "qkv" input [rows, q | k | v], as [D, H / KV, KV]."""
+        t = ggml.ggml_new_tensor_3d(
+            g.ctx, ggml.GGML_TYPE_F32, self.head_dim, self.heads // self.kv_heads, self.kv_heads
+        )
+        return g.fields.data(t, "qkv", r * self.qkv_width * 4)
 
-    def _build_each(self, part, rows: int, built: int, pool_type: int):
-        """Attention alone for `rows` sequences' one row each, into its output [rows, H * D]."""
-        for r in range(rows):
-            keys, values = self._keys_values(part, f"n{r}", built, pool_type, "row")
-            out = self._attend_row(part, r, keys, values, f"n{r}", built)
-            part.fields.data(out, "out", r * self.heads * self.head_dim * 4)
-        return out
+    def _attend_row(self, g: Graph, query, keys, values, n: str, built: int):
+        """One row's heads [D, H / KV, KV] over `keys` and `values` [D, n, KV]: each kv head's
+        group of query heads in one product, the values weighted one key after another (an outer
+        product), so a row's sums never depend on how many keys follow. -> [D, H / KV, KV]."""
+        ctx = g.ctx
+        scores = g.share(ggml.ggml_mul_mat(ctx, keys, query), "scores")
+        g.fields.follow(scores, n, built, ne=(0,), nb=(1, 2, 3))
+        probs = g.share(ggml.ggml_soft_max_ext(ctx, scores, None, 1 / math.sqrt(self.head_dim), 0.0), "probs")
+        g.fields.follow(probs, n, built, ne=(0,), nb=(1, 2, 3))
+        turned = g.fields.follow(ggml.ggml_transpose(ctx, probs), n, built, ne=(1,), nb=(0, 2, 3))
+        return g.then(ggml.ggml_out_prod(ctx, values, turned))
 
-    def _build_step(self, part, rows: int, built: int, pool_type: int):
-        """A decode step's rows (one per sequence): attention, then the rest of the block."""
-        attn = part.host(ggml.ggml_new_tensor_2d(part.ctx, ggml.GGML_TYPE_F32, self.heads * self.head_dim, rows))
-        for r in range(rows):
-            keys, values = self._keys_values(part, f"n{r}", built, pool_type, "row")
-            part.inside(
-                self._attend_row(part, r, keys, values, f"n{r}", built), attn, r * self.heads * self.head_dim * 4
-            )
-        return self._build_rest(part, rows, attn)
-
-    def _build_shared(self, part, rows: int, built: int, pool_type: int):
-        """Attention alone for `rows` consecutive rows of one sequence (a prompt's), into its output
-        [rows, H * D]: their keys are gathered once (as many as the last row sees) and each row
-        takes the first it sees."""
-        ctx, D, KV = part.ctx, self.head_dim, self.kv_heads
-        gathered = self._keys_values(part, "seen", built, pool_type, None)
+    def _attend_each(self, g: Graph, rows: int, built: int, pools: list, query, place) -> None:
+        """Attention of `rows` sequences' one row each (row r's queries query(r)), over their own
+        keys (at "index<r>", "n<r>" of them); place(r, out) says where a row's result goes."""
         for r in range(rows):
             n = f"n{r}"
-            first = []
+            index = self._index(g, f"index{r}", n, built)
+            keys, values = (g.share(self._gather(g, p, index, n, built), f"row {i}") for i, p in enumerate(pools))
+            place(r, self._attend_row(g, query(r), keys, values, n, built))
+
+    # -- a block's graphs -----------------------------------------------------------------------------
+
+    def _build_project(self, g: Graph, rows: int):
+        x = _input(g, "x", self.dim, rows)
+        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32) if self.attends else None
+        y = None
+        for t in self._project(g.ctx, x, rows, positions):
+            y = t if y is None else ggml.ggml_concat(g.ctx, y, t, 0)
+        return g.fields.data(y, "out")
+
+    def _build_finish(self, g: Graph, rows: int):
+        x, attn = _input(g, "x", self.dim, rows), _input(g, "attn", self.out.K, rows)
+        return g.fields.data(self._rest(g.ctx, x, attn), "out")
+
+    def _build_step(self, g: Graph, rows: int, built: int, kind: int):
+        x = _input(g, "x", self.dim, rows)
+        attn = g.host(ggml.ggml_new_tensor_2d(g.ctx, ggml.GGML_TYPE_F32, self.out.K, rows), "attn")
+        pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
+        width = self.out.K * 4
+        self._attend_each(g, rows, built, pools, lambda r: self._query(g, r), lambda r, t: g.inside(t, attn, r * width))
+        return g.fields.data(self._rest(g.ctx, x, attn), "out")
+
+    def _build_each(self, g: Graph, rows: int, built: int, kind: int):
+        pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
+        width, done = self.out.K * 4, []
+        self._attend_each(
+            g,
+            rows,
+            built,
+            pools,
+            lambda r: self._query(g, r),
+            lambda r, t: done.append(g.fields.data(t, "out", r * width)),
+        )
+        return done[-1]
+
+    def _build_shared(self, g: Graph, rows: int, built: int, kind: int):
+        """Attention alone for `rows` consecutive rows of one sequence: their keys are gathered
+        once (as many as the last row sees, "seen") and each row takes the first it sees."""
+        ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
+        index = self._index(g, "index0", "seen", built)
+        gathered = [self._gather(g, self._pool(g, name, built, kind), index, "seen", built) for name in ("k", "v")]
+        for r in range(rows):
+            n, firsts = f"n{r}", []
             for t in gathered:
                 view = ggml.ggml_view_3d(ctx, t, D, built, KV, t.contents.nb[1], t.contents.nb[2], 0)
-                part.fields.follow(view, n, built, ne=(1,))
-                part.fields.follow(view, "seen", built, nb=(2, 3))
-                first.append(view)
-            out = self._attend_row(part, r, *first, n, built)
-            part.fields.data(out, "out", r * self.heads * D * 4)
+                g.fields.follow(view, n, built, ne=(1,))
+                firsts.append(g.fields.follow(view, "seen", built, nb=(2, 3)))
+            out = g.fields.data(self._attend_row(g, self._query(g, r), *firsts, n, built), "out", r * self.out.K * 4)
         return out
 
-    # -- running ----------------------------------------------------------------------------------
+    def decode(self, g: Graph, x, rows: int, built: int, kind: int, positions, write, layer: int):
+        """This block's part of a stage's decode graph: x [dim, rows] -> the block's output, the
+        new keys and values written into the pools at the "write" positions."""
+        ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
+        q, *new = self._project(ctx, x, rows, positions)
+        pools = []
+        for name, t in zip(("k", "v"), new):
+            rows_first = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, t, D, KV, rows), 0, 2, 1, 3)
+            written = ggml.ggml_set_rows(ctx, self._pool(g, f"{name}{layer}", built, kind), rows_first, write)
+            pools.append(self._follow_pool(g, written, f"{name}{layer}", built))
+        attn = g.host(ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.out.K, rows), "attn")
+        group, width = self.heads // KV, self.out.K * 4
+
+        def query(r):
+            return ggml.ggml_view_3d(ctx, q, D, group, KV, D * 4, group * D * 4, r * width)
+
+        self._attend_each(g, rows, built, pools, query, lambda r, t: g.inside(t, attn, r * width))
+        return self._rest(ctx, x, attn)
+
+    # -- running ------------------------------------------------------------------------------------
 
     _BUILD = {
         PROJECT: _build_project,
@@ -474,36 +356,35 @@ class BlockGraphs:
         if kind == FINISH:
             return ["x", "attn", "out"]
         counts = [f"n{r}" for r in range(rows)]
-        if kind == STEP:
-            return ["x", "qkv", "out", "k", "v", "pool", *counts, *(f"index{r}" for r in range(rows))]
-        if kind == EACH:
-            return ["qkv", "out", "k", "v", "pool", *counts, *(f"index{r}" for r in range(rows))]
-        return ["qkv", "out", "k", "v", "pool", "seen", "index0", *counts]
+        indexes = [f"index{r}" for r in range(rows)]
+        return {
+            STEP: ["x", "qkv", "out", "k", "v", "pool", *counts, *indexes],
+            EACH: ["qkv", "out", "k", "v", "pool", *counts, *indexes],
+            SHARED: ["qkv", "out", "k", "v", "pool", "seen", "index0", *counts],
+        }[kind]
 
-    def _part(self, kind: str, rows: int, keys: int = 0, pool_type: int = 0) -> _Part:
+    def _graph(self, kind: str, rows: int, keys: int = 0, pool: int = 0) -> Graph:
         """The graph of `kind` for `rows` rows on this thread, built for at least `keys` keys a row."""
         kept = self._built.setdefault(kind, OrderedDict())
-        key = (threading.get_ident(), rows, pool_type)
-        part = kept.pop(key, None)
-        if part is None or part.keys < keys:
+        key = (threading.get_ident(), rows, pool)
+        graph = kept.pop(key, None)
+        if graph is None or graph.keys < keys:
             if MAX_ROWS < rows < self.piece:
-                self._part(kind, self.piece, keys, pool_type)  # first: the prompt arena gets the largest size
-            capacity = _capacity(keys) if keys else 0
-            threads, arenas = torch.get_num_threads(), _local.__dict__.setdefault("arenas", {})
+                self._graph(kind, self.piece)  # first: the prompt arena gets the largest size
+            built = _capacity(keys) if keys else 0
             build = self._BUILD[kind]
-            part = _Part(
-                lambda p: build(self, p, rows, capacity, pool_type) if capacity else build(self, p, rows),
+            graph = Graph(
+                (lambda g: build(self, g, rows, built, pool)) if built else (lambda g: build(self, g, rows)),
                 self._names(kind, rows),
                 rows,
-                64 + 16 * rows * (kind in (STEP, EACH, SHARED)),
-                threads,
-                arenas,
+                64 + 16 * rows * (built > 0),
+                torch.get_num_threads(),
             )
-            part.keys = capacity
+            graph.keys = built
             if len(kept) >= KEPT:
                 kept.popitem(last=False)
-        kept[key] = part
-        return part
+        kept[key] = graph
+        return graph
 
     def _pieces(self, rows: int) -> list[tuple[int, int]]:
         """A decode step's few rows at once, a prompt chunk's a piece at a time."""
@@ -518,7 +399,7 @@ class BlockGraphs:
         out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
         x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions32.data_ptr()
         for a, b in self._pieces(rows):
-            self._part(PROJECT, b - a)([x_at + a * self.dim * 4, positions + 4 * a, out_at + a * self.qkv_width * 4])
+            self._graph(PROJECT, b - a)([x_at + a * self.dim * 4, positions + 4 * a, out_at + a * self.qkv_width * 4])
         return out.view(*x.shape[:-1], self.qkv_width)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -527,29 +408,24 @@ class BlockGraphs:
         flat = x.reshape(rows, self.dim).contiguous()
         attn = attn.reshape(rows, -1).contiguous()
         out = torch.empty_like(flat)
-        width = attn.shape[1]
+        x_at, attn_at, out_at, width = flat.data_ptr(), attn.data_ptr(), out.data_ptr(), attn.shape[1] * 4
         for a, b in self._pieces(rows):
-            at = [
-                flat.data_ptr() + a * self.dim * 4,
-                attn.data_ptr() + a * width * 4,
-                out.data_ptr() + a * self.dim * 4,
-            ]
-            self._part(FINISH, b - a)(at)
+            self._graph(FINISH, b - a)([x_at + a * self.dim * 4, attn_at + a * width, out_at + a * self.dim * 4])
         return out.view(x.shape)
 
     def __call__(self, x: torch.Tensor, attention: nn.Module, cache, layer: int, ctx) -> torch.Tensor:
         """The block on x [B, T, dim]; `attention` (the block's) where attention is not in the graphs."""
         qkv = self.project(x, ctx)
-        pool_type = getattr(ggml, _GGML_TYPES.get(cache.dtype, ""), None)
-        if not self.attends or pool_type is None:
+        kind = pool_type(cache)
+        if not self.attends or kind is None:
             return self.finish(x, attention.attend(qkv, cache, layer, ctx))
         B, T, _ = x.shape
         H, KV = self.heads, self.kv_heads
         heads = qkv.view(B, T, H + 2 * KV, self.head_dim)
         cache.write(layer, heads[:, :, H : H + KV].transpose(1, 2), heads[:, :, H + KV :].transpose(1, 2), ctx.at)
-        return self._attend_finish(x, qkv, cache, layer, ctx, pool_type)
+        return self._attend_finish(x, qkv, cache, layer, ctx, kind)
 
-    def _attend_finish(self, x, qkv, cache, layer: int, ctx, pool_type: int) -> torch.Tensor:
+    def _attend_finish(self, x, qkv, cache, layer: int, ctx, kind: int) -> torch.Tensor:
         B, T, _ = x.shape
         qkv_at, qkv_row = qkv.data_ptr(), self.qkv_width * 4
         pools = [cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k.shape[2]]
@@ -561,22 +437,85 @@ class BlockGraphs:
             flat = x.reshape(B, self.dim).contiguous()
             out = torch.empty_like(flat)
             at = [flat.data_ptr(), qkv_at, out.data_ptr(), *pools, *seen]
-            self._part(STEP, B, max(seen), pool_type)(at + [index_at + s * index_row for s in range(B)])
+            self._graph(STEP, B, max(seen), kind)(at + [index_at + s * index_row for s in range(B)])
             return out.view(x.shape)
         # more rows: their attention a few at a time (graphs of a few sizes, whatever the number
         # of rows), then the rest in pieces
-        attn = torch.empty(B * T, self.heads * self.head_dim, dtype=torch.float32)
+        attn = torch.empty(B * T, self.out.K, dtype=torch.float32)
         attn_at, attn_row = attn.data_ptr(), attn.shape[1] * 4
         if T == 1:  # many sequences' decode step
             for a in range(0, B, MAX_ROWS):
                 seen = [c[0] for c in counts[a : a + MAX_ROWS]]
                 at = [qkv_at + a * qkv_row, attn_at + a * attn_row, *pools, *seen]
                 at += [index_at + s * index_row for s in range(a, a + len(seen))]
-                self._part(EACH, len(seen), max(seen), pool_type)(at)
+                self._graph(EACH, len(seen), max(seen), kind)(at)
         else:  # prompts: rows of one sequence share their keys
             for s in range(B):
                 for a in range(0, T, MAX_ROWS):
                     seen, first = counts[s][a : a + MAX_ROWS], s * T + a
                     at = [qkv_at + first * qkv_row, attn_at + first * attn_row, *pools, max(seen)]
-                    self._part(SHARED, len(seen), max(seen), pool_type)(at + [index_at + s * index_row, *seen])
+                    self._graph(SHARED, len(seen), max(seen), kind)(at + [index_at + s * index_row, *seen])
         return self.finish(x, attn)
+
+
+class StageGraph:
+    """A decode step of a stage whose blocks are all dense with attention in the graphs, as one
+    ggml graph (per row count and thread): no Python between the blocks, as in llama.cpp."""
+
+    def __init__(self, blocks: list[BlockGraphs]):
+        self.blocks = blocks
+        self.dim = blocks[0].dim
+        self._built: OrderedDict = OrderedDict()
+
+    @classmethod
+    def of(cls, graphs: list) -> "StageGraph | None":
+        if not graphs or any(g is None or not g.attends for g in graphs):
+            return None
+        return cls(graphs)
+
+    def takes(self, x: torch.Tensor, cache) -> bool:
+        B, T, _ = x.shape
+        cpu = x.dtype == torch.float32 and x.device.type == "cpu"
+        return T == 1 and B <= MAX_ROWS and cpu and pool_type(cache) is not None
+
+    def _build(self, g: Graph, rows: int, built: int, kind: int):
+        x = _input(g, "x", self.dim, rows)
+        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
+        write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
+        for layer, block in enumerate(self.blocks):
+            x = g.end_scope(block.decode(g, x, rows, built, kind, positions, write, layer))
+        return g.fields.data(x, "out")
+
+    def _graph(self, rows: int, keys: int, kind: int) -> Graph:
+        key = (threading.get_ident(), rows, kind)
+        graph = self._built.pop(key, None)
+        if graph is None or graph.keys < keys:
+            built = _capacity(keys)
+            counts, indexes = [f"n{r}" for r in range(rows)], [f"index{r}" for r in range(rows)]
+            pools = [f"{name}{layer}" for layer in range(len(self.blocks)) for name in ("k", "v")]
+            names = ["x", "positions", "write", "out", "pool", *counts, *indexes, *pools]
+            size = len(self.blocks) * (96 + 16 * rows) + 16
+            graph = Graph(lambda g: self._build(g, rows, built, kind), names, rows, size, torch.get_num_threads())
+            graph.keys = built
+            if len(self._built) >= KEPT:
+                self._built.popitem(last=False)
+        self._built[key] = graph
+        return graph
+
+    def __call__(self, x: torch.Tensor, cache, ctx) -> torch.Tensor:
+        """The blocks on a decode step's x [B, 1, dim] -> [B, 1, dim]."""
+        B = x.shape[0]
+        flat = x.reshape(B, self.dim).contiguous()
+        out = torch.empty_like(flat)
+        seen = [c[0] for c in ctx.key_counts]
+        index = ctx.at.read32
+        index_at, index_row = index.data_ptr(), index.stride(0) * 4
+        k, v = cache.k, cache.v
+        layer = k.stride(0) * k.element_size()
+        pools = []
+        for i in range(len(self.blocks)):
+            pools += [k.data_ptr() + i * layer, v.data_ptr() + i * layer]
+        at = [flat.data_ptr(), ctx.positions32.data_ptr(), ctx.at.write64.data_ptr(), out.data_ptr(), k.shape[2]]
+        at += [*seen, *(index_at + s * index_row for s in range(B)), *pools]
+        self._graph(B, max(seen), pool_type(cache))(at)
+        return out.view(x.shape)
