@@ -170,38 +170,47 @@ class Attention(nn.Module):
         q = qk[:, :, :H].transpose(1, 2)
         k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, Q + KV :].transpose(1, 2)
         keys, values = cache.update(layer, k, v, ctx.at)
-        out = attention(q, keys, values, ctx).transpose(1, 2).reshape(B, T, H * D)
+        half = cache.dtype == torch.float16
+        out = attention(q, keys, values, ctx, half).transpose(1, 2).reshape(B, T, H * D)
         if self.gated:
             out = out * torch.sigmoid(qkv[:, :, 1:Q:2].reshape(B, T, H * D))
         return out
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext, half: bool = False
+) -> torch.Tensor:
     """Scaled dot-product attention of queries [B, H, T, D] over [B, KV, n, D]. In float32 on a
     CPU each query row is computed alone over exactly the keys it sees, as two small matrix
-    products (for one row they also start faster than PyTorch's fused kernel: 29 against 47 us a
-    block at 1B width): no row's result depends on the other rows of its step, so a prompt leaves
-    the same keys and values however it was cut into chunks and whatever part of it was cached,
-    and a sequence decodes the same beside others as alone."""
+    products: no row's result depends on the other rows of its step, so a prompt leaves the same
+    keys and values however it was cut into chunks and whatever part of it was cached, and a
+    sequence decodes the same beside others as alone. `half` (keys and values cached in float16):
+    the queries and the weights of the values rounded to float16 first, as llama.cpp's kernels
+    round what they multiply with its float16 cache (and as the CPU's ggml graphs do)."""
     B, H, T, D = q.shape
     KV = keys.shape[1]
     if q.dtype == torch.float32 and q.device.type == "cpu":
         if B == 1 and T == 1:  # one sequence's decode step sees every key it was given
-            return _one_query(q[0, :, 0], keys[0], values[0]).view(1, H, 1, D)
+            return _one_query(q[0, :, 0], keys[0], values[0], half).view(1, H, 1, D)
         out = torch.empty_like(q)
         for b, positions in enumerate(ctx.positions.tolist()):
             for t, p in enumerate(positions):
-                out[b, :, t] = _one_query(q[b, :, t], keys[b, :, : p + 1], values[b, :, : p + 1])
+                out[b, :, t] = _one_query(q[b, :, t], keys[b, :, : p + 1], values[b, :, : p + 1], half)
         return out
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=H != KV)
 
 
-def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: bool) -> torch.Tensor:
     """One query row's heads [H, D] over the keys and values it sees, [KV, n, D] each."""
     H, D = q.shape
     KV = keys.shape[0]
+    if half:
+        q = q.half().float()
     scores = torch.matmul(q.reshape(KV, H // KV, D), keys.transpose(-1, -2)).mul_(D**-0.5)
-    return torch.matmul(scores.softmax(-1), values).view(H, D)
+    weights = scores.softmax(-1)
+    if half:
+        weights = weights.half().float()
+    return torch.matmul(weights, values).view(H, D)
 
 
 # On a CPU a prompt chunk goes through a block's feed-forward (its ggml graphs, quant/ggml_block.py,

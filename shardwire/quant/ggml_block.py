@@ -248,15 +248,30 @@ class BlockGraphs:
         )
         return g.fields.data(t, "qkv", r * self.qkv_width * 4)
 
-    def _attend_row(self, g: Graph, query, keys, values, n: str, built: int):
+    @staticmethod
+    def _half(g: Graph, t, name: str, n: str | None = None, built: int = 0):
+        """t rounded to float16 and back, as llama.cpp's kernels round what they multiply with a
+        float16 cache (the queries, and the attention weights that multiply the values)."""
+        for kind in (ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32):
+            t = g.share(ggml.ggml_cast(g.ctx, t, kind), f"{name} {kind}")
+            if n is not None:
+                g.fields.follow(t, n, built, ne=(0,), nb=(1, 2, 3))
+        return t
+
+    def _attend_row(self, g: Graph, query, keys, values, n: str, built: int, half: bool):
         """One row's heads [D, H / KV, KV] over `keys` and `values` [D, n, KV]: each kv head's
         group of query heads in one product, the values weighted one key after another (an outer
-        product), so a row's sums never depend on how many keys follow. -> [D, H / KV, KV]."""
+        product), so a row's sums never depend on how many keys follow. -> [D, H / KV, KV].
+        `half`: the cache holds float16, and the queries and weights are rounded as llama.cpp's are."""
         ctx = g.ctx
+        if half:
+            query = self._half(g, query, "queries")
         scores = g.share(ggml.ggml_mul_mat(ctx, keys, query), "scores")
         g.fields.follow(scores, n, built, ne=(0,), nb=(1, 2, 3))
         probs = g.share(ggml.ggml_soft_max_ext(ctx, scores, None, 1 / math.sqrt(self.head_dim), 0.0), "probs")
         g.fields.follow(probs, n, built, ne=(0,), nb=(1, 2, 3))
+        if half:
+            probs = self._half(g, probs, "weights", n, built)
         turned = g.fields.follow(ggml.ggml_transpose(ctx, probs), n, built, ne=(1,), nb=(0, 2, 3))
         return g.then(ggml.ggml_out_prod(ctx, values, turned))
 
@@ -267,7 +282,8 @@ class BlockGraphs:
             n = f"n{r}"
             index = self._index(g, f"index{r}", n, built)
             keys, values = (g.share(self._gather(g, p, index, n, built), f"row {i}") for i, p in enumerate(pools))
-            place(r, self._attend_row(g, query(r), keys, values, n, built))
+            half = pools[0].contents.type == ggml.GGML_TYPE_F16
+            place(r, self._attend_row(g, query(r), keys, values, n, built, half))
 
     # -- a block's graphs -----------------------------------------------------------------------------
 
@@ -316,7 +332,8 @@ class BlockGraphs:
                 view = ggml.ggml_view_3d(ctx, t, D, built, KV, t.contents.nb[1], t.contents.nb[2], 0)
                 g.fields.follow(view, n, built, ne=(1,))
                 firsts.append(g.fields.follow(view, "seen", built, nb=(2, 3)))
-            out = g.fields.data(self._attend_row(g, self._query(g, r), *firsts, n, built), "out", r * self.out.K * 4)
+            row = self._attend_row(g, self._query(g, r), *firsts, n, built, kind == ggml.GGML_TYPE_F16)
+            out = g.fields.data(row, "out", r * self.out.K * 4)
         return out
 
     def decode(self, g: Graph, x, rows: int, built: int, kind: int, positions, write, layer: int):
