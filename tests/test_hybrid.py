@@ -101,7 +101,9 @@ def test_prefill_in_chunks_then_decode_equals_one_full_forward(name):
 
 def test_rows_of_a_batch_keep_their_own_state():
     """Sequences in other slots at other positions, decoded together, each as alone; slots in
-    any order (a gather, not a slice)."""
+    any order (a gather, not a slice). Within float16's rounding: attention rounds its queries and
+    weights to float16 (as llama.cpp does with a float16 cache), which turns the last-bit
+    differences of a batched product into a float16 step now and then."""
     stage = whole(model_path("qwen35", "F32"))
     a, b = PROMPT[:6], PROMPT[3:12]
     stage.allocate_cache(4, 64)
@@ -112,9 +114,9 @@ def test_rows_of_a_batch_keep_their_own_state():
     for prompt, row in ((a, 0), (b, 1)):
         stage.allocate_cache(1, 64)
         alone = stage(torch.tensor([prompt + [prompt[-1] + 1]]), [0], [0])
-        torch.testing.assert_close(together[row], alone[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(together[row], alone[0], atol=1e-3, rtol=1e-3)
         alone = stage(torch.tensor([[(7, 9)[row]]]), [0], [len(prompt) + 1])
-        torch.testing.assert_close(then[row], alone[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(then[row], alone[0], atol=1e-3, rtol=1e-3)
 
 
 def test_a_slot_reused_from_position_0_starts_from_a_clean_state_and_never_rewinds():
