@@ -152,7 +152,9 @@ def build_stage(
     if device.type == "cpu" and dtype == torch.float32:
         for block in stage.blocks:
             block.graphs = BlockGraphs.of(block, stage.inv_freq, cfg.rope_theta)
-        stage.graph = StageGraph.of([block.graphs for block in stage.blocks])
+        stage.graph = StageGraph.of(
+            [block.graphs for block in stage.blocks], *((stage.norm, stage.head) if last else ())
+        )
     return stage
 
 

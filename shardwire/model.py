@@ -106,15 +106,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class StepContext:
-    """What every block of a forward pass shares: where the new tokens go and what they see."""
+    """What every block of a forward pass shares: where the new tokens go and what they see.
+    What only PyTorch's attention uses (mask, RoPE's angles) is computed on first use: a step
+    that ggml's graphs take whole never needs it."""
 
     rows: slice | torch.Tensor  # the sequences' slots (recurrent state)
     at: Addresses  # where their keys and values go and are read from
     positions: torch.Tensor  # [B, T]
     n_keys: int
-    mask: torch.Tensor | None  # [B, 1, T, n_keys], True where attention is allowed
-    cos: torch.Tensor
-    sin: torch.Tensor
+    inv_freq: torch.Tensor  # RoPE's frequencies
+    dtype: torch.dtype  # the stage's compute dtype
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, T, n_keys], True where attention is allowed; None for one sequence's one new
+        token, which sees every cached position."""
+        B, T = self.positions.shape
+        if B == 1 and T == 1:
+            return None
+        return (torch.arange(self.n_keys, device=self.positions.device) <= self.positions[:, :, None])[:, None]
+
+    @cached_property
+    def _angles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        return (
+            torch.cat((cos, cos), dim=-1)[:, :, None].to(self.dtype),
+            torch.cat((-sin, sin), dim=-1)[:, :, None].to(self.dtype),
+        )
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self._angles[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """sin with its first half negated (see apply_rope)."""
+        return self._angles[1]
 
     @cached_property
     def positions32(self) -> torch.Tensor:
@@ -435,22 +463,13 @@ class Stage(nn.Module):
         if pages is None:
             pages = [self.own_pages(slot, start + T) for slot, start in zip(slots, starts)]
         self.cache.reserve(1 + max(max(t) for t in pages))
-        if len(slots) == 1 and T == 1:
-            mask = None  # one new token sees every cached position
-        else:
-            mask = torch.arange(n_keys, device=device) <= positions[:, :, None]
-            mask = mask[:, None]
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        cos, sin = freqs.cos(), freqs.sin()
-        dtype = self.dtype
         return StepContext(
             KVCache.rows_for(slots, device),
             Addresses.of(pages, starts, T, n_keys, device),
             positions,
             n_keys,
-            mask,
-            torch.cat((cos, cos), dim=-1)[:, :, None].to(dtype),
-            torch.cat((-sin, sin), dim=-1)[:, :, None].to(dtype),
+            self.inv_freq,
+            self.dtype,
         )
 
     @torch.inference_mode()
@@ -478,6 +497,8 @@ class Stage(nn.Module):
             recurrent.begin(slots, starts, x.shape[1])
         if self.graph is not None and self.graph.takes(x, self.cache):
             x = self.graph(x, self.cache, ctx)
+            if self.graph.logits:
+                return x
         else:
             for block in self.blocks:
                 x = block(x, self.cache, block.layer, ctx)

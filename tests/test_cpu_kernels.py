@@ -119,12 +119,12 @@ def test_block_graphs_give_what_the_modules_give(name, stored, fastest):
 
 @needs_ggml
 def test_a_dense_stage_decodes_in_one_graph_as_its_blocks_graphs_do():
-    """The stage's one graph (RoPE, the cache write, attention and the rest of every block) gives
-    the logits and cache entries the blocks' own graphs give, bit for bit, for 3 sequences of
-    different lengths in one step."""
+    """The stage's one graph (RoPE, the cache write, attention and the rest of every block, then the
+    final norm and the head) gives the logits and cache entries the blocks' own graphs and the head
+    module give, bit for bit, for 3 sequences of different lengths in one step."""
     model = open_model(model_path("qwen2", "Q8_0"))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q8_0": "ggml"})
-    assert isinstance(stage.graph, ggml_block.StageGraph)
+    assert isinstance(stage.graph, ggml_block.StageGraph) and stage.graph.logits  # the final norm and head too
     stage.allocate_cache(6, 32)
     lengths = [5, 9, 2]
     for slot, n in enumerate(lengths):

@@ -477,18 +477,24 @@ class BlockGraphs:
 
 class StageGraph:
     """A decode step of a stage whose blocks are all dense with attention in the graphs, as one
-    ggml graph (per row count and thread): no Python between the blocks, as in llama.cpp."""
+    ggml graph (per row count and thread): no Python between the blocks, as in llama.cpp; on the
+    last stage the final norm and the head too, where ggml runs the head as it is held (`logits`)."""
 
-    def __init__(self, blocks: list[BlockGraphs]):
+    def __init__(self, blocks: list[BlockGraphs], head: tuple | None):
         self.blocks = blocks
         self.dim = blocks[0].dim
+        self.head = head  # (norm weight, eps, the head's matrix)
+        self.logits = head is not None
         self._built: OrderedDict = OrderedDict()
 
     @classmethod
-    def of(cls, graphs: list) -> "StageGraph | None":
+    def of(cls, graphs: list, norm: nn.Module | None = None, head: nn.Module | None = None) -> "StageGraph | None":
+        """The graph of a stage's blocks' graphs (None unless all are of the kind), and of its
+        final `norm` and `head` where given."""
         if not graphs or any(g is None or not g.attends for g in graphs):
             return None
-        return cls(graphs)
+        matrix = None if head is None else _matrices(head)
+        return cls(graphs, None if matrix is None else (_f32(norm.weight), norm.eps, matrix[0]))
 
     def takes(self, x: torch.Tensor, cache) -> bool:
         B, T, _ = x.shape
@@ -501,6 +507,9 @@ class StageGraph:
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
         for layer, block in enumerate(self.blocks):
             x = g.end_scope(block.decode(g, x, rows, built, kind, positions, write, layer))
+        if self.head is not None:
+            weight, eps, matrix = self.head
+            x = _linear(g.ctx, matrix, _norm(g.ctx, x, weight, eps))
         return g.fields.data(x, "out")
 
     def _graph(self, rows: int, keys: int, kind: int) -> Graph:
@@ -520,10 +529,11 @@ class StageGraph:
         return graph
 
     def __call__(self, x: torch.Tensor, cache, ctx) -> torch.Tensor:
-        """The blocks on a decode step's x [B, 1, dim] -> [B, 1, dim]."""
+        """The blocks on a decode step's x [B, 1, dim] -> [B, 1, dim], or the logits [B, 1, vocab]
+        in float32 where the head is in the graph."""
         B = x.shape[0]
         flat = x.reshape(B, self.dim).contiguous()
-        out = torch.empty_like(flat)
+        out = torch.empty(B, 1, self.head[2].N if self.head is not None else self.dim, dtype=torch.float32)
         seen = [c[0] for c in ctx.key_counts]
         index = ctx.at.read32
         index_at, index_row = index.data_ptr(), index.stride(0) * 4
@@ -535,4 +545,4 @@ class StageGraph:
         at = [flat.data_ptr(), ctx.positions32.data_ptr(), ctx.at.write64.data_ptr(), out.data_ptr(), k.shape[2]]
         at += [*seen, *(index_at + s * index_row for s in range(B)), *pools]
         self._graph(B, max(seen), pool_type(cache))(at)
-        return out.view(x.shape)
+        return out
