@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import ggml_cpu
-from .ggml_cpu import GGMLLinear, RepackedLinear, ggml
+from .ggml_cpu import GGMLLinear, RepackedLinear, ggml, least_recently_used
 from .ggml_graph import MAX_ROWS, Graph
 
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces
@@ -258,12 +258,13 @@ class BlockGraphs:
                 g.fields.follow(t, n, built, ne=(0,), nb=(1, 2, 3))
         return t
 
-    def _attend_row(self, g: Graph, query, keys, values, n: str, built: int, half: bool):
+    def _attend_row(self, g: Graph, query, keys, values, n: str, built: int, kind: int):
         """One row's heads [D, H / KV, KV] over `keys` and `values` [D, n, KV]: each kv head's
         group of query heads in one product, the values weighted one key after another (an outer
         product), so a row's sums never depend on how many keys follow. -> [D, H / KV, KV].
-        `half`: the cache holds float16, and the queries and weights are rounded as llama.cpp's are."""
-        ctx = g.ctx
+        Where the cache (of type `kind`) holds float16, the queries and weights are rounded as
+        llama.cpp's are."""
+        ctx, half = g.ctx, kind == ggml.GGML_TYPE_F16
         if half:
             query = self._half(g, query, "queries")
         scores = g.share(ggml.ggml_mul_mat(ctx, keys, query), "scores")
@@ -275,15 +276,15 @@ class BlockGraphs:
         turned = g.fields.follow(ggml.ggml_transpose(ctx, probs), n, built, ne=(1,), nb=(0, 2, 3))
         return g.then(ggml.ggml_out_prod(ctx, values, turned))
 
-    def _attend_each(self, g: Graph, rows: int, built: int, pools: list, query, place) -> None:
+    def _attend_each(self, g: Graph, rows: int, built: int, kind: int, pools: list, query, place) -> None:
         """Attention of `rows` sequences' one row each (row r's queries query(r)), over their own
-        keys (at "index<r>", "n<r>" of them); place(r, out) says where a row's result goes."""
+        keys (at "index<r>", "n<r>" of them) in pools of type `kind`; place(r, out) says where a
+        row's result goes."""
         for r in range(rows):
             n = f"n{r}"
             index = self._index(g, f"index{r}", n, built)
             keys, values = (g.share(self._gather(g, p, index, n, built), f"row {i}") for i, p in enumerate(pools))
-            half = pools[0].contents.type == ggml.GGML_TYPE_F16
-            place(r, self._attend_row(g, query(r), keys, values, n, built, half))
+            place(r, self._attend_row(g, query(r), keys, values, n, built, kind))
 
     # -- a block's graphs -----------------------------------------------------------------------------
 
@@ -304,7 +305,9 @@ class BlockGraphs:
         attn = g.host(ggml.ggml_new_tensor_2d(g.ctx, ggml.GGML_TYPE_F32, self.out.K, rows), "attn")
         pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
         width = self.out.K * 4
-        self._attend_each(g, rows, built, pools, lambda r: self._query(g, r), lambda r, t: g.inside(t, attn, r * width))
+        self._attend_each(
+            g, rows, built, kind, pools, lambda r: self._query(g, r), lambda r, t: g.inside(t, attn, r * width)
+        )
         return g.fields.data(self._rest(g.ctx, x, attn), "out")
 
     def _build_each(self, g: Graph, rows: int, built: int, kind: int):
@@ -314,6 +317,7 @@ class BlockGraphs:
             g,
             rows,
             built,
+            kind,
             pools,
             lambda r: self._query(g, r),
             lambda r, t: done.append(g.fields.data(t, "out", r * width)),
@@ -332,7 +336,7 @@ class BlockGraphs:
                 view = ggml.ggml_view_3d(ctx, t, D, built, KV, t.contents.nb[1], t.contents.nb[2], 0)
                 g.fields.follow(view, n, built, ne=(1,))
                 firsts.append(g.fields.follow(view, "seen", built, nb=(2, 3)))
-            row = self._attend_row(g, self._query(g, r), *firsts, n, built, kind == ggml.GGML_TYPE_F16)
+            row = self._attend_row(g, self._query(g, r), *firsts, n, built, kind)
             out = g.fields.data(row, "out", r * self.out.K * 4)
         return out
 
@@ -352,7 +356,7 @@ class BlockGraphs:
         def query(r):
             return ggml.ggml_view_3d(ctx, q, D, group, KV, D * 4, group * D * 4, r * width)
 
-        self._attend_each(g, rows, built, pools, query, lambda r, t: g.inside(t, attn, r * width))
+        self._attend_each(g, rows, built, kind, pools, query, lambda r, t: g.inside(t, attn, r * width))
         return self._rest(ctx, x, attn)
 
     # -- running ------------------------------------------------------------------------------------
@@ -382,10 +386,8 @@ class BlockGraphs:
 
     def _graph(self, kind: str, rows: int, keys: int = 0, pool: int = 0) -> Graph:
         """The graph of `kind` for `rows` rows on this thread, built for at least `keys` keys a row."""
-        kept = self._built.setdefault(kind, OrderedDict())
-        key = (threading.get_ident(), rows, pool)
-        graph = kept.pop(key, None)
-        if graph is None or graph.keys < keys:
+
+        def make() -> Graph:
             if MAX_ROWS < rows < self.piece:
                 self._graph(kind, self.piece)  # first: the prompt arena gets the largest size
             built = _capacity(keys) if keys else 0
@@ -398,10 +400,11 @@ class BlockGraphs:
                 torch.get_num_threads(),
             )
             graph.keys = built
-            if len(kept) >= KEPT:
-                kept.popitem(last=False)
-        kept[key] = graph
-        return graph
+            return graph
+
+        kept = self._built.setdefault(kind, OrderedDict())
+        key = (threading.get_ident(), rows, pool)
+        return least_recently_used(kept, key, KEPT, make, lambda graph: graph.keys >= keys)
 
     def _pieces(self, rows: int) -> list[tuple[int, int]]:
         """A decode step's few rows at once, a prompt chunk's a piece at a time."""
@@ -484,8 +487,12 @@ class StageGraph:
         self.blocks = blocks
         self.dim = blocks[0].dim
         self.head = head  # (norm weight, eps, the head's matrix)
-        self.logits = head is not None
         self._built: OrderedDict = OrderedDict()
+
+    @property
+    def logits(self) -> bool:
+        """Whether a call gives the logits (the head is in the graph)."""
+        return self.head is not None
 
     @classmethod
     def of(cls, graphs: list, norm: nn.Module | None = None, head: nn.Module | None = None) -> "StageGraph | None":
@@ -513,9 +520,7 @@ class StageGraph:
         return g.fields.data(x, "out")
 
     def _graph(self, rows: int, keys: int, kind: int) -> Graph:
-        key = (threading.get_ident(), rows, kind)
-        graph = self._built.pop(key, None)
-        if graph is None or graph.keys < keys:
+        def make() -> Graph:
             built = _capacity(keys)
             counts, indexes = [f"n{r}" for r in range(rows)], [f"index{r}" for r in range(rows)]
             pools = [f"{name}{layer}" for layer in range(len(self.blocks)) for name in ("k", "v")]
@@ -523,10 +528,10 @@ class StageGraph:
             size = len(self.blocks) * (96 + 16 * rows) + 16
             graph = Graph(lambda g: self._build(g, rows, built, kind), names, rows, size, torch.get_num_threads())
             graph.keys = built
-            if len(self._built) >= KEPT:
-                self._built.popitem(last=False)
-        self._built[key] = graph
-        return graph
+            return graph
+
+        key = (threading.get_ident(), rows, kind)
+        return least_recently_used(self._built, key, KEPT, make, lambda graph: graph.keys >= keys)
 
     def __call__(self, x: torch.Tensor, cache, ctx) -> torch.Tensor:
         """The blocks on a decode step's x [B, 1, dim] -> [B, 1, dim], or the logits [B, 1, vocab]

@@ -123,18 +123,26 @@ class _Graph(_Built):
         self._compute()
 
 
+def least_recently_used(kept: OrderedDict, key, limit: int, make, usable=lambda built: True):
+    """kept[key] where it is there and usable, else make()'s, the least recently used dropped
+    past `limit` kept."""
+    built = kept.pop(key, None)
+    if built is None or not usable(built):
+        built = make()
+        if len(kept) >= limit:
+            kept.popitem(last=False)
+    kept[key] = built
+    return built
+
+
 def _kept(cls, *shape, weight=None):
     """This thread's built graph `cls(*shape, [weight,] threads)`: shared by every weight of that
     type, shape and layout (a call points it at its own data), LRU-kept."""
     graphs = _local.__dict__.setdefault("graphs", OrderedDict())
     key = (cls, *shape, weight is not None, torch.get_num_threads())
-    graph = graphs.pop(key, None)
-    if graph is None:
-        graph = cls(*shape, *((weight,) if cls is _Graph else ()), key[-1])
-        if len(graphs) >= GRAPHS_KEPT:
-            graphs.popitem(last=False)
-    graphs[key] = graph
-    return graph
+    return least_recently_used(
+        graphs, key, GRAPHS_KEPT, lambda: cls(*shape, *((weight,) if cls is _Graph else ()), key[-1])
+    )
 
 
 def _scratch(slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
