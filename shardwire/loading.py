@@ -15,6 +15,7 @@ from .deltanet import from_transformers, needs_float32
 from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
+from .formats.tensors import copied
 from .model import Elsewhere, Linear, Stage
 from .plan import placed_apart
 from .quant.codecs import PLAIN, raw_rows, to_torch
@@ -131,7 +132,9 @@ def build_stage(
             # ggml's repack copies the stored rows into its own layout: they need no copy of ours
             # unless a token table is also made of them
             table_too = name == "token_embd.weight" and EMBEDDING in formats
-            stored_rows = raw_rows(raw, info.dtype, tuple(info.shape), copy=fmt != "repacked" or table_too)
+            if fmt != "repacked" or table_too:
+                raw = copied(raw, info, release)
+            stored_rows = raw_rows(raw, info.dtype, tuple(info.shape), copy=False)
             rows = model_rows(cfg, name, stored_rows, qk_interleaved, itemsize)
             module = pack_matrix(rows, info.dtype, fmt, on, dt)
             if name == "token_embd.weight" and not (last and cfg.tied_embeddings):

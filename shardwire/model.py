@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .deltanet import GatedDeltaNet
-from .devices import attention_without_cudnn
+from .devices import attention_without_cudnn, release_memory
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
@@ -245,7 +245,7 @@ def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: 
 # or the modules) in pieces of about this many values of the hidden width, at least this many rows,
 # so that gate, up and SwiGLU, the largest activations of a step, need a few MiB; not where a matrix
 # prefers whole chunks (it is dequantized for each product, or elsewhere)
-FFN_PIECE_ELEMENTS = 1 << 19
+FFN_PIECE_ELEMENTS = 1 << 18
 FFN_PIECE_ROWS = 64
 
 
@@ -472,6 +472,30 @@ class Stage(nn.Module):
             self.dtype,
         )
 
+    def _prompt_piece(self, x: torch.Tensor) -> int | None:
+        """Where ggml's graphs take every block's rows a piece at a time: the rows of a prompt
+        chunk that go through all the blocks before the next ones do (so that the activations
+        held at once are a piece's, not a chunk's)."""
+        graphs = [block.graphs for block in self.blocks]
+        if self.cache.recurrent is not None or not graphs or any(g is None or not g.takes(x) for g in graphs):
+            return None
+        pieces = {g.piece for g in graphs}
+        piece = pieces.pop() if len(pieces) == 1 else None
+        return piece if piece is not None and x.shape[1] > piece else None
+
+    def _in_pieces(self, x, slots: list[int], starts: list[int], pages, piece: int, out: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's positions a piece at a time through every block, into `out` (which may
+        be x: a piece's rows are read before its results are written): a piece's keys and values
+        are in the cache before the next piece's rows attend to them."""
+        for a in range(0, x.shape[1], piece):
+            b = min(a + piece, x.shape[1])
+            ctx = self._context(slots, [s + a for s in starts], b - a, pages)
+            y = x[:, a:b]
+            for block in self.blocks:
+                y = block(y, self.cache, block.layer, ctx)
+            out[:, a:b] = y
+        return out
+
     @torch.inference_mode()
     def forward(
         self,
@@ -487,6 +511,7 @@ class Stage(nn.Module):
         all_logits)."""
         if self.cache is None:
             raise RuntimeError("allocate_cache() before forward()")
+        given = x
         if self.first:
             x = self.embed(x.to(self.device))
         else:
@@ -499,11 +524,14 @@ class Stage(nn.Module):
             x = self.graph(x, self.cache, ctx)
             if self.graph.logits:
                 return x
+        elif (piece := self._prompt_piece(x)) is not None:
+            x = self._in_pieces(x, slots, starts, pages, piece, x if x is not given else torch.empty_like(x))
         else:
             for block in self.blocks:
                 x = block(x, self.cache, block.layer, ctx)
-        if x.shape[1] > 1 and self.device.type == "cpu":
+        if x.shape[1] > 1 and self.device.type == "cpu":  # what a prompt chunk's activations took goes back
             release_prompt_memory()
+            release_memory()
         if recurrent is not None:
             recurrent.end()
         if not self.last:

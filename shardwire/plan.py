@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .deltanet import CHUNK
 from .devices import parse_dtype
 from .formats import ModelFile
+from .formats.tensors import COPY_PIECE
 from .kvcache import PAGE, pool_pages, stage_cache_nbytes
 from .model import ffn_piece_rows
 from .quant.codecs import stored_nbytes
@@ -245,6 +246,9 @@ GGML_DEQUANT_BYTES_PER_VALUE = 4
 # 12-14 MiB with torch 2.13 and ggml on x86)
 CPU_RUNTIME_BYTES = 16 << 20
 
+# the formats whose module keeps the stored bytes it is given (copied out of the file once)
+HELD_AS_STORED = ("ggml", "gguf")
+
 
 def dequant_bytes_per_value(formats, dtype: torch.dtype) -> int:
     """What the formats a stage's matrices are held in dequantize per value for a prompt chunk."""
@@ -325,8 +329,17 @@ def stage_cost(
     activations = workspace_bytes(
         cfg, chunk, stage.last, dtype, stage.device.type, dequant_bytes_per_value(products, dtype)
     )
-    # while loading, the stored bytes of the tensor being built are resident beside the weights built
-    loading = max((stored_nbytes(t.dtype, tuple(t.shape)) for t in tensors.values()), default=0)
+    # while loading, what of the tensor being built is resident beside the weights built: a piece of
+    # one held as stored on a CPU (formats.tensors.copied), else its stored bytes
+    loading = max(
+        (
+            COPY_PIECE
+            if stage.device.type == "cpu" and formats.get(n) in HELD_AS_STORED
+            else stored_nbytes(t.dtype, tuple(t.shape))
+            for n, t in tensors.items()
+        ),
+        default=0,
+    )
     runtime = CPU_RUNTIME_BYTES if stage.device.type == "cpu" else 0
     return StageCost(
         weight_bytes,

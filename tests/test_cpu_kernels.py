@@ -164,14 +164,19 @@ def test_the_compute_dtype_keeps_weights_at_their_stored_precision():
 
 
 @needs_repack
-def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded():
+@pytest.mark.parametrize("piece", [None, 24])
+def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded(piece):
     """Where every kernel gives a row the same result whatever rows come with it (ggml's repacked
     Q4_0, and attention one query row at a time), the KV pages a reply filled one token at a time
     are the ones a later prompt holding it computes, in one chunk or in several: a cached reply
     continues a chat exactly as without the cache. (Where a prompt chunk is measured faster as a
-    dequantized GEMM, its rows differ from decode's in the last bits.)"""
+    dequantized GEMM, its rows differ from decode's in the last bits.) So too where a chunk's
+    positions go through all the blocks a piece at a time (`piece` rows; the default piece of
+    these small models is larger than a chunk)."""
     model = open_model(model_path("llama", "Q4_0"))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
+    for block in stage.blocks:
+        block.graphs.piece = piece or block.graphs.piece
     n, ctx = 600, 608  # longer than PyTorch's fused attention takes keys in one block
     stage.allocate_cache(3, ctx)
     tokens = torch.tensor([(PROMPT * 40)[:n]])
@@ -185,3 +190,95 @@ def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded():
     for slot in (1, 2):
         assert torch.equal(k[:, :, :n], k[:, :, ctx * slot : ctx * slot + n])
         assert torch.equal(v[:, :, :n], v[:, :, ctx * slot : ctx * slot + n])
+
+
+def _chain(g, n: int, steps: int):
+    """x -> x * 2 -> + x -> * 2 -> ... (`steps` operations), into "out"."""
+    from shardwire.quant.ggml_cpu import ggml
+
+    x = g.fields.data(ggml.ggml_new_tensor_1d(g.ctx, ggml.GGML_TYPE_F32, n), "x")
+    y = x
+    for i in range(steps):
+        y = ggml.ggml_scale(g.ctx, y, 2.0) if i % 2 == 0 else ggml.ggml_add(g.ctx, y, x)
+    return g.fields.data(y, "out")
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """How many bytes of the pages at [address, address + nbytes) are resident (mincore)."""
+    import ctypes
+    import mmap
+
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vector) == 0
+    return sum(v & 1 for v in vector) * mmap.PAGESIZE
+
+
+@needs_ggml
+def test_graph_intermediates_take_memory_only_while_they_are_read():
+    """A chain of operations needs two intermediates' memory whatever its length (each is dead once
+    the next has read it); a larger graph built later in the same arena moves the earlier one
+    with it; after a prompt's step the arena's pages are given back."""
+    import threading
+
+    from shardwire.quant import ggml_graph
+
+    n = 1 << 16
+    x = torch.randn(n)
+    result = {}
+
+    def run():
+        graphs = {}
+        for steps in (6, 2):  # the longer chain first: the arena fits both
+            graphs[steps] = ggml_graph.Graph(lambda g: _chain(g, n, steps), ["x", "out"], ggml_graph.PROMPT, 64, 1)
+        wider = ggml_graph.Graph(lambda g: _chain(g, 2 * n, 3), ["x", "out"], ggml_graph.PROMPT, 64, 1)
+        x2 = torch.cat([x, x])
+        for steps, graph in [*graphs.items(), (3, wider)]:
+            src = x2 if graph is wider else x
+            out = torch.empty_like(src)
+            graph([src.data_ptr(), out.data_ptr()])
+            result[steps] = out
+        result["arenas"] = [graph.arena for graph in [*graphs.values(), wider]]
+        arena = wider.arena
+        result["resident before"] = _resident_bytes(arena.memory.ctypes.data, arena.nbytes)
+        ggml_graph.release_prompt_memory()
+        result["resident after"] = _resident_bytes(arena.memory.ctypes.data, arena.nbytes)
+
+    thread = threading.Thread(target=run)  # a thread's own arenas
+    thread.start()
+    thread.join()
+    expect = x.clone()
+    for i in range(6):
+        expect = expect * 2 if i % 2 == 0 else expect + x
+        if i + 1 in (2, 6):
+            assert torch.allclose(result[i + 1], expect)
+    assert torch.allclose(result[3], torch.cat([x * 2 + x, x * 2 + x]) * 2)
+    first, second, wider = result["arenas"]
+    assert first is second is wider  # one arena, moved to the larger size with its graphs
+    assert wider.nbytes == 2 * (2 * n * 4)  # two intermediates of the wider chain
+    assert result["resident before"] == wider.nbytes and result["resident after"] == 0
+
+
+@needs_repack
+def test_a_prompt_in_pieces_leaves_a_later_stage_its_input():
+    """A stage that is not the first writes a chunk's results beside its input, which the caller
+    may still hold; the first writes them over the embeddings it made."""
+    model = open_model(model_path("llama", "Q4_0"))
+    n = model.config.n_layers
+    first = load_stage(model, 0, 1, weights="fast", fastest={"Q4_0": "repacked"})
+    later = load_stage(model, 1, n, weights="fast", fastest={"Q4_0": "repacked"})
+    for stage in (first, later):
+        stage.allocate_cache(1, 128)
+        for block in stage.blocks:
+            block.graphs.piece = 16
+    tokens = torch.tensor([(PROMPT * 10)[:100]])
+    hidden = first(tokens, [0], [0])
+    kept = hidden.clone()
+    logits = later(hidden, [0], [0], all_logits=True)
+    assert torch.equal(hidden, kept)
+    whole = load_stage(model, 0, n, weights="fast", fastest={"Q4_0": "repacked"})
+    whole.allocate_cache(1, 128)
+    for block in whole.blocks:
+        block.graphs.piece = 16
+    assert torch.equal(logits, whole(tokens, [0], [0], all_logits=True))

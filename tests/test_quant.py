@@ -306,3 +306,33 @@ def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeyp
         assert rows == entry["rows"] == (min(wins) if wins else None)
     finally:
         measure.gemm_rows.cache_clear()
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+def test_stored_bytes_leave_the_mapping_a_piece_at_a_time(monkeypatch):
+    """A matrix held as stored is copied out of the file's mapping a piece at a time, each piece's
+    pages dropped once copied, so that a large tensor is never resident twice while loading; the
+    stage built is the same."""
+    from shardwire.formats import TensorReader, tensors
+
+    model = open_model(model_path("llama", "Q8_0"))
+    fast = dict(weights="fast", fastest={"Q8_0": "ggml"})
+    reference = load_stage(model, 0, 2, **fast)
+    released = []
+
+    class Reader(TensorReader):
+        def release(self, info):
+            released.append(info)
+            super().release(info)
+
+    monkeypatch.setattr(tensors, "COPY_PIECE", 4096)
+    stage = load_stage(model, 0, 2, reader=Reader(), **fast)
+    largest = max(model.stage_tensors(0, 2, True, False).values(), key=lambda t: t.nbytes)
+    assert largest.dtype == "Q8_0" and largest.nbytes > 4 * 4096
+    pieces = [r for r in released if largest.offset <= r.offset < largest.offset + largest.nbytes and r.nbytes <= 4096]
+    assert [p.offset for p in pieces] == list(range(largest.offset, largest.offset + largest.nbytes, 4096))
+    assert sum(p.nbytes for p in pieces) == largest.nbytes
+    for s in (reference, stage):
+        s.allocate_cache(1, 32)
+    tokens = torch.tensor([PROMPT[:12]])
+    assert torch.equal(reference(tokens, [0], [0], all_logits=True), stage(tokens, [0], [0], all_logits=True))

@@ -6,6 +6,7 @@ import mmap
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -34,6 +35,20 @@ class TensorInfo:
 
 
 FAULT_AROUND = 1 << 20  # more than Linux maps around a faulting page of a file (64 KiB by default)
+COPY_PIECE = 4 << 20
+
+
+def copied(raw: np.ndarray, info: TensorInfo, release: Callable[[TensorInfo], None] | None) -> np.ndarray:
+    """A tensor's stored bytes (`raw`, read from a mapping) copied out a few MiB at a time, each
+    piece's pages released (TensorReader.release) as soon as it is copied: a large tensor is never
+    resident twice."""
+    out = np.empty_like(raw)
+    for a in range(0, raw.size, COPY_PIECE):
+        b = min(a + COPY_PIECE, raw.size)
+        out[a:b] = raw[a:b]
+        if release is not None:
+            release(TensorInfo(info.name, "U8", (b - a,), info.path, info.offset + a, b - a))
+    return out
 
 
 class TensorReader:

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import ggml_cpu
 from .ggml_cpu import GGMLLinear, RepackedLinear, ggml, least_recently_used
-from .ggml_graph import MAX_ROWS, Graph
+from .ggml_graph import MAX_ROWS, PROMPT, Graph
 
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces
 FIRST_KEYS = 256  # keys a graph's attention is first built for; doubled as its sequences grow
@@ -249,11 +249,11 @@ class BlockGraphs:
         return g.fields.data(t, "qkv", r * self.qkv_width * 4)
 
     @staticmethod
-    def _half(g: Graph, t, name: str, n: str | None = None, built: int = 0):
+    def _half(g: Graph, t, n: str | None = None, built: int = 0):
         """t rounded to float16 and back, as llama.cpp's kernels round what they multiply with a
         float16 cache (the queries, and the attention weights that multiply the values)."""
         for kind in (ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32):
-            t = g.share(ggml.ggml_cast(g.ctx, t, kind), f"{name} {kind}")
+            t = ggml.ggml_cast(g.ctx, t, kind)
             if n is not None:
                 g.fields.follow(t, n, built, ne=(0,), nb=(1, 2, 3))
         return t
@@ -266,13 +266,13 @@ class BlockGraphs:
         llama.cpp's are."""
         ctx, half = g.ctx, kind == ggml.GGML_TYPE_F16
         if half:
-            query = self._half(g, query, "queries")
-        scores = g.share(ggml.ggml_mul_mat(ctx, keys, query), "scores")
+            query = self._half(g, query)
+        scores = ggml.ggml_mul_mat(ctx, keys, query)
         g.fields.follow(scores, n, built, ne=(0,), nb=(1, 2, 3))
-        probs = g.share(ggml.ggml_soft_max_ext(ctx, scores, None, 1 / math.sqrt(self.head_dim), 0.0), "probs")
+        probs = ggml.ggml_soft_max_ext(ctx, scores, None, 1 / math.sqrt(self.head_dim), 0.0)
         g.fields.follow(probs, n, built, ne=(0,), nb=(1, 2, 3))
         if half:
-            probs = self._half(g, probs, "weights", n, built)
+            probs = self._half(g, probs, n, built)
         turned = g.fields.follow(ggml.ggml_transpose(ctx, probs), n, built, ne=(1,), nb=(0, 2, 3))
         return g.then(ggml.ggml_out_prod(ctx, values, turned))
 
@@ -283,7 +283,7 @@ class BlockGraphs:
         for r in range(rows):
             n = f"n{r}"
             index = self._index(g, f"index{r}", n, built)
-            keys, values = (g.share(self._gather(g, p, index, n, built), f"row {i}") for i, p in enumerate(pools))
+            keys, values = (self._gather(g, p, index, n, built) for p in pools)
             place(r, self._attend_row(g, query(r), keys, values, n, built, kind))
 
     # -- a block's graphs -----------------------------------------------------------------------------
@@ -302,7 +302,7 @@ class BlockGraphs:
 
     def _build_step(self, g: Graph, rows: int, built: int, kind: int):
         x = _input(g, "x", self.dim, rows)
-        attn = g.host(ggml.ggml_new_tensor_2d(g.ctx, ggml.GGML_TYPE_F32, self.out.K, rows), "attn")
+        attn = ggml.ggml_new_tensor_2d(g.ctx, ggml.GGML_TYPE_F32, self.out.K, rows)
         pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
         width = self.out.K * 4
         self._attend_each(
@@ -350,7 +350,7 @@ class BlockGraphs:
             rows_first = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, t, D, KV, rows), 0, 2, 1, 3)
             written = ggml.ggml_set_rows(ctx, self._pool(g, f"{name}{layer}", built, kind), rows_first, write)
             pools.append(self._follow_pool(g, written, f"{name}{layer}", built))
-        attn = g.host(ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.out.K, rows), "attn")
+        attn = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.out.K, rows)
         group, width = self.heads // KV, self.out.K * 4
 
         def query(r):
@@ -388,14 +388,12 @@ class BlockGraphs:
         """The graph of `kind` for `rows` rows on this thread, built for at least `keys` keys a row."""
 
         def make() -> Graph:
-            if MAX_ROWS < rows < self.piece:
-                self._graph(kind, self.piece)  # first: the prompt arena gets the largest size
             built = _capacity(keys) if keys else 0
             build = self._BUILD[kind]
             graph = Graph(
                 (lambda g: build(self, g, rows, built, pool)) if built else (lambda g: build(self, g, rows)),
                 self._names(kind, rows),
-                rows,
+                PROMPT if kind == SHARED or rows > MAX_ROWS else rows,
                 64 + 16 * rows * (built > 0),
                 torch.get_num_threads(),
             )
@@ -513,7 +511,7 @@ class StageGraph:
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
         for layer, block in enumerate(self.blocks):
-            x = g.end_scope(block.decode(g, x, rows, built, kind, positions, write, layer))
+            x = g.then(block.decode(g, x, rows, built, kind, positions, write, layer))
         if self.head is not None:
             weight, eps, matrix = self.head
             x = _linear(g.ctx, matrix, _norm(g.ctx, x, weight, eps))

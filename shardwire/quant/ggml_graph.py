@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+import weakref
 
 import numpy as np
 
@@ -16,20 +17,23 @@ from .ggml_cpu import ggml
 
 MAX_ROWS = 8  # rows (sequences of a decode step) a graph takes in one go; more are a prompt's pieces
 ALIGN = 64
-PROMPT = "prompt"  # the arena of a prompt's pieces
+PROMPT = "prompt"  # the arena of every graph a prompt runs (the rest are a decode step's)
 
 _NE, _NB, _DATA = (getattr(ggml.ggml_tensor, f).offset for f in ("ne", "nb", "data")) if ggml else (0, 0, 0)
 
 
 class _Arena:
     """Memory for graph intermediates; a thread's graphs for a row count (or for a prompt's
-    pieces) share one. Mapped apart, so that its pages can be given back between steps while the
-    graphs keep pointing at it."""
+    pieces) share one, as they run one after another. Mapped apart, so that its pages can be
+    given back between steps while the graphs keep pointing at it; where a graph needs more, a
+    larger one takes the place of it and of every graph placed in it."""
 
     def __init__(self, nbytes: int):
-        self.map = mmap.mmap(-1, max(nbytes, ALIGN))
+        # private: given-back pages are freed, not kept in a shared-memory object
+        self.map = mmap.mmap(-1, max(nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.memory = np.frombuffer(self.map, dtype=np.uint8)
         self.nbytes = nbytes
+        self.graphs: weakref.WeakSet = weakref.WeakSet()
 
     def release(self) -> None:
         """Give its pages back (the next use finds them zeroed, which the graphs never read)."""
@@ -50,11 +54,12 @@ class Fields:
         self._set: list[tuple[int, int, int, int]] = []  # (word, value, scale, offset)
         self.placed: set[int] = set()  # the tensors whose data is set on each call
 
-    def _word(self, t, field: int) -> int:
+    def word(self, t, field: int) -> int:
+        """Where a field of tensor t lies in the context's memory, in words."""
         return (ctypes.addressof(t.contents) + field - self.base) // 8
 
     def data(self, t, name: str, offset: int = 0):
-        self._set.append((self._word(t, _DATA), self.index[name], 1, offset))
+        self._set.append((self.word(t, _DATA), self.index[name], 1, offset))
         self.placed.add(ctypes.addressof(t.contents))
         return t
 
@@ -63,7 +68,7 @@ class Fields:
         when t was made."""
         for field, dims in ((_NE, ne), (_NB, nb)):
             for i in dims:
-                word = self._word(t, field + 8 * i)
+                word = self.word(t, field + 8 * i)
                 scale, rest = divmod(int(self.memory[word]), built)
                 assert rest == 0, "a field that follows a count is a multiple of it"
                 self._set.append((word, self.index[name], scale, 0))
@@ -71,92 +76,109 @@ class Fields:
 
     def freeze(self) -> None:
         self.at, self.which, self.scale, self.offset = (np.array(c, dtype=np.int64) for c in zip(*self._set))
+        del self._set
 
     def __call__(self, values: list[int]) -> None:
         self.memory[self.at] = self.scale * np.array(values, dtype=np.int64)[self.which] + self.offset
 
 
 class Graph(ggml_cpu._Built):
-    """A graph for `rows` rows whose call takes the values `names` lists. `build(graph)` makes its
-    tensors (with graph.fields and the placement hints below) and returns the output; nodes
-    marked with then() are computed in that order, before the output's own."""
+    """A graph whose call takes the values `names` lists, its intermediates in the thread's arena
+    `arena` (a decode step's row count, or PROMPT). `build(graph)` makes its tensors (with
+    graph.fields, inside() and then()) and returns the output; nodes marked with then() are
+    computed in that order, before the output's own."""
 
-    def __init__(self, build, names: list[str], rows: int, size: int, threads: int):
+    def __init__(self, build, names: list[str], arena: int | str, size: int, threads: int):
         super().__init__(size, size)
         self.fields = Fields(self.ctx, names)
-        self._groups: dict[int, str] = {}  # tensor address -> the region it shares with others
-        self._inside: list[tuple] = []  # (tensor, host, offset): placed within another tensor
+        self._inside: list[tuple] = []  # (tensor, host, offset): computed within another tensor
         self._order: list = []
-        self._hosts: list = []
-        self._scope = 0
-        self._scope_ends: set[int] = set()
         y = build(self)
         self.graph = ggml.ggml_new_graph_custom(self.ctx, size, False)
         for t in [*self._order, y]:
             ggml.ggml_build_forward_expand(self.graph, t)
         self.plan = ggml.ggml_graph_plan(self.graph, threads, None)  # work size at the shapes built
         self.fields.freeze()
-        self.arena = self._place(rows)
+        self._place(arena)
 
-    # -- placement hints ------------------------------------------------------------------------
-
-    def share(self, t, group: str):
-        """t lives in a region shared by its group (tensors computed one after another, each used
-        only before the next one of its group is)."""
-        self._groups[ctypes.addressof(t.contents)] = f"{self._scope % 2} {group}"
-        return t
+    # -- building -------------------------------------------------------------------------------
 
     def inside(self, t, host, offset: int):
-        """t is computed straight into `host` (a tensor the graph reads later), at `offset`."""
+        """t is computed straight into `host` (a tensor that no operation computes, which the
+        graph reads later), at `offset`."""
         self._inside.append((t, host, offset))
         return t
 
-    def host(self, t, group: str):
-        """An intermediate that no operation computes (filled through tensors placed inside it)."""
-        self._hosts.append(t)
-        return self.share(t, group)
-
     def then(self, t):
+        """t is computed before what is marked after it, and before the output."""
         self._order.append(t)
         return t
 
-    def end_scope(self, t):
-        """t ends a scope (a block): the intermediates of the next scope but one may take the
-        memory of this one's, as the next scope reads only its output t."""
-        self._scope += 1
-        self._scope_ends.add(ctypes.addressof(t.contents))
-        return self.then(t)
+    # -- placement --------------------------------------------------------------------------------
 
-    def _place(self, rows: int) -> _Arena:
+    def _place(self, key: int | str) -> None:
+        """Give each intermediate memory in this thread's arena `key` from the node that first
+        computes into it to the last node that reads it (through views too), as ggml's graph
+        allocator does: memory freed by then is reused. What is kept is where each tensor's data
+        pointer lies in the context and its offset in the arena."""
         nodes = [ggml.ggml_graph_node(self.graph, i) for i in range(ggml.ggml_graph_n_nodes(self.graph))]
-        elsewhere = self.fields.placed | {ctypes.addressof(t.contents) for t, _, _ in self._inside}
-        regions: dict[str, list] = {}
-        scope, ordinal = 0, 0
-        for t in [*self._hosts, *nodes]:
-            address = ctypes.addressof(t.contents)
-            if not (t.contents.data or t.contents.view_src or address in elsewhere):
-                alone = f"{scope % 2} #{ordinal}" if self._scope_ends else str(address)
-                regions.setdefault(self._groups.get(address, alone), []).append(t)
-            ordinal += 1
-            if address in self._scope_ends:
-                scope, ordinal = scope + 1, 0
-        sizes = {g: max(-(-ggml.ggml_nbytes(t) // ALIGN) * ALIGN for t in ts) for g, ts in regions.items()}
+        inside = {_address(t): (host, offset) for t, host, offset in self._inside}
+        placed = self.fields.placed
+        size: dict[int, int] = {}  # root address -> bytes
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        located: dict[int, tuple] = {}  # tensor address -> (the tensor, its root's address, offset in it)
+
+        def use(t, i: int) -> None:
+            a = _address(t)
+            if a not in located:
+                at, r = 0, t
+                while True:
+                    if _address(r) in inside:
+                        r, offset = inside[_address(r)]
+                        at += offset
+                    elif r.contents.view_src:
+                        at += r.contents.view_offs
+                        r = r.contents.view_src
+                    else:
+                        break
+                outside = bool(r.contents.data) or _address(r) in placed  # weights, and each call's inputs
+                located[a] = (t, None if outside else _address(r), at if not outside else r)
+                if not outside:
+                    size[_address(r)] = -(-ggml.ggml_nbytes(r) // ALIGN) * ALIGN
+            root = located[a][1]
+            if root is not None:
+                first.setdefault(root, i)
+                last[root] = i
+
+        for i, t in enumerate(nodes):
+            use(t, i)
+            for j in range(len(t.contents.src)):
+                if t.contents.src[j]:
+                    use(t.contents.src[j], i)
+        offsets, top = _lay_out(size, first, last, len(nodes))
+        words, at = [], []
+        for a, (t, root, where) in located.items():
+            if root is not None:
+                words.append(self.fields.word(t, _DATA))
+                at.append(offsets[root] + where)
+            elif t.contents.view_src and a not in placed:  # a view of a weight: where it is for good
+                t.contents.data = (where.contents.data or 0) + t.contents.view_offs
+        self._words, self._offsets = np.array(words, dtype=np.int64), np.array(at, dtype=np.int64)
+        del self._inside, self._order, self.fields.placed
         arenas = _local.__dict__.setdefault("arenas", {})
-        key = rows if rows <= MAX_ROWS else PROMPT  # a prompt's pieces of every size share one
         arena = arenas.get(key)
-        if arena is None or arena.nbytes < sum(sizes.values()):
-            arena = arenas[key] = _Arena(sum(sizes.values()))  # graphs built on a smaller one keep theirs
-        at = arena.memory.ctypes.data
-        for group, ts in regions.items():
-            for t in ts:
-                t.contents.data = at
-            at += sizes[group]
-        for t, host, offset in self._inside:
-            t.contents.data = host.contents.data + offset
-        for t in nodes:
-            if t.contents.view_src:
-                t.contents.data = (t.contents.view_src.contents.data or 0) + t.contents.view_offs
-        return arena
+        if arena is None or arena.nbytes < top:
+            larger = arenas[key] = _Arena(top)
+            for graph in list(arena.graphs) if arena is not None else []:
+                graph._assign(larger)
+            arena = larger
+        self._assign(arena)
+
+    def _assign(self, arena: _Arena) -> None:
+        self.fields.memory[self._words] = arena.memory.ctypes.data + self._offsets
+        arena.graphs.add(self)
+        self.arena = arena
 
     def __call__(self, values: list[int]) -> None:
         self.fields(values)
@@ -166,8 +188,48 @@ class Graph(ggml_cpu._Built):
 _local = threading.local()
 
 
+def _address(t) -> int:
+    return ctypes.addressof(t.contents)
+
+
+def _lay_out(size: dict, first: dict, last: dict, steps: int) -> tuple[dict, int]:
+    """Offsets for blocks of `size` bytes each live from step `first` to step `last`: a block takes
+    the smallest free space that holds it, else the top; it frees its space after its last step.
+    -> (offsets, the top)."""
+    starting: dict[int, list] = {}
+    ending: dict[int, list] = {}
+    for a in size:
+        starting.setdefault(first[a], []).append(a)
+        ending.setdefault(last[a], []).append(a)
+    offsets, free, top = {}, [], 0  # free: [offset, size] spaces below the top
+    for i in range(steps):
+        for a in starting.get(i, ()):
+            fits = [b for b in free if b[1] >= size[a]]
+            if fits:
+                space = min(fits, key=lambda b: b[1])
+                offsets[a] = space[0]
+                space[0] += size[a]
+                space[1] -= size[a]
+            else:
+                offsets[a], top = top, top + size[a]
+        if i in ending:
+            free = _merged(free + [[offsets[a], size[a]] for a in ending[i]])
+    return offsets, top
+
+
+def _merged(blocks: list[list[int]]) -> list[list[int]]:
+    """Free blocks [offset, size] sorted, adjacent ones joined, empty ones dropped."""
+    out: list[list[int]] = []
+    for offset, size in sorted(b for b in blocks if b[1]):
+        if out and out[-1][0] + out[-1][1] == offset:
+            out[-1][1] += size
+        else:
+            out.append([offset, size])
+    return out
+
+
 def release_prompt_memory() -> None:
-    """After a step with a prompt chunk: the intermediates of its pieces need not stay resident."""
-    arena = _local.__dict__.get("arenas", {}).get(PROMPT)
-    if arena is not None:
+    """After a step with a prompt chunk: no intermediates of this thread's graphs stay resident
+    (a decode step's come back as it runs)."""
+    for arena in _local.__dict__.get("arenas", {}).values():
         arena.release()
