@@ -237,7 +237,10 @@ def split_blocks_by_bytes(block_bytes: list[int], weights: list[float]) -> list[
 # Bytes per value of a chunk of packed rows being dequantized for a prompt chunk's GEMM: by
 # PyTorch (the unpacked integers, float32 weights and their copy in the compute dtype, with the
 # allocator's slack), or by ggml into one float32 scratch buffer (plus its copy in a 16-bit
-# compute dtype). Dense and repacked weights multiply a chunk as they are held.
+# compute dtype). Dense and repacked weights multiply a chunk as they are held, and so do ggml's
+# in float32, where a block's graphs take a prompt a piece at a time (the plan assumes ggml's
+# kernels do; a CPU that measured a dequantized GEMM faster for a type at a piece's rows,
+# quant/measure.gemm_rows, takes the whole chunk that way and needs this too).
 DEQUANT_BYTES_PER_VALUE = 16
 GGML_DEQUANT_BYTES_PER_VALUE = 4
 
@@ -253,7 +256,7 @@ HELD_AS_STORED = ("ggml", "gguf")
 def dequant_bytes_per_value(formats, dtype: torch.dtype) -> int:
     """What the formats a stage's matrices are held in dequantize per value for a prompt chunk."""
     size = torch.empty((), dtype=dtype).element_size()
-    ggml = GGML_DEQUANT_BYTES_PER_VALUE + (size if size < 4 else 0)
+    ggml = 0 if dtype == torch.float32 else GGML_DEQUANT_BYTES_PER_VALUE + size
     return max([{"dense": 0, "repacked": 0, "ggml": ggml}.get(f, DEQUANT_BYTES_PER_VALUE) for f in formats] or [0])
 
 
