@@ -78,8 +78,9 @@ class _Built:
     """A ggml graph built once in a context of its own; a call points its tensors at data and
     computes it."""
 
-    def __init__(self, nodes: int, tensors: int):
-        mem = ggml.ggml_tensor_overhead() * tensors + ggml.ggml_graph_overhead_custom(nodes, False) + 1024
+    def __init__(self, nodes: int, tensors: int, nbytes: int = 0):
+        """A context for up to `nodes` nodes and `tensors` tensors, or of `nbytes` where given."""
+        mem = nbytes or ggml.ggml_tensor_overhead() * tensors + ggml.ggml_graph_overhead_custom(nodes, False) + 1024
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         self._nodes = nodes
 

@@ -89,17 +89,25 @@ class Graph(ggml_cpu._Built):
     computed in that order, before the output's own."""
 
     def __init__(self, build, names: list[str], arena: int | str, size: int, threads: int):
-        super().__init__(size, size)
-        self.fields = Fields(self.ctx, names)
-        self._inside: list[tuple] = []  # (tensor, host, offset): computed within another tensor
-        self._order: list = []
-        y = build(self)
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, size, False)
-        for t in [*self._order, y]:
-            ggml.ggml_build_forward_expand(self.graph, t)
+        # built twice: first in a context for `size` tensors and nodes, to learn what it takes, then
+        # in a context of just that (a kept graph holds no more than it uses)
+        trial = _Trial(size, size)
+        self._make(trial, build, names, size)
+        super().__init__(size, size, ggml.ggml_used_mem(trial.ctx) + ALIGN)
+        del trial
+        self._make(self, build, names, size)
         self.plan = ggml.ggml_graph_plan(self.graph, threads, None)  # work size at the shapes built
         self.fields.freeze()
         self._place(arena)
+
+    @staticmethod
+    def _make(g, build, names: list[str], size: int) -> None:
+        g.fields = Fields(g.ctx, names)
+        g._inside, g._order = [], []
+        y = build(g)
+        g.graph = ggml.ggml_new_graph_custom(g.ctx, size, False)
+        for t in [*g._order, y]:
+            ggml.ggml_build_forward_expand(g.graph, t)
 
     # -- building -------------------------------------------------------------------------------
 
@@ -186,6 +194,12 @@ class Graph(ggml_cpu._Built):
 
 
 _local = threading.local()
+
+
+class _Trial(ggml_cpu._Built):
+    """A graph built only to measure its context."""
+
+    inside, then = Graph.inside, Graph.then
 
 
 def _address(t) -> int:
