@@ -22,7 +22,7 @@ from .devices import attention_without_cudnn, release_memory
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
-from .quant.ggml_graph import release_prompt_memory
+from .quant.ggml_graph import release_graph_memory
 
 
 class RMSNorm(nn.Module):
@@ -372,6 +372,13 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+def release_scratch() -> None:
+    """This thread's graph intermediates and the heap's free pages go back to the system: after a
+    prompt chunk on a CPU, and when a worker's stage falls idle."""
+    release_graph_memory()
+    release_memory()
+
+
 class Stage(nn.Module):
     """Blocks [start, end), plus the token embedding if first and the norm + head if last.
 
@@ -530,8 +537,7 @@ class Stage(nn.Module):
             for block in self.blocks:
                 x = block(x, self.cache, block.layer, ctx)
         if x.shape[1] > 1 and self.device.type == "cpu":  # what a prompt chunk's activations took goes back
-            release_prompt_memory()
-            release_memory()
+            release_scratch()
         if recurrent is not None:
             recurrent.end()
         if not self.last:

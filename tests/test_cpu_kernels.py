@@ -242,7 +242,7 @@ def test_graph_intermediates_take_memory_only_while_they_are_read():
         result["arenas"] = [graph.arena for graph in [*graphs.values(), wider]]
         arena = wider.arena
         result["resident before"] = _resident_bytes(arena.memory.ctypes.data, arena.nbytes)
-        ggml_graph.release_prompt_memory()
+        ggml_graph.release_graph_memory()
         result["resident after"] = _resident_bytes(arena.memory.ctypes.data, arena.nbytes)
 
     thread = threading.Thread(target=run)  # a thread's own arenas

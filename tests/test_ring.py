@@ -1,20 +1,30 @@
-"""Releasing a worker's plan (shardwire/worker/ring.py) when the next stage's worker stopped
-reading: frozen, or behind a route that drops every packet. Socket pairs stand in for the links
-and a stage that makes a large activation for the model."""
+"""A worker's ring of stages (shardwire/worker/ring.py): releasing its plan when the next stage's
+worker stopped reading (frozen, or behind a route that drops every packet; socket pairs stand in
+for the links and a stage that makes a large activation for the model), and what an idle stage
+keeps."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import socket
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from shardwire.formats import open_model
+from shardwire.loading import load_stage
 from shardwire.pipeline import Row
+from shardwire.quant import ggml_cpu
+from shardwire.sampling import GREEDY
 from shardwire.wire.conn import Connection
 from shardwire.wire.messages import Forward, NextHop
-from shardwire.worker.ring import Ring, StageRunner
+from shardwire.worker.ring import IDLE_S, Ring, StageRunner
 from shardwire.worker.weights import FoundWeights
+
+from models import PROMPT, model_path
 
 
 class LargeActivations:
@@ -60,3 +70,48 @@ def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
         time.sleep(0.05)
     for s in (next_side, coordinator_side, to_coordinator):
         s.close()
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
+    """A stage that has had no step for IDLE_S keeps its weights and cache, not the intermediates
+    of its graphs: the pages of its decode step's arena go back to the system."""
+    model = open_model(model_path("llama", "Q4_0"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
+    stage.allocate_cache(1, 32)
+    to_coordinator, coordinator_side = socket.socketpair()
+    assign = SimpleNamespace(plan="p", coordinator="c", n_slots=1, ctx=32, kv_pages=stage.cache.n_pages, next=None)
+    spec = SimpleNamespace(index=0, first=True, last=True)
+    ring = Ring(
+        assign,
+        model.config,
+        [StageRunner(spec, stage)],
+        Connection(to_coordinator, "coordinator"),
+        None,
+        FoundWeights(),
+        "worker",
+        idle_timeout=300.0,
+    )
+    ring.start()
+    coordinator = Connection(coordinator_side, "coordinator")
+    try:
+        for start, tokens in ((0, PROMPT[:5]), (5, PROMPT[5:6])):  # a prompt chunk, then a decode step
+            row = Row(0, start, tokens, GREEDY, pages=stage.own_pages(0, start + len(tokens)))
+            ring.enqueue(coordinator, Forward.of_rows("p", start, [row]), torch.tensor([tokens], dtype=torch.int32))
+            coordinator.recv()  # its result
+        (graph,) = stage.graph._built.values()
+        arena = graph.arena
+        assert _resident_bytes(arena.memory.ctypes.data, arena.nbytes) > 0
+        time.sleep(IDLE_S + 0.5)
+        assert _resident_bytes(arena.memory.ctypes.data, arena.nbytes) == 0
+        assert stage.cache is not None
+    finally:
+        ring.release()
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """How many bytes of the pages at [address, address + nbytes) are resident (mincore)."""
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vector) == 0
+    return sum(v & 1 for v in vector) * mmap.PAGESIZE

@@ -242,8 +242,7 @@ def _merged(blocks: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def release_prompt_memory() -> None:
-    """After a step with a prompt chunk: no intermediates of this thread's graphs stay resident
-    (a decode step's come back as it runs)."""
+def release_graph_memory() -> None:
+    """No intermediates of this thread's graphs stay resident (they come back as a graph runs)."""
     for arena in _local.__dict__.get("arenas", {}).values():
         arena.release()

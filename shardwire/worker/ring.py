@@ -20,13 +20,15 @@ import torch
 from ..config import ModelConfig
 from ..constrain import Matchers
 from ..devices import TORCH_DTYPES, release_memory
-from ..model import Stage
+from ..model import Stage, release_scratch
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
 from ..wire.conn import Connection, RemoteError
 from ..wire.frames import FrameError
 from ..wire.messages import Assign, Forward, Ping, Pong, Result, StageSpec
 from .weights import FoundWeights
+
+IDLE_S = 0.5  # a stage that has had no step for this long gives back its scratch memory
 
 log = logging.getLogger("shardwire.worker")
 
@@ -118,7 +120,11 @@ class Ring:
     def _run_stage(self, index: int) -> None:
         runner = self.runners[index]
         while True:
-            item = runner.queue.get()
+            try:
+                item = runner.queue.get(timeout=IDLE_S)
+            except queue.Empty:  # at rest the stage holds its weights and cache, not a step's scratch
+                release_scratch()
+                item = runner.queue.get()
             if item is None:
                 return
             msg, x = item
