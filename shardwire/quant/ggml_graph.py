@@ -23,10 +23,10 @@ _NE, _NB, _DATA = (getattr(ggml.ggml_tensor, f).offset for f in ("ne", "nb", "da
 
 
 class _Arena:
-    """Memory for graph intermediates; a thread's graphs for a row count (or for a prompt's
-    pieces) share one, as they run one after another. Mapped apart, so that its pages can be
-    given back between steps while the graphs keep pointing at it; where a graph needs more, a
-    larger one takes the place of it and of every graph placed in it."""
+    """Memory for graph intermediates; a thread's graphs for a decode step's row count (or all
+    that a prompt runs) share one, as they run one after another. Mapped apart, so that its pages
+    can be given back between steps while the graphs keep pointing at it; where a graph needs
+    more, a larger one takes the place of it and of every graph placed in it."""
 
     def __init__(self, nbytes: int):
         # private: given-back pages are freed, not kept in a shared-memory object
