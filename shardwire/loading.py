@@ -134,7 +134,7 @@ def build_stage(
             table_too = name == "token_embd.weight" and EMBEDDING in formats
             if fmt != "repacked" or table_too:
                 raw = copied(raw, info, release)
-            stored_rows = raw_rows(raw, info.dtype, tuple(info.shape), copy=False)
+            stored_rows = raw_rows(raw, info.dtype, tuple(info.shape))
             rows = model_rows(cfg, name, stored_rows, qk_interleaved, itemsize)
             module = pack_matrix(rows, info.dtype, fmt, on, dt)
             if name == "token_embd.weight" and not (last and cfg.tied_embeddings):

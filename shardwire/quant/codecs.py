@@ -57,13 +57,11 @@ def to_torch(raw: np.ndarray, dtype: str, shape: tuple[int, ...], into: torch.dt
     return t if into is None else t.to(into)
 
 
-def raw_rows(raw: np.ndarray, dtype: str, shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
-    """A quantized matrix's stored bytes as a uint8 tensor [rows, bytes per row]: a copy, or with
-    `copy=False` a read-only view of `raw` for a consumer that copies them itself."""
+def raw_rows(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A quantized matrix's stored bytes as a uint8 tensor [rows, bytes per row]: a view of `raw`,
+    which may be the file's read-only mapping (what keeps them copies them; formats.tensors.copied)."""
     _check(raw, dtype, shape)
-    if copy:
-        return torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(shape[0], -1))
-    with warnings.catch_warnings():  # read-only: the caller only reads it
+    with warnings.catch_warnings():  # maybe read-only: the caller only reads it
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(raw.reshape(shape[0], -1))
 
