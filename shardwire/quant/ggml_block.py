@@ -511,7 +511,7 @@ class StageGraph:
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
         for layer, block in enumerate(self.blocks):
-            x = g.then(block.decode(g, x, rows, built, kind, positions, write, layer))
+            x = block.decode(g, x, rows, built, kind, positions, write, layer)
         if self.head is not None:
             weight, eps, matrix = self.head
             x = _linear(g.ctx, matrix, _norm(g.ctx, x, weight, eps))
