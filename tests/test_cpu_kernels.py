@@ -14,6 +14,7 @@ from shardwire.quant import ggml_block, ggml_cpu, measure, policy
 from shardwire.quant import packed as packing
 
 from models import PROMPT, model_path
+from resident import resident_bytes
 
 needs_ggml = pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
 needs_repack = pytest.mark.skipif(
@@ -203,18 +204,6 @@ def _chain(g, n: int, steps: int):
     return g.fields.data(y, "out")
 
 
-def _resident_bytes(address: int, nbytes: int) -> int:
-    """How many bytes of the pages at [address, address + nbytes) are resident (mincore)."""
-    import ctypes
-    import mmap
-
-    pages = -(-nbytes // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vector) == 0
-    return sum(v & 1 for v in vector) * mmap.PAGESIZE
-
-
 @needs_ggml
 def test_graph_intermediates_take_memory_only_while_they_are_read():
     """A chain of operations needs two intermediates' memory whatever its length (each is dead once
@@ -241,9 +230,9 @@ def test_graph_intermediates_take_memory_only_while_they_are_read():
             result[steps] = out
         result["arenas"] = [graph.arena for graph in [*graphs.values(), wider]]
         arena = wider.arena
-        result["resident before"] = _resident_bytes(arena.memory.ctypes.data, arena.nbytes)
+        result["resident before"] = resident_bytes(arena.memory.ctypes.data, arena.nbytes)
         ggml_graph.release_graph_memory()
-        result["resident after"] = _resident_bytes(arena.memory.ctypes.data, arena.nbytes)
+        result["resident after"] = resident_bytes(arena.memory.ctypes.data, arena.nbytes)
 
     thread = threading.Thread(target=run)  # a thread's own arenas
     thread.start()

@@ -5,8 +5,6 @@ keeps."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import socket
 import time
 from types import SimpleNamespace
@@ -25,6 +23,7 @@ from shardwire.worker.ring import IDLE_S, Ring, StageRunner
 from shardwire.worker.weights import FoundWeights
 
 from models import PROMPT, model_path
+from resident import resident_bytes
 
 
 class LargeActivations:
@@ -101,17 +100,9 @@ def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
             coordinator.recv()  # its result
         (graph,) = stage.graph._built.values()
         arena = graph.arena
-        assert _resident_bytes(arena.memory.ctypes.data, arena.nbytes) > 0
+        assert resident_bytes(arena.memory.ctypes.data, arena.nbytes) > 0
         time.sleep(IDLE_S + 0.5)
-        assert _resident_bytes(arena.memory.ctypes.data, arena.nbytes) == 0
+        assert resident_bytes(arena.memory.ctypes.data, arena.nbytes) == 0
         assert stage.cache is not None
     finally:
         ring.release()
-
-
-def _resident_bytes(address: int, nbytes: int) -> int:
-    """How many bytes of the pages at [address, address + nbytes) are resident (mincore)."""
-    pages = -(-nbytes // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vector) == 0
-    return sum(v & 1 for v in vector) * mmap.PAGESIZE
