@@ -243,7 +243,7 @@ def build() -> str | None:
     kept apart from another build's); None without ggml."""
     if not available():
         return None
-    parts = ["repacks" if _repack_buffer_type() is not None else "no repacks"]
+    parts = [ggml.ggml_version().decode(), "repacks" if _repack_buffer_type() is not None else "no repacks"]
     parts.append("llamafile" if ggml.ggml_cpu_has_llamafile() else "no llamafile")
     return ", ".join(parts)
 
