@@ -43,6 +43,7 @@ def _cell_stats(runs: list[dict]) -> dict:
         "worker_rss": ok[0].get("worker_rss") or {},
         "streams_ts": _median([x for r in ok for x in r.get("streams_ts", [])]),
         "streams": max(r.get("streams", 0) for r in ok),
+        "formats": ok[0].get("formats") or [],
     }
     by_delay: dict[str, list] = {}
     for r in ok:
@@ -233,7 +234,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"# shardwire vs llama.cpp RPC ({meta['mode']} run, {meta['started']})",
         "",
-        f"{m.get('cpu')} · {m.get('cores')} cores · {m.get('memory_gib')} GiB · threads per process: "
+        f"{m.get('cpu')} · {m.get('cores')} cores · {m.get('memory_gib')} GiB · ggml {m.get('ggml', '?')} · "
+        f"threads per process: "
         f"{meta['threads']} · relayed links capped at {meta['rate_gbit']} Gbit/s · each cell: "
         f"{meta['alternations']} invocations per system, interleaved, {meta['reps']} runs each; medians · "
         f"load average {', '.join(f'{x:.1f}' for x in m.get('load_avg_start', []))} at the start · "
@@ -296,6 +298,17 @@ def markdown(results: dict) -> str:
                 f"{v(a, 'tg_bytes_per_token', '{:.0f}')} | {v(b, 'tg_bytes_per_token', '{:.0f}')} | "
                 f"{mem(a)} | {mem(b)} |"
             )
+        kernels = {
+            _link_label(e["cell"]): "; ".join(e["systems"]["shardwire"]["formats"])
+            for e in cells
+            if e["systems"].get("shardwire", {}).get("formats")
+        }
+        if kernels:
+            lines += [
+                "",
+                "shardwire's kernels (per stage: stored type:kernel): "
+                + ". ".join(f"{setup}: {text}" for setup, text in kernels.items()),
+            ]
         errors = [
             (e["cell"]["key"], st.get("error") or e.get("error"))
             for e in cells

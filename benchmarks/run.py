@@ -275,6 +275,7 @@ class Run:
     relay_bytes_per_token: dict = field(default_factory=dict)  # relay -> {"up":, "down":}
     coordinator_rss: int | None = None
     load_s: float | None = None
+    formats: list = field(default_factory=list)  # shardwire: per stage, which kernel holds each stored type
     sweep_delays: list = field(default_factory=list)  # one-way delay (ms) of each generation run, in order
 
 
@@ -637,6 +638,7 @@ def run_cell(cells: list[Cell], systems: list[System], model: Path, args, out: P
                         system.parse(data, run)
                         if isinstance(system, Shardwire):
                             run.load_s = data.get("load_s", run.load_s)
+                            run.formats = data.get("formats", run.formats)
                         run.ok = bool(run.pp_ns or run.tg_ns)
                     status = "ok" if run.ok else f"FAILED: {run.error}"
                     tg = f"tg {cell.n_gen / statistics.median(run.tg_ns) * 1e9:7.2f} t/s" if run.tg_ns else ""
@@ -685,6 +687,12 @@ def machine_info() -> dict:
         import torch
 
         info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        from shardwire.quant import ggml_cpu
+
+        info["ggml"] = ggml_cpu.build() or "none (PyTorch's kernels)"
     except ImportError:
         pass
     try:
