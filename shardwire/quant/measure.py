@@ -158,7 +158,8 @@ def _remembered(key: str, compute) -> dict:
 
 NO_GGML = (
     "ggml-python is not installed: CPU weights use PyTorch's kernels only, often several times slower "
-    "to decode; CMAKE_ARGS=-DGGML_LLAMAFILE=ON pip install 'shardwire[cpu]' (needs cmake and a C compiler)"
+    "to decode; CMAKE_ARGS=-DGGML_LLAMAFILE=ON pip install 'shardwire[cpu]' (needs cmake and a C compiler; "
+    "from a clone, pip install -e '.[cpu]' ./kernels builds it on llama.cpp's newer ggml)"
 )
 
 
