@@ -365,10 +365,17 @@ class Block(nn.Module):
             self.ffn = FeedForward(w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
         self.graphs = None  # quant.ggml_block.BlockGraphs, where ggml runs this block's rows
 
-    def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext, last_only: bool = False
+    ) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim], or only each sequence's last position [B, 1, dim] where
+        nothing reads the others (the model's last block, logits of the last position): every
+        row's keys and values still go into the cache."""
         if self.graphs is not None and self.graphs.takes(x):
-            return self.graphs(x, self.attn, cache, layer, ctx)
+            return self.graphs(x, self.attn, cache, layer, ctx, last_only)
         x = x + self.attn(self.attn_norm(x), cache, layer, ctx)
+        if last_only:
+            x = x[:, -1:]
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -490,17 +497,24 @@ class Stage(nn.Module):
         piece = pieces.pop() if len(pieces) == 1 else None
         return piece if piece is not None and x.shape[1] > piece else None
 
-    def _in_pieces(self, x, slots: list[int], starts: list[int], pages, piece: int, out: torch.Tensor) -> torch.Tensor:
+    def _through_blocks(self, x: torch.Tensor, ctx: StepContext, last_only: bool) -> torch.Tensor:
+        """x through every block; only the last positions out of the last block where `last_only`."""
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.cache, block.layer, ctx, last_only and i == len(self.blocks) - 1)
+        return x
+
+    def _in_pieces(
+        self, x, slots: list[int], starts: list[int], pages, piece: int, out: torch.Tensor, last_only: bool
+    ) -> torch.Tensor:
         """A prompt chunk's positions a piece at a time through every block, into `out` (which may
         be x: a piece's rows are read before its results are written): a piece's keys and values
-        are in the cache before the next piece's rows attend to them."""
+        are in the cache before the next piece's rows attend to them. Where `last_only`, each
+        piece's last position is the only one written (the chunk's last is the one read)."""
         for a in range(0, x.shape[1], piece):
             b = min(a + piece, x.shape[1])
             ctx = self._context(slots, [s + a for s in starts], b - a, pages)
-            y = x[:, a:b]
-            for block in self.blocks:
-                y = block(y, self.cache, block.layer, ctx)
-            out[:, a:b] = y
+            y = self._through_blocks(x[:, a:b], ctx, last_only)
+            out[:, b - y.shape[1] : b] = y
         return out
 
     @torch.inference_mode()
@@ -527,15 +541,16 @@ class Stage(nn.Module):
         recurrent = self.cache.recurrent
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])
+        last_only = self.last and not all_logits  # the head reads the last position alone
         if self.graph is not None and self.graph.takes(x, self.cache):
             x = self.graph(x, self.cache, ctx)
             if self.graph.logits:
                 return x
         elif (piece := self._prompt_piece(x)) is not None:
-            x = self._in_pieces(x, slots, starts, pages, piece, x if x is not given else torch.empty_like(x))
+            out = x if x is not given else torch.empty_like(x)
+            x = self._in_pieces(x, slots, starts, pages, piece, out, last_only)
         else:
-            for block in self.blocks:
-                x = block(x, self.cache, block.layer, ctx)
+            x = self._through_blocks(x, ctx, last_only)
         if x.shape[1] > 1 and self.device.type == "cpu":  # what a prompt chunk's activations took goes back
             release_scratch()
         if recurrent is not None:

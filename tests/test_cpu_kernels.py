@@ -193,6 +193,42 @@ def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded(piece
         assert torch.equal(v[:, :, :n], v[:, :, ctx * slot : ctx * slot + n])
 
 
+@needs_repack
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_last_block_finishes_only_the_position_the_head_reads(graphs):
+    """A prompt's logits are the last position's: the last block computes every position's keys
+    and values (later tokens attend to them) but its attention output and feed-forward only for
+    that position, as llama.cpp skips the rows it outputs nothing for. The logits and the cache
+    are the ones computing every row gives."""
+    model = open_model(model_path("llama", "Q4_0"))
+    n = model.config.n_layers
+    stages = [load_stage(model, 0, n, weights="fast", fastest={"Q4_0": "repacked"}) for _ in range(2)]
+    finished = []
+    for stage in stages:
+        stage.allocate_cache(1, 128)
+        for block in stage.blocks:
+            block.graphs.piece = 16
+            if not graphs:
+                block.graphs = None
+        last = stage.blocks[-1]
+        last.ffn.register_forward_hook(lambda m, args, out: finished.append(args[0].shape[1]))
+        if graphs:
+            finish = last.graphs.finish
+            last.graphs.finish = lambda x, attn: finished.append(x.shape[1]) or finish(x, attn)
+    tokens = torch.tensor([(PROMPT * 10)[:100]])
+    every = stages[0](tokens, [0], [0], all_logits=True)
+    assert sum(finished) == 100
+    finished.clear()
+    read = stages[1](tokens, [0], [0])
+    assert finished == ([1] * 7 if graphs else [1])  # one row of each 16-row piece, or of the chunk
+    if graphs:  # ggml's repacked rows and one-row attention: each row's arithmetic is its own
+        assert torch.equal(read, every[:, -1:])
+    else:
+        torch.testing.assert_close(read, every[:, -1:], rtol=1e-5, atol=1e-5)
+    for a, b in ((stages[0].cache.k, stages[1].cache.k), (stages[0].cache.v, stages[1].cache.v)):
+        assert torch.equal(a[:, :, :100], b[:, :, :100])
+
+
 def _chain(g, n: int, steps: int):
     """x -> x * 2 -> + x -> * 2 -> ... (`steps` operations), into "out"."""
     from shardwire.quant.ggml_cpu import ggml

@@ -89,7 +89,7 @@ def test_a_token_runs_only_the_experts_it_chose():
         for e, expert in enumerate(block.ffn.experts):
             expert.register_forward_hook(lambda m, args, out, b=b, e=e: calls.append((b, e, args[0].shape[0])))
     stage.allocate_cache(1, 128)
-    stage(torch.tensor([PROMPT]), [0], [0])
+    stage(torch.tensor([PROMPT]), [0], [0], all_logits=True)  # every row through the last block too
     per_block = {b: [(e, n) for bb, e, n in calls if bb == b] for b in range(cfg.n_layers)}
     for b, runs in per_block.items():
         experts = [e for e, _ in runs]

@@ -431,19 +431,23 @@ class BlockGraphs:
             self._graph(FINISH, b - a)([x_at + a * self.dim * 4, attn_at + a * width, out_at + a * self.dim * 4])
         return out.view(x.shape)
 
-    def __call__(self, x: torch.Tensor, attention: nn.Module, cache, layer: int, ctx) -> torch.Tensor:
-        """The block on x [B, T, dim]; `attention` (the block's) where attention is not in the graphs."""
+    def __call__(
+        self, x: torch.Tensor, attention: nn.Module, cache, layer: int, ctx, last_only: bool = False
+    ) -> torch.Tensor:
+        """The block on x [B, T, dim] (only each sequence's last position out where `last_only`);
+        `attention` (the block's) where attention is not in the graphs."""
         qkv = self.project(x, ctx)
         kind = pool_type(cache)
         if not self.attends or kind is None:
-            return self.finish(x, attention.attend(qkv, cache, layer, ctx))
+            attn = attention.attend(qkv, cache, layer, ctx)
+            return self.finish(x[:, -1:], attn[:, -1:]) if last_only else self.finish(x, attn)
         B, T, _ = x.shape
         H, KV = self.heads, self.kv_heads
         heads = qkv.view(B, T, H + 2 * KV, self.head_dim)
         cache.write(layer, heads[:, :, H : H + KV].transpose(1, 2), heads[:, :, H + KV :].transpose(1, 2), ctx.at)
-        return self._attend_finish(x, qkv, cache, layer, ctx, kind)
+        return self._attend_finish(x, qkv, cache, layer, ctx, kind, last_only)
 
-    def _attend_finish(self, x, qkv, cache, layer: int, ctx, kind: int) -> torch.Tensor:
+    def _attend_finish(self, x, qkv, cache, layer: int, ctx, kind: int, last_only: bool) -> torch.Tensor:
         B, T, _ = x.shape
         qkv_at, qkv_row = qkv.data_ptr(), self.qkv_width * 4
         pools = [cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k.shape[2]]
@@ -469,10 +473,12 @@ class BlockGraphs:
                 self._graph(EACH, len(seen), max(seen), kind)(at)
         else:  # prompts: rows of one sequence share their keys
             for s in range(B):
-                for a in range(0, T, MAX_ROWS):
+                for a in range(T - 1, T) if last_only else range(0, T, MAX_ROWS):
                     seen, first = counts[s][a : a + MAX_ROWS], s * T + a
                     at = [qkv_at + first * qkv_row, attn_at + first * attn_row, *pools, max(seen)]
                     self._graph(SHARED, len(seen), max(seen), kind)(at + [index_at + s * index_row, *seen])
+        if last_only:
+            return self.finish(x[:, -1:], attn.view(B, T, -1)[:, -1:])
         return self.finish(x, attn)
 
 
