@@ -32,8 +32,13 @@ from .policy import FAST
 MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
 SECONDS = 0.01  # per candidate and turn, at least 3 runs
-TIE = 1.1  # one-row times this close to the fastest's decode as fast, within the machine's noise
 PROMPT_ROWS = 64
+# Prompt tokens a request reads per token it generates, for weighing a format's prompt speed
+# against its decode speed: a chat turn reads its context (~1000 tokens) to write ~250. Where one
+# format decodes faster and another reads prompts faster (ggml's repacked Q4_K and its tiled
+# products on the stored blocks), the one that serves such a request sooner is taken.
+PROMPT_PER_GENERATED = 4
+NEAR = 1.5  # candidates decoding within this factor of the fastest are timed on a prompt chunk too
 
 
 def cpu_model() -> str:
@@ -49,7 +54,7 @@ def cpu_model() -> str:
 
 def _key(dtype: str) -> str:
     versions = f"torch {torch.__version__}, ggml {ggml_cpu.build() or 'no'}"
-    method = "fastest of 3 turns, ties by prompt"
+    method = f"fastest of 3 turns, decode + {PROMPT_PER_GENERATED} prompt rows"
     return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions} | {method}"
 
 
@@ -111,25 +116,56 @@ def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     return out
 
 
+DEQUANTIZED = "ggml, dequantized into a GEMM"
+
+
+def _prompt_takers(candidates: dict, near: list[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that may take a prompt chunk for the `near` candidates: ggml's stored-block
+    layer takes it through its kernel or dequantized into a GEMM, from the rows where that is faster."""
+    out = [(fmt, candidates[fmt]) for fmt in near]
+    if "ggml" in near:
+        g = candidates["ggml"]
+        out.append((DEQUANTIZED, ggml_cpu.GGMLLinear(g.raw, g.stored, g.in_features, g.compute_dtype, 0)))
+    return out
+
+
 def _rows(module: torch.nn.Module, n: int, dtype: torch.dtype):
     x = torch.zeros(n, SHAPE[1], dtype=dtype)
     return lambda: module(x)
 
 
+def request_seconds(one_row: float, chunk: float) -> float:
+    """A format's time for a generated token and the PROMPT_PER_GENERATED prompt tokens read with
+    it, from its seconds for one row and for a PROMPT_ROWS-row chunk."""
+    return one_row + PROMPT_PER_GENERATED * chunk / PROMPT_ROWS
+
+
+# formats a block's ggml graphs run (ggml_block._matrices): a stage of these runs a decode step as
+# one graph, so a PyTorch kernel (int4, int8) is taken only where it is the fastest one row
+GRAPHED = ("dense", "ggml", "repacked")
+
+
 def measure(dtype: str) -> dict[str, dict]:
-    """For each stored type: every candidate's seconds for one row, and the fastest. Candidates
-    within TIE of the fastest one row are as good for decode; of those, the fastest on a prompt
-    chunk (PROMPT_ROWS rows) wins."""
+    """For each stored type: every candidate's seconds for one row and the fastest. Where the
+    fastest one row is a format the graphs run and others of those decode within NEAR of it, each
+    of them is timed on a prompt chunk (PROMPT_ROWS rows) too, and the one with the least
+    request_seconds is the fastest."""
     torch_dtype = TORCH_DTYPES[dtype]
     out = {}
     for stored in MEASURED_TYPES:
         candidates = _candidates(stored, torch_dtype)
         times = _fastest_of({fmt: _rows(m, 1, torch_dtype) for fmt, m in candidates.items()})
-        tied = [fmt for fmt, t in times.items() if t <= TIE * min(times.values())]
-        entry = {"seconds": times, "fastest": min(tied, key=times.get)}
-        if len(tied) > 1:
-            chunk = _fastest_of({fmt: _rows(candidates[fmt], PROMPT_ROWS, torch_dtype) for fmt in tied})
-            entry.update(prompt_seconds=chunk, fastest=min(chunk, key=chunk.get))
+        fastest = min(times, key=times.get)
+        near = [f for f, t in times.items() if f in GRAPHED and t <= NEAR * times[fastest]]
+        entry = {"seconds": times, "fastest": fastest}
+        if fastest in GRAPHED and len(near) > 1:
+            takers = _prompt_takers(candidates, near)
+            chunk = _fastest_of({fmt: _rows(m, PROMPT_ROWS, torch_dtype) for fmt, m in takers})
+            if DEQUANTIZED in chunk:  # ggml's layer takes a chunk whichever way it measured faster (gemm_rows)
+                chunk["ggml"] = min(chunk["ggml"], chunk.pop(DEQUANTIZED))
+            entry.update(
+                prompt_seconds=chunk, fastest=min(near, key=lambda fmt: request_seconds(times[fmt], chunk[fmt]))
+            )
         out[stored] = entry
     return out
 
