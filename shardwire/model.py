@@ -542,6 +542,7 @@ class Stage(nn.Module):
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])
         last_only = self.last and not all_logits  # the head reads the last position alone
+        chunk = x.shape[1] > 1
         if self.graph is not None and self.graph.takes(x, self.cache):
             x = self.graph(x, self.cache, ctx)
             if self.graph.logits:
@@ -551,7 +552,7 @@ class Stage(nn.Module):
             x = self._in_pieces(x, slots, starts, pages, piece, out, last_only)
         else:
             x = self._through_blocks(x, ctx, last_only)
-        if x.shape[1] > 1 and self.device.type == "cpu":  # what a prompt chunk's activations took goes back
+        if chunk and self.device.type == "cpu":  # what a prompt chunk's activations took goes back
             release_scratch()
         if recurrent is not None:
             recurrent.end()

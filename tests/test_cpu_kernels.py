@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_quant import matrix
 
+from shardwire import model as model_module
 from shardwire.devices import default_dtype, stored_precision_dtype
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
@@ -195,7 +196,7 @@ def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded(piece
 
 @needs_repack
 @pytest.mark.parametrize("graphs", [True, False])
-def test_the_last_block_finishes_only_the_position_the_head_reads(graphs):
+def test_the_last_block_finishes_only_the_position_the_head_reads(graphs, monkeypatch):
     """A prompt's logits are the last position's: the last block computes every position's keys
     and values (later tokens attend to them) but its attention output and feed-forward only for
     that position, as llama.cpp skips the rows it outputs nothing for. The logits and the cache
@@ -219,8 +220,11 @@ def test_the_last_block_finishes_only_the_position_the_head_reads(graphs):
     every = stages[0](tokens, [0], [0], all_logits=True)
     assert sum(finished) == 100
     finished.clear()
+    released = []
+    monkeypatch.setattr(model_module, "release_scratch", lambda: released.append(1))
     read = stages[1](tokens, [0], [0])
     assert finished == ([1] * 7 if graphs else [1])  # one row of each 16-row piece, or of the chunk
+    assert released == [1]  # a prompt chunk's scratch goes back, whatever the rows that come out
     if graphs:  # ggml's repacked rows and one-row attention: each row's arithmetic is its own
         assert torch.equal(read, every[:, -1:])
     else:
