@@ -39,6 +39,10 @@ PROMPT_ROWS = 64
 # products on the stored blocks), the one that serves such a request sooner is taken.
 PROMPT_PER_GENERATED = 4
 NEAR = 1.5  # candidates decoding within this factor of the fastest are timed on a prompt chunk too
+# formats a block's ggml graphs run (ggml_block._matrices): a stage of these runs a decode step as
+# one graph, so a PyTorch kernel (int4, int8) is taken only where it is the fastest one row
+GRAPHED = ("dense", "ggml", "repacked")
+DEQUANTIZED = "ggml, dequantized into a GEMM"  # how ggml's stored-block layer may take a prompt chunk
 
 
 def cpu_model() -> str:
@@ -116,9 +120,6 @@ def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     return out
 
 
-DEQUANTIZED = "ggml, dequantized into a GEMM"
-
-
 def _prompt_takers(candidates: dict, near: list[str]) -> list[tuple[str, torch.nn.Module]]:
     """The modules that may take a prompt chunk for the `near` candidates: ggml's stored-block
     layer takes it through its kernel or dequantized into a GEMM, from the rows where that is faster."""
@@ -138,11 +139,6 @@ def request_seconds(one_row: float, chunk: float) -> float:
     """A format's time for a generated token and the PROMPT_PER_GENERATED prompt tokens read with
     it, from its seconds for one row and for a PROMPT_ROWS-row chunk."""
     return one_row + PROMPT_PER_GENERATED * chunk / PROMPT_ROWS
-
-
-# formats a block's ggml graphs run (ggml_block._matrices): a stage of these runs a decode step as
-# one graph, so a PyTorch kernel (int4, int8) is taken only where it is the fastest one row
-GRAPHED = ("dense", "ggml", "repacked")
 
 
 def measure(dtype: str) -> dict[str, dict]:
