@@ -232,6 +232,34 @@ def test_greedy_tokens_through_a_worker_equal_the_local_path(tmp_path):
         cluster.close()
 
 
+@pytest.mark.parametrize(
+    "one_row,chunk,fastest",
+    [
+        # decodes 1.2x slower, reads a prompt 1.6x faster: serves a request of 4 prompt tokens per
+        # generated one sooner (ggml's dequantized GEMM is slower here, its kernel counts)
+        ({"dense": 2.0, "int4": 0.5, "ggml": 0.44, "repacked": 0.36}, {"ggml": 4.7, "repacked": 7.7}, "ggml"),
+        # a prompt only 1.1x faster does not make up for the slower decode
+        ({"dense": 2.0, "int4": 0.5, "ggml": 0.44, "repacked": 0.36}, {"ggml": 7.0, "repacked": 7.7}, "repacked"),
+        # a PyTorch kernel is taken where it is the fastest one row, its prompts untimed
+        ({"dense": 2.0, "int4": 0.3, "ggml": 0.44, "repacked": 0.36}, None, "int4"),
+    ],
+)
+def test_the_fastest_format_serves_a_request_soonest(monkeypatch, one_row, chunk, fastest):
+    monkeypatch.setattr(measure, "MEASURED_TYPES", ("Q4_K",))
+    monkeypatch.setattr(measure, "_candidates", lambda stored, dtype: dict.fromkeys(one_row, torch.nn.Identity()))
+    monkeypatch.setattr(measure, "_prompt_takers", lambda candidates, near: [(f, candidates[f]) for f in near])
+    timed = []
+
+    def fastest_of(calls):
+        timed.append(set(calls))
+        return one_row if len(timed) == 1 else {f: chunk[f] for f in calls}  # milliseconds, as one_row
+
+    monkeypatch.setattr(measure, "_fastest_of", fastest_of)
+    entry = measure.measure("float32")["Q4_K"]
+    assert entry["fastest"] == fastest
+    assert timed[1:] == ([] if chunk is None else [{"ggml", "repacked"}])  # within NEAR, graphed
+
+
 def test_fastest_formats_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path))
     monkeypatch.setattr(measure, "SHAPE", (256, 256))
