@@ -4,7 +4,9 @@ fixed number of slots (one per sequence)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from array import array
+from collections import OrderedDict
 from functools import cached_property
 
 import torch
@@ -26,45 +28,114 @@ def pages_for(n_positions: int) -> int:
     return -(-n_positions // PAGE)
 
 
-@dataclass
+def counting(n: int) -> array:
+    """0, 1, ..., at least n - 1 as int32, shared: the pool positions of consecutive pages are a
+    stretch of it, so a step reading them needs no list of its own."""
+    global _counting
+    if len(_counting) < n:
+        _counting = array("i", range(max(n, 2 * len(_counting))))
+    return _counting
+
+
+_counting = array("i")
+_TABLES_KEPT = 32  # page tables whose positions are kept: a decode step's sequences, as they grow
+_table_positions: OrderedDict[tuple[int, ...], array] = OrderedDict()
+_tables_lock = threading.Lock()  # a worker's stages run on threads of their own
+
+
+def table_positions(pages: tuple[int, ...]) -> array:
+    """The pool positions of a page table's pages, in order, as int32: kept for the next step,
+    and a table one page longer than a kept one extends that one (which it replaces)."""
+    with _tables_lock:
+        found = _table_positions.pop(pages, None)
+        if found is None:
+            shorter = _table_positions.pop(pages[:-1], None)
+            if shorter is not None:
+                last = pages[-1] * PAGE
+                found = shorter + counting(last + PAGE)[last : last + PAGE]
+            else:
+                found = array("i", [p * PAGE + i for p in pages for i in range(PAGE)])
+            if len(_table_positions) >= _TABLES_KEPT:
+                _table_positions.popitem(last=False)
+        _table_positions[pages] = found
+        return found
+
+
 class Addresses:
-    """Where one step's keys and values go in the pool and where each row's keys are read from:
-    a slice when the step is one sequence whose pages are consecutive (reading back is then a
-    view), else flat pool positions (write: [B * T]; read: [B, n_keys], padded rows point at
-    position 0 and are masked)."""
+    """Where one step's keys and values go in the pool and where each row's keys are read from: a
+    slice when the step is one sequence whose pages are consecutive (reading back is then a view),
+    else pool positions (write: [B * T]; read: [B, n_keys], padded rows point at position 0 and
+    are masked).
 
-    write: slice | torch.Tensor
-    read: slice | torch.Tensor
+    Made in plain Python, as int64 and int32 lists that ggml's graphs read in place (write_at,
+    read_at); PyTorch's attention gets them as tensors (write, read) on first use. Once a decode
+    step's weights have gone through the caches each PyTorch call costs tens of microseconds,
+    which a small model's step would pay many times over."""
 
-    @cached_property
-    def write64(self) -> torch.Tensor:
-        """write as int64 pool positions, [B * T]."""
-        if isinstance(self.write, slice):
-            return torch.arange(self.write.start, self.write.stop)
-        return self.write
-
-    @cached_property
-    def read32(self) -> torch.Tensor:
-        """read as int32 pool positions, [B, n_keys] ([1, n_keys] for a slice)."""
-        if isinstance(self.read, slice):
-            return torch.arange(self.read.start, self.read.stop, dtype=torch.int32)[None]
-        return self.read.to(torch.int32)
+    def __init__(self, write: slice | array, read: slice | array, n_keys: int, width: int, device):
+        """`read`: each row's positions, `width` apart (whole pages)."""
+        self._write, self._read, self.n_keys, self.width, self.device = write, read, n_keys, width, device
 
     @classmethod
     def of(cls, tables: list[list[int]], starts: list[int], T: int, n_keys: int, device) -> "Addresses":
         for table, start in zip(tables, starts):
             if len(table) < pages_for(start + T):
                 raise ValueError(f"a page table of {len(table)} pages cannot hold positions up to {start + T}")
+        n_pages = pages_for(n_keys)
         if len(tables) == 1:
             table, start = tables[0], starts[0]
             first = table[0] * PAGE
-            if table[: pages_for(n_keys)] == list(range(table[0], table[0] + pages_for(n_keys))):
-                return cls(slice(first + start, first + start + T), slice(first, first + n_keys))
-        width = pages_for(n_keys)
-        padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device)
-        flat = (padded[:, :, None] * PAGE + torch.arange(PAGE, device=device)).flatten(1)[:, :n_keys]
-        columns = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
-        return cls(flat.gather(1, columns).flatten(), flat)
+            if table[:n_pages] == list(range(table[0], table[0] + n_pages)):
+                return cls(slice(first + start, first + start + T), slice(first, first + n_keys), n_keys, 0, device)
+        width = n_pages * PAGE
+        rows = [table_positions(tuple(table[:n_pages])) for table in tables]
+        read = rows[0] if len(rows) == 1 else array("i")
+        if len(rows) > 1:
+            for positions in rows:
+                read += positions
+                read += array("i", bytes(4 * (width - len(positions))))
+        write = array("q", [row[s + t] for row, s in zip(rows, starts) for t in range(T)])
+        return cls(write, read, n_keys, width, device)
+
+    @cached_property
+    def _write64(self) -> array:
+        if isinstance(self._write, slice):
+            return array("q", range(self._write.start, self._write.stop))
+        return self._write
+
+    @property
+    def write_at(self) -> int:
+        """The address of the write positions as int64, [B * T]."""
+        return self._write64.buffer_info()[0]
+
+    @cached_property
+    def _read32(self) -> tuple[array, int, int]:
+        """The int32 positions (held here: the shared counting may be replaced meanwhile), the
+        bytes to row 0's and from one row's to the next's."""
+        if isinstance(self._read, slice):
+            return counting(self._read.stop), 4 * self._read.start, 0
+        return self._read, 0, 4 * self.width
+
+    @property
+    def read_at(self) -> tuple[int, int]:
+        """The address of row 0's read positions as int32, and the bytes from one row's to the next's."""
+        positions, first, row = self._read32
+        return positions.buffer_info()[0] + first, row
+
+    @cached_property
+    def write(self) -> slice | torch.Tensor:
+        """The write positions: a slice, or [B * T] int64."""
+        if isinstance(self._write, slice):
+            return self._write
+        return torch.frombuffer(self._write, dtype=torch.int64).to(self.device)
+
+    @cached_property
+    def read(self) -> slice | torch.Tensor:
+        """The read positions: a slice, or [B, n_keys] int64."""
+        if isinstance(self._read, slice):
+            return self._read
+        rows = torch.frombuffer(self._read, dtype=torch.int32).view(-1, self.width)
+        return rows[:, : self.n_keys].long().to(self.device)
 
 
 class KVCache:

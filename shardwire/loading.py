@@ -156,7 +156,9 @@ def build_stage(
         for block in stage.blocks:
             block.graphs = BlockGraphs.of(block, stage.inv_freq, cfg.rope_theta)
         stage.graph = StageGraph.of(
-            [block.graphs for block in stage.blocks], *((stage.norm, stage.head) if last else ())
+            [block.graphs for block in stage.blocks],
+            *((stage.norm, stage.head) if last else (None, None)),
+            embed=stage.embed,
         )
     return stage
 

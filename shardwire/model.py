@@ -8,6 +8,7 @@ and brings its own start position, so a batch mixes sequences at different lengt
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping
@@ -107,22 +108,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 @dataclass
 class StepContext:
     """What every block of a forward pass shares: where the new tokens go and what they see.
-    What only PyTorch's attention uses (mask, RoPE's angles) is computed on first use: a step
-    that ggml's graphs take whole never needs it."""
+    What only PyTorch's attention uses (positions as a tensor, the mask, RoPE's angles) is
+    computed on first use: a step that ggml's graphs take whole never needs it."""
 
     rows: slice | torch.Tensor  # the sequences' slots (recurrent state)
     at: Addresses  # where their keys and values go and are read from
-    positions: torch.Tensor  # [B, T]
+    starts: list[int]  # each row's first position
+    T: int  # new positions a row
     n_keys: int
     inv_freq: torch.Tensor  # RoPE's frequencies
     dtype: torch.dtype  # the stage's compute dtype
 
     @cached_property
+    def positions(self) -> torch.Tensor:
+        """[B, T]"""
+        device = self.inv_freq.device
+        return torch.tensor(self.starts, device=device)[:, None] + torch.arange(self.T, device=device)
+
+    @cached_property
     def mask(self) -> torch.Tensor | None:
         """[B, 1, T, n_keys], True where attention is allowed; None for one sequence's one new
         token, which sees every cached position."""
-        B, T = self.positions.shape
-        if B == 1 and T == 1:
+        if len(self.starts) == 1 and self.T == 1:
             return None
         return (torch.arange(self.n_keys, device=self.positions.device) <= self.positions[:, :, None])[:, None]
 
@@ -145,14 +152,18 @@ class StepContext:
         return self._angles[1]
 
     @cached_property
-    def positions32(self) -> torch.Tensor:
-        """positions, [B * T] int32 (for ggml)."""
-        return self.positions.flatten().to(torch.int32)
+    def _positions32(self) -> array:
+        return array("i", [s + t for s in self.starts for t in range(self.T)])
+
+    @property
+    def positions_at(self) -> int:
+        """The address of the positions as int32, [B * T] (for ggml)."""
+        return self._positions32.buffer_info()[0]
 
     @cached_property
     def key_counts(self) -> list[list[int]]:
         """How many keys each row sees."""
-        return (self.positions + 1).tolist()
+        return [list(range(s + 1, s + self.T + 1)) for s in self.starts]
 
 
 class Attention(nn.Module):
@@ -470,7 +481,6 @@ class Stage(nn.Module):
 
     def _context(self, slots: list[int], starts: list[int], T: int, pages: list[list[int]] | None) -> StepContext:
         device = self.device
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
         n_keys = max(starts) + T
         if n_keys > self.ctx:
             raise ValueError(f"position {n_keys - 1} is past the context size {self.ctx}")
@@ -480,7 +490,8 @@ class Stage(nn.Module):
         return StepContext(
             KVCache.rows_for(slots, device),
             Addresses.of(pages, starts, T, n_keys, device),
-            positions,
+            starts,
+            T,
             n_keys,
             self.inv_freq,
             self.dtype,
@@ -517,24 +528,31 @@ class Stage(nn.Module):
             out[:, b - y.shape[1] : b] = y
         return out
 
-    @torch.inference_mode()
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | list[list[int]],
         slots: list[int],
         starts: list[int],
         all_logits: bool = False,
         pages: list[list[int]] | None = None,
     ) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, else hidden states [B, T, dim]; `pages`: each
-        row's page table (default: own_pages()).
+        """x: token ids [B, T] on the first stage (a tensor or lists), else hidden states [B, T,
+        dim]; `pages`: each row's page table (default: own_pages()).
         Returns hidden states, or float32 logits on the last stage (last position only unless
         all_logits)."""
         if self.cache is None:
             raise RuntimeError("allocate_cache() before forward()")
+        graph = self.graph
+        if graph is not None and graph.takes(x, self.cache) and (graph.logits or not self.last):
+            # a decode step that ggml's graph runs whole, with no PyTorch call on the way
+            return graph(x, self.cache, self._context(slots, starts, 1, pages))
+        with torch.inference_mode():
+            return self._forward(x, slots, starts, all_logits, pages)
+
+    def _forward(self, x, slots: list[int], starts: list[int], all_logits: bool, pages) -> torch.Tensor:
         given = x
         if self.first:
-            x = self.embed(x.to(self.device))
+            x = self.embed(torch.as_tensor(x).to(self.device))
         else:
             x = x.to(self.device, self.dtype)
         ctx = self._context(slots, starts, x.shape[1], pages)

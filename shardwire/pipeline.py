@@ -108,8 +108,10 @@ def sample_rows(logits: torch.Tensor, rows: list[Row], matchers: Matchers | None
         and not (r.sampling.penalized and r.recent)
         for r in rows
     ):
-        last = logits[:, -1]
-        best = last.float().numpy().argmax(axis=-1) if last.device.type == "cpu" else last.argmax(dim=-1).cpu()
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:  # NumPy's: no PyTorch call (see StageGraph)
+            best = logits.numpy()[:, -1].argmax(axis=-1)
+        else:
+            best = logits[:, -1].argmax(dim=-1).cpu()
         return [Sampled(int(t)) for t in best]  # one argmax for the batch
     if logits.device.type != "cpu":
         logits = logits.float().cpu()
@@ -151,7 +153,7 @@ class LocalPipeline:
         slots = [r.slot for r in step.rows]
         starts = [r.start for r in step.rows]
         pages = [r.pages for r in step.rows]
-        x: torch.Tensor = torch.tensor([r.tokens for r in step.rows], dtype=torch.long)
+        x = [r.tokens for r in step.rows]
         try:
             for stage in self.stages:
                 x = stage(x, slots, starts, pages=pages)

@@ -132,16 +132,52 @@ def test_a_dense_stage_decodes_in_one_graph_as_its_blocks_graphs_do():
     for slot, n in enumerate(lengths):
         for copy in (slot, slot + 3):
             stage(torch.tensor([PROMPT[:n]]), [copy], [0])
-    step = torch.tensor([[PROMPT[n]] for n in lengths])
+    step = [[PROMPT[n]] for n in lengths]
     one_graph = stage(step, [0, 1, 2], lengths)
     kept, stage.graph = stage.graph, None
-    by_blocks = stage(step, [3, 4, 5], lengths)
+    by_blocks = stage(torch.tensor(step), [3, 4, 5], lengths)
     stage.graph = kept
     assert torch.equal(one_graph, by_blocks)
     k, v = stage.cache.k, stage.cache.v
     for slot, n in enumerate(lengths):
         mine, theirs = slice(32 * slot, 32 * slot + n + 1), slice(32 * (slot + 3), 32 * (slot + 3) + n + 1)
         assert torch.equal(k[:, :, mine], k[:, :, theirs]) and torch.equal(v[:, :, mine], v[:, :, theirs])
+
+
+@needs_ggml
+@pytest.mark.parametrize("stored", ["F16", "Q8_0", "Q4_0"])
+def test_a_first_stage_graph_reads_the_token_embedding_as_the_module_does(stored):
+    """Token ids go into the stage's one graph, the embedding read by ggml as the table is held:
+    the logits and cache of a decode step (one sequence, and two) are the module embedding's."""
+    model = open_model(model_path("llama", stored))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={stored: "ggml"})
+    assert stage.graph is not None and stage.graph.table is not None
+    stage.allocate_cache(4, 32)
+    for slot in range(4):
+        stage(torch.tensor([PROMPT[:5]]), [slot], [0])
+    read = {}
+    for ids in ([[PROMPT[5]]], [[PROMPT[5]], [PROMPT[6]]]):
+        rows = len(ids)
+        read[True] = stage(ids, list(range(rows)), [5] * rows)
+        kept, stage.graph = stage.graph, None
+        read[False] = stage(torch.tensor(ids), list(range(2, 2 + rows)), [5] * rows)
+        stage.graph = kept
+        assert torch.equal(read[True], read[False])
+        k = stage.cache.k
+        assert torch.equal(k[:, :, 5 : 5 + 1], k[:, :, 64 + 5 : 64 + 5 + 1])
+
+
+@needs_ggml
+def test_a_token_outside_the_vocabulary_is_refused_before_the_graph_runs():
+    model = open_model(model_path("llama", "F16"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F16": "ggml"})
+    stage.allocate_cache(1, 32)
+    stage([PROMPT[:3]], [0], [0])
+    keys = stage.cache.k.clone()
+    for bad in (model.config.vocab_size, -1):
+        with pytest.raises(ValueError, match="vocabulary"):
+            stage([[bad]], [0], [3])
+    assert torch.equal(stage.cache.k, keys)
 
 
 @needs_ggml

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import math
 import threading
+from array import array
 from collections import OrderedDict
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from . import ggml_cpu
 from .ggml_cpu import GGMLLinear, RepackedLinear, ggml, least_recently_used
 from .ggml_graph import MAX_ROWS, PROMPT, Graph
+from .packed import GGUFLinear
 
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces
 FIRST_KEYS = 256  # keys a graph's attention is first built for; doubled as its sequences grow
@@ -82,6 +85,21 @@ def _matrices(module: nn.Module, rows: list[int] | None = None) -> list[_Matrix]
     else:
         return None
     return found if rows is None else None
+
+
+def _table(module: nn.Module) -> _Matrix | None:
+    """A token embedding's table as ggml reads its rows (stored blocks, in whichever format they
+    are multiplied, or a dense matrix); None where its layout is not one ggml reads rows of."""
+    if isinstance(module, GGUFLinear):
+        return _Matrix(
+            int(GGMLQuantizationType[module.stored]),
+            module.in_features,
+            module.out_features,
+            module.raw.data_ptr(),
+            None,
+        )
+    found = None if isinstance(module, RepackedLinear) else _matrices(module)
+    return None if found is None else found[0]
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -415,7 +433,7 @@ class BlockGraphs:
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
         out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
-        x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions32.data_ptr()
+        x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions_at
         for a, b in self._pieces(rows):
             self._graph(PROJECT, b - a)([x_at + a * self.dim * 4, positions + 4 * a, out_at + a * self.qkv_width * 4])
         return out.view(*x.shape[:-1], self.qkv_width)
@@ -451,8 +469,7 @@ class BlockGraphs:
         B, T, _ = x.shape
         qkv_at, qkv_row = qkv.data_ptr(), self.qkv_width * 4
         pools = [cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k.shape[2]]
-        index = ctx.at.read32
-        index_at, index_row = index.data_ptr(), index.stride(0) * 4
+        index_at, index_row = ctx.at.read_at
         counts = ctx.key_counts
         if T == 1 and B <= MAX_ROWS:  # a decode step: one graph for the rest of the block
             seen = [c[0] for c in counts]
@@ -485,13 +502,20 @@ class BlockGraphs:
 class StageGraph:
     """A decode step of a stage whose blocks are all dense with attention in the graphs, as one
     ggml graph (per row count and thread): no Python between the blocks, as in llama.cpp; on the
-    last stage the final norm and the head too, where ggml runs the head as it is held (`logits`)."""
+    first stage the token embedding too, where ggml reads the table as it is held (`table`), and
+    on the last the final norm and the head, where ggml runs the head as it is held (`logits`).
 
-    def __init__(self, blocks: list[BlockGraphs], head: tuple | None):
+    A call makes no PyTorch call but the one allocating its output: once a step's weights have
+    gone through the caches, each PyTorch call costs tens of microseconds (its dispatcher's code
+    and data fetched from memory again), as much as the arithmetic of a small model's block."""
+
+    def __init__(self, blocks: list[BlockGraphs], head: tuple | None, table: _Matrix | None = None):
         self.blocks = blocks
         self.dim = blocks[0].dim
         self.head = head  # (norm weight, eps, the head's matrix)
+        self.table = table  # the token embedding: a call takes token ids
         self._built: OrderedDict = OrderedDict()
+        self._pools: tuple = (None, None, [])  # the cache's keys and values, and each layer's pools in them
 
     @property
     def logits(self) -> bool:
@@ -499,21 +523,37 @@ class StageGraph:
         return self.head is not None
 
     @classmethod
-    def of(cls, graphs: list, norm: nn.Module | None = None, head: nn.Module | None = None) -> "StageGraph | None":
+    def of(
+        cls, graphs: list, norm: nn.Module | None = None, head: nn.Module | None = None, embed: nn.Module | None = None
+    ) -> "StageGraph | None":
         """The graph of a stage's blocks' graphs (None unless all are of the kind), and of its
-        final `norm` and `head` where given."""
+        final `norm` and `head`, and its token embedding `embed`, where given."""
         if not graphs or any(g is None or not g.attends for g in graphs):
             return None
         matrix = None if head is None else _matrices(head)
-        return cls(graphs, None if matrix is None else (_f32(norm.weight), norm.eps, matrix[0]))
+        head = None if matrix is None else (_f32(norm.weight), norm.eps, matrix[0])
+        return cls(graphs, head, None if embed is None else _table(embed.table))
 
-    def takes(self, x: torch.Tensor, cache) -> bool:
-        B, T, _ = x.shape
-        cpu = x.dtype == torch.float32 and x.device.type == "cpu"
-        return T == 1 and B <= MAX_ROWS and cpu and pool_type(cache) is not None
+    def takes(self, x, cache) -> bool:
+        """Whether a call runs x whole: a decode step of at most MAX_ROWS rows, of token ids (a
+        tensor or lists) where the graph starts with the embedding, else of float32 hidden states
+        on the CPU, over a cache the graphs read."""
+        if isinstance(x, torch.Tensor):
+            if self.table is not None:
+                fits = x.dim() == 2 and not x.dtype.is_floating_point
+            else:
+                fits = x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu"
+            fits = fits and x.shape[1] == 1 and x.shape[0] <= MAX_ROWS
+        else:
+            fits = self.table is not None and len(x) <= MAX_ROWS and all(len(row) == 1 for row in x)
+        return fits and pool_type(cache) is not None
 
     def _build(self, g: Graph, rows: int, built: int, kind: int):
-        x = _input(g, "x", self.dim, rows)
+        if self.table is not None:
+            ids = _input(g, "x", rows, kind=ggml.GGML_TYPE_I32)
+            x = ggml.ggml_get_rows(g.ctx, self.table.tensor(g.ctx), ids)
+        else:
+            x = _input(g, "x", self.dim, rows)
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
         for layer, block in enumerate(self.blocks):
@@ -537,21 +577,37 @@ class StageGraph:
         key = (threading.get_ident(), rows, kind)
         return least_recently_used(self._built, key, KEPT, make, lambda graph: graph.keys >= keys)
 
-    def __call__(self, x: torch.Tensor, cache, ctx) -> torch.Tensor:
-        """The blocks on a decode step's x [B, 1, dim] -> [B, 1, dim], or the logits [B, 1, vocab]
+    def _input(self, x) -> tuple[int, object]:
+        """The address of a call's input and what holds it there."""
+        if self.table is None:
+            x = x if x.is_contiguous() else x.contiguous()
+            return x.data_ptr(), x
+        ids = array("i", [row[0] for row in (x.tolist() if isinstance(x, torch.Tensor) else x)])
+        if min(ids) < 0 or max(ids) >= self.table.N:
+            raise ValueError(f"token ids must be in [0, {self.table.N}), the vocabulary of this model")
+        return ids.buffer_info()[0], ids
+
+    def _pools_of(self, cache) -> list[int]:
+        """Each layer's keys and values pools, where they are now (the cache moves them as it grows)."""
+        k, v = cache.k, cache.v
+        k_at, v_at, pools = self._pools
+        if (k_at, v_at) != (k.data_ptr(), v.data_ptr()):
+            k_at, v_at, layer = k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size()
+            pools = [at + i * layer for i in range(len(self.blocks)) for at in (k_at, v_at)]
+            self._pools = k_at, v_at, pools
+        return pools
+
+    def __call__(self, x, cache, ctx) -> torch.Tensor:
+        """The blocks on a decode step's x (token ids [B, 1] where the graph starts with the
+        embedding, else hidden states [B, 1, dim]) -> [B, 1, dim], or the logits [B, 1, vocab]
         in float32 where the head is in the graph."""
-        B = x.shape[0]
-        flat = x.reshape(B, self.dim).contiguous()
+        B = len(x)
+        x_at, held = self._input(x)
         out = torch.empty(B, 1, self.head[2].N if self.head is not None else self.dim, dtype=torch.float32)
         seen = [c[0] for c in ctx.key_counts]
-        index = ctx.at.read32
-        index_at, index_row = index.data_ptr(), index.stride(0) * 4
-        k, v = cache.k, cache.v
-        layer = k.stride(0) * k.element_size()
-        pools = []
-        for i in range(len(self.blocks)):
-            pools += [k.data_ptr() + i * layer, v.data_ptr() + i * layer]
-        at = [flat.data_ptr(), ctx.positions32.data_ptr(), ctx.at.write64.data_ptr(), out.data_ptr(), k.shape[2]]
-        at += [*seen, *(index_at + s * index_row for s in range(B)), *pools]
+        index_at, index_row = ctx.at.read_at
+        at = [x_at, ctx.positions_at, ctx.at.write_at, out.data_ptr(), cache.k.shape[2]]
+        at += [*seen, *(index_at + s * index_row for s in range(B)), *self._pools_of(cache)]
         self._graph(B, max(seen), pool_type(cache))(at)
+        del held
         return out
