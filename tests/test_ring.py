@@ -9,6 +9,7 @@ import socket
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,7 +53,7 @@ def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
     )
     ring.start()
     step = Forward.of_rows("p", 1, [Row(0, 0, [3])])
-    ring.enqueue(Connection(coordinator_side, "coordinator"), step, torch.tensor([[3]], dtype=torch.int32))
+    ring.enqueue(Connection(coordinator_side, "coordinator"), step, np.array([[3]], dtype=np.int32))
     deadline = time.monotonic() + 10
     while not ring.runners[0].queue.empty():
         assert time.monotonic() < deadline
@@ -96,7 +97,7 @@ def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
     try:
         for start, tokens in ((0, PROMPT[:5]), (5, PROMPT[5:6])):  # a prompt chunk, then a decode step
             row = Row(0, start, tokens, GREEDY, pages=stage.own_pages(0, start + len(tokens)))
-            ring.enqueue(coordinator, Forward.of_rows("p", start, [row]), torch.tensor([tokens], dtype=torch.int32))
+            ring.enqueue(coordinator, Forward.of_rows("p", start, [row]), np.array([tokens], dtype=np.int32))
             coordinator.recv()  # its result
         (graph,) = stage.graph._built.values()
         arena = graph.arena

@@ -15,11 +15,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
 from ..constrain import Matchers
-from ..devices import TORCH_DTYPES, release_memory
+from ..devices import release_memory
 from ..model import Stage, release_scratch
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
@@ -27,6 +28,9 @@ from ..wire.conn import Connection, RemoteError
 from ..wire.frames import FrameError
 from ..wire.messages import Assign, Forward, Ping, Pong, Result, StageSpec
 from .weights import FoundWeights
+
+# how a payload is held as it is read: NumPy has no bfloat16, whose bits it holds as uint16
+_HELD_AS = {"int32": np.int32, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 IDLE_S = 0.5  # a stage that has had no step for this long gives back its scratch memory
 
@@ -39,7 +43,7 @@ class StageRunner:
 
     spec: StageSpec
     stage: Stage
-    queue: "queue.Queue[tuple[Forward, torch.Tensor] | None]" = field(default_factory=queue.Queue)
+    queue: "queue.Queue[tuple[Forward, torch.Tensor | list[list[int]]] | None]" = field(default_factory=queue.Queue)
     thread: threading.Thread | None = None
 
 
@@ -104,16 +108,22 @@ class Ring:
                         SamplingParams.from_dict(s)
                     except (TypeError, ValueError) as e:
                         raise FrameError(f"FORWARD: bad sampling parameters: {e}") from None
-        return torch.empty(msg.shape, dtype=TORCH_DTYPES[msg.dtype])
+        return np.empty(msg.shape, dtype=_HELD_AS[msg.dtype])
 
-    def enqueue(self, conn: Connection, msg: Forward, x: torch.Tensor) -> None:
-        if x.dtype == torch.int32 and x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.config.vocab_size):
-            # a well-formed frame with a bad request in it: refuse the step, keep the link
-            conn.send_error(
-                "step", f"worker {self.worker_id}: token ids must be in [0, {self.config.vocab_size})", request=msg.step
-            )
+    def enqueue(self, conn: Connection, msg: Forward, x: np.ndarray) -> None:
+        """Queue a step for the first stage: its payload, as check_forward() made it, goes in as
+        token ids (lists, which ggml's graph reads without a PyTorch call) or hidden states."""
+        if msg.dtype == "int32":
+            ids = x.tolist()
+            if any(min(row) < 0 or max(row) >= self.config.vocab_size for row in ids):
+                # a well-formed frame with a bad request in it: refuse the step, keep the link
+                message = f"worker {self.worker_id}: token ids must be in [0, {self.config.vocab_size})"
+                conn.send_error("step", message, request=msg.step)
+                return
+            self.runners[0].queue.put((msg, ids))
             return
-        self.runners[0].queue.put((msg, x))
+        hidden = torch.from_numpy(x)
+        self.runners[0].queue.put((msg, hidden.view(torch.bfloat16) if msg.dtype == "bfloat16" else hidden))
 
     # -- stage threads -----------------------------------------------------------------------
 
@@ -129,8 +139,6 @@ class Ring:
                 return
             msg, x = item
             try:
-                if x.dtype == torch.int32:
-                    x = x.long()
                 out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows], pages=msg.pages)
                 if index + 1 < len(self.runners):
                     self.runners[index + 1].queue.put((msg, out))
@@ -151,11 +159,13 @@ class Ring:
         self.coordinator.send_error(code, f"worker {self.worker_id} {message}", request=step)
 
     def _send_next(self, msg: Forward, out: torch.Tensor) -> None:
-        out = out.contiguous()
         if out.device.type != "cpu":
             out = out.cpu()
+        if not out.is_contiguous():
+            out = out.contiguous()
         wire = msg.passing_on(str(out.dtype).removeprefix("torch."), list(out.shape))
-        self.next_conn.send(wire, out.view(torch.uint8).numpy(), request=msg.step)
+        data = out.view(torch.uint8).numpy() if out.dtype == torch.bfloat16 else out.numpy().view(np.uint8)
+        self.next_conn.send(wire, data, request=msg.step)
 
     def _send_result(self, msg: Forward, logits: torch.Tensor) -> None:
         rows = [

@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from .. import __version__
 from ..cache import WeightCache, default_cache_dir
@@ -283,17 +283,17 @@ class Worker:
             msg, ring = Forward.parse(header), self._ring
             if ring is None:
                 raise FrameError(f"FORWARD for plan {msg.plan!r}, which this worker does not hold")
-            tensor = ring.check_forward(msg, nbytes)
-            pending["forward"] = (ring, msg, tensor)
-            return tensor.view(torch.uint8).numpy().reshape(-1)
+            payload = ring.check_forward(msg, nbytes)
+            pending["forward"] = (ring, msg, payload)
+            return payload.view(np.uint8).reshape(-1)
 
         while True:
             frame = conn.recv(payload_into)
             if frame.type == MessageType.FORWARD:
-                ring, msg, tensor = pending.pop("forward", (None, None, None))
+                ring, msg, payload = pending.pop("forward", (None, None, None))
                 if msg is None:
                     raise FrameError("FORWARD without its payload")
-                ring.enqueue(conn, msg, tensor)
+                ring.enqueue(conn, msg, payload)
                 continue
             msg = parse_message(frame)
             if isinstance(msg, Ping):
