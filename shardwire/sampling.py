@@ -11,6 +11,7 @@ import math
 import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -81,6 +82,11 @@ class SamplingParams:
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def to_dict(self) -> dict:
+        return dict(self._fields)
+
+    @cached_property
+    def _fields(self) -> dict:
+        """Made once: a request's parameters go out with each of its steps."""
         out = asdict(self)
         if not self.logit_bias:
             del out["logit_bias"]  # the common case stays off the wire
