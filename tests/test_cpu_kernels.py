@@ -168,6 +168,34 @@ def test_a_first_stage_graph_reads_the_token_embedding_as_the_module_does(stored
 
 
 @needs_ggml
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_sequence_on_scattered_pages_decodes_as_on_consecutive_ones(graphs):
+    """Page tables in any order (as a shared prefix or a reused pool leaves them): the same
+    logits, and each position's keys and values where its page puts them."""
+    model = open_model(model_path("llama", "F16"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F16": "ggml"})
+    if not graphs:
+        stage.graph = None
+        for b in stage.blocks:
+            b.graphs = None
+    stage.allocate_cache(2, 64, n_pages=8)
+    prompt = PROMPT + PROMPT[:4]  # 20 positions: two pages a sequence
+    layouts = {"consecutive": ([0, 1], [2, 3]), "scattered": ([7, 5], [6, 4])}
+    logits = {}
+    for name, (a, b) in layouts.items():
+        for table in (a, b):
+            stage(torch.tensor([prompt]), [0], [0], pages=[table])
+        logits[name] = [stage([[PROMPT[4]]], [0], [20], pages=[a])]  # one sequence's step
+        logits[name].append(stage([[PROMPT[5]], [PROMPT[6]]], [0, 1], [21, 20], pages=[a, b]))
+    for mine, theirs in zip(logits["consecutive"], logits["scattered"]):
+        assert torch.equal(mine, theirs)
+    k, v = stage.cache.k, stage.cache.v
+    for mine, theirs in zip(sum(layouts["consecutive"], []), sum(layouts["scattered"], [])):
+        page, other = slice(16 * mine, 16 * mine + 16), slice(16 * theirs, 16 * theirs + 16)
+        assert torch.equal(k[:, :, page], k[:, :, other]) and torch.equal(v[:, :, page], v[:, :, other])
+
+
+@needs_ggml
 def test_a_token_outside_the_vocabulary_is_refused_before_the_graph_runs():
     model = open_model(model_path("llama", "F16"))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F16": "ggml"})
