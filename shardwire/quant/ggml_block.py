@@ -40,10 +40,11 @@ FIRST_KEYS = 256  # keys a graph's attention is first built for; doubled as its 
 
 _GGML_TYPES = {torch.float32: "GGML_TYPE_F32", torch.float16: "GGML_TYPE_F16", torch.bfloat16: "GGML_TYPE_BF16"}
 
-# a block's graph kinds: PROJECT (norm, Q, K, V, RoPE); then STEP (a decode step's attention, one
-# row per sequence, and the rest of the block), or EACH (that attention alone) or SHARED (rows of
-# one sequence, a prompt's, attention alone) followed by FINISH (the rest)
-PROJECT, FINISH, STEP, EACH, SHARED = "project", "finish", "step", "each", "shared"
+# a block's graph kinds: PROJECT (norm, Q, K, V, RoPE), or STORE (that, and the keys and values
+# written into the cache); then STEP (a decode step's attention, one row per sequence, and the rest
+# of the block), or EACH (that attention alone) or SHARED (rows of one sequence, a prompt's,
+# attention alone) followed by FINISH (the rest)
+PROJECT, STORE, FINISH, STEP, EACH, SHARED = "project", "store", "finish", "step", "each", "shared"
 
 
 class _Matrix:
@@ -314,6 +315,24 @@ class BlockGraphs:
             y = t if y is None else ggml.ggml_concat(g.ctx, y, t, 0)
         return g.fields.data(y, "out")
 
+    def _build_store(self, g: Graph, rows: int, built: int, kind: int):
+        x = _input(g, "x", self.dim, rows)
+        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
+        write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
+        q, *new = self._project(g.ctx, x, rows, positions)
+        for name, t in zip(("k", "v"), new):
+            self._store(g, t, name, rows, built, kind, write)
+        return g.fields.data(ggml.ggml_concat(g.ctx, ggml.ggml_concat(g.ctx, q, new[0], 0), new[1], 0), "out")
+
+    def _store(self, g: Graph, t, name: str, rows: int, built: int, kind: int, write):
+        """t [KV * D, rows] into the pool `name` at the positions `write`: the pool as written."""
+        ctx = g.ctx
+        rows_first = ggml.ggml_permute(
+            ctx, ggml.ggml_reshape_3d(ctx, t, self.head_dim, self.kv_heads, rows), 0, 2, 1, 3
+        )
+        written = ggml.ggml_set_rows(ctx, self._pool(g, name, built, kind), rows_first, write)
+        return g.then(self._follow_pool(g, written, name, built))
+
     def _build_finish(self, g: Graph, rows: int):
         x, attn = _input(g, "x", self.dim, rows), _input(g, "attn", self.out.K, rows)
         return g.fields.data(self._rest(g.ctx, x, attn), "out")
@@ -363,11 +382,7 @@ class BlockGraphs:
         new keys and values written into the pools at the "write" positions."""
         ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
         q, *new = self._project(ctx, x, rows, positions)
-        pools = []
-        for name, t in zip(("k", "v"), new):
-            rows_first = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, t, D, KV, rows), 0, 2, 1, 3)
-            written = ggml.ggml_set_rows(ctx, self._pool(g, f"{name}{layer}", built, kind), rows_first, write)
-            pools.append(self._follow_pool(g, written, f"{name}{layer}", built))
+        pools = [self._store(g, t, f"{name}{layer}", rows, built, kind, write) for name, t in zip(("k", "v"), new)]
         attn = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.out.K, rows)
         group, width = self.heads // KV, self.out.K * 4
 
@@ -381,6 +396,7 @@ class BlockGraphs:
 
     _BUILD = {
         PROJECT: _build_project,
+        STORE: _build_store,
         FINISH: _build_finish,
         STEP: _build_step,
         EACH: _build_each,
@@ -392,6 +408,8 @@ class BlockGraphs:
         """The values a graph of `kind` takes on each call, in order."""
         if kind == PROJECT:
             return ["x", "positions", "out"]
+        if kind == STORE:
+            return ["x", "positions", "write", "out", "k", "v", "pool"]
         if kind == FINISH:
             return ["x", "attn", "out"]
         counts = [f"n{r}" for r in range(rows)]
@@ -427,15 +445,22 @@ class BlockGraphs:
         step = rows if rows <= MAX_ROWS else self.piece
         return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
-    def project(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def project(self, x: torch.Tensor, ctx, cache=None, layer: int = 0) -> torch.Tensor:
         """attn_norm(x) through Q, K and V (queries and keys turned by RoPE where `attends`):
-        [B, T, dim] -> [B, T, q | k | v]."""
+        [B, T, dim] -> [B, T, q | k | v]; the keys and values also written into `cache`'s
+        layer where given."""
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
         out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
         x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions_at
+        pools = [] if cache is None else [cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k.shape[2]]
         for a, b in self._pieces(rows):
-            self._graph(PROJECT, b - a)([x_at + a * self.dim * 4, positions + 4 * a, out_at + a * self.qkv_width * 4])
+            at = [x_at + a * self.dim * 4, positions + 4 * a]
+            if cache is None:
+                self._graph(PROJECT, b - a)(at + [out_at + a * self.qkv_width * 4])
+            else:
+                at += [ctx.at.write_at + 8 * a, out_at + a * self.qkv_width * 4, *pools]
+                self._graph(STORE, b - a, 1, pool_type(cache))(at)
         return out.view(*x.shape[:-1], self.qkv_width)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -454,15 +479,11 @@ class BlockGraphs:
     ) -> torch.Tensor:
         """The block on x [B, T, dim] (only each sequence's last position out where `last_only`);
         `attention` (the block's) where attention is not in the graphs."""
-        qkv = self.project(x, ctx)
         kind = pool_type(cache)
         if not self.attends or kind is None:
-            attn = attention.attend(qkv, cache, layer, ctx)
+            attn = attention.attend(self.project(x, ctx), cache, layer, ctx)
             return self.finish(x[:, -1:], attn[:, -1:]) if last_only else self.finish(x, attn)
-        B, T, _ = x.shape
-        H, KV = self.heads, self.kv_heads
-        heads = qkv.view(B, T, H + 2 * KV, self.head_dim)
-        cache.write(layer, heads[:, :, H : H + KV].transpose(1, 2), heads[:, :, H + KV :].transpose(1, 2), ctx.at)
+        qkv = self.project(x, ctx, cache, layer)
         return self._attend_finish(x, qkv, cache, layer, ctx, kind, last_only)
 
     def _attend_finish(self, x, qkv, cache, layer: int, ctx, kind: int, last_only: bool) -> torch.Tensor:
