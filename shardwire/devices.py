@@ -106,6 +106,7 @@ def set_threads(n: int | None) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(n))
 
 
+@lru_cache(maxsize=None)
 def _libc():
     try:
         return ctypes.CDLL("libc.so.6")
