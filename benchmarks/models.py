@@ -80,7 +80,7 @@ LAYOUTS = {
 class Workload:
     name: str  # e.g. "1b-q4_0"
     layout: str
-    type: str  # storage type of the matrices: F16, Q8_0, Q4_0, Q4_K
+    type: str  # storage type of the matrices: F32, F16, Q8_0, Q4_0, Q4_K
 
     @property
     def path(self) -> Path:
@@ -91,6 +91,7 @@ WORKLOADS = {
     w.name: w
     for w in [
         Workload("small-f16", "small", "F16"),
+        Workload("small-f32", "small", "F32"),
         Workload("1b-q8_0", "1b", "Q8_0"),
         Workload("1b-q4_0", "1b", "Q4_0"),
         Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
@@ -105,7 +106,7 @@ WORKLOADS = {
 }
 
 # llama-quantize's names for the types (Q4_K means its Q4_K_M recipe, what users download).
-_QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16"}
+_QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16", "F32": "F32"}
 
 
 def llama_cpp_prefix(build: bool = True) -> Path | None:
