@@ -307,22 +307,19 @@ class BlockGraphs:
 
     # -- a block's graphs -----------------------------------------------------------------------------
 
-    def _build_project(self, g: Graph, rows: int):
+    def _build_project(self, g: Graph, rows: int, built: int = 0, kind: int = 0):
+        """PROJECT, or STORE where the pools are `built` for (of type `kind`)."""
         x = _input(g, "x", self.dim, rows)
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32) if self.attends else None
+        q, *new = self._project(g.ctx, x, rows, positions)
+        if built:
+            write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
+            for name, t in zip(("k", "v"), new):
+                self._store(g, t, name, rows, built, kind, write)
         y = None
-        for t in self._project(g.ctx, x, rows, positions):
+        for t in (q, *new):
             y = t if y is None else ggml.ggml_concat(g.ctx, y, t, 0)
         return g.fields.data(y, "out")
-
-    def _build_store(self, g: Graph, rows: int, built: int, kind: int):
-        x = _input(g, "x", self.dim, rows)
-        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
-        write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
-        q, *new = self._project(g.ctx, x, rows, positions)
-        for name, t in zip(("k", "v"), new):
-            self._store(g, t, name, rows, built, kind, write)
-        return g.fields.data(ggml.ggml_concat(g.ctx, ggml.ggml_concat(g.ctx, q, new[0], 0), new[1], 0), "out")
 
     def _store(self, g: Graph, t, name: str, rows: int, built: int, kind: int, write):
         """t [KV * D, rows] into the pool `name` at the positions `write`: the pool as written."""
@@ -396,7 +393,7 @@ class BlockGraphs:
 
     _BUILD = {
         PROJECT: _build_project,
-        STORE: _build_store,
+        STORE: _build_project,
         FINISH: _build_finish,
         STEP: _build_step,
         EACH: _build_each,
