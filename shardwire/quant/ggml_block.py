@@ -117,6 +117,14 @@ def pool_type(cache) -> int | None:
     return None if name is None else getattr(ggml, name)
 
 
+def pool_addresses(cache, layers: range) -> list[int]:
+    """Where each layer's keys and values pools lie in a KV cache, in turn (k, v of the first, ...)."""
+    k, v = cache.k, cache.v
+    step = k.stride(0) * k.element_size()
+    k_at, v_at = k.data_ptr(), v.data_ptr()
+    return [at + i * step for i in layers for at in (k_at, v_at)]
+
+
 def _vector(ctx, t: torch.Tensor):
     v = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, t.shape[0])
     v.contents.data = t.data_ptr()
@@ -442,22 +450,21 @@ class BlockGraphs:
         step = rows if rows <= MAX_ROWS else self.piece
         return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
-    def project(self, x: torch.Tensor, ctx, cache=None, layer: int = 0) -> torch.Tensor:
+    def project(self, x: torch.Tensor, ctx, pools: list[int] | None = None, kind: int = 0) -> torch.Tensor:
         """attn_norm(x) through Q, K and V (queries and keys turned by RoPE where `attends`):
-        [B, T, dim] -> [B, T, q | k | v]; the keys and values also written into `cache`'s
-        layer where given."""
+        [B, T, dim] -> [B, T, q | k | v]; the keys and values also written into a layer's
+        `pools` (its keys', its values', the positions they hold) of type `kind` where given."""
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
         out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
         x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions_at
-        pools = [] if cache is None else [cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k.shape[2]]
         for a, b in self._pieces(rows):
             at = [x_at + a * self.dim * 4, positions + 4 * a]
-            if cache is None:
+            if pools is None:
                 self._graph(PROJECT, b - a)(at + [out_at + a * self.qkv_width * 4])
             else:
                 at += [ctx.at.write_at + 8 * a, out_at + a * self.qkv_width * 4, *pools]
-                self._graph(STORE, b - a, 1, pool_type(cache))(at)
+                self._graph(STORE, b - a, 1, kind)(at)
         return out.view(*x.shape[:-1], self.qkv_width)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -480,13 +487,13 @@ class BlockGraphs:
         if not self.attends or kind is None:
             attn = attention.attend(self.project(x, ctx), cache, layer, ctx)
             return self.finish(x[:, -1:], attn[:, -1:]) if last_only else self.finish(x, attn)
-        qkv = self.project(x, ctx, cache, layer)
-        return self._attend_finish(x, qkv, cache, layer, ctx, kind, last_only)
+        pools = [*pool_addresses(cache, range(layer, layer + 1)), cache.k.shape[2]]
+        qkv = self.project(x, ctx, pools, kind)
+        return self._attend_finish(x, qkv, pools, ctx, kind, last_only)
 
-    def _attend_finish(self, x, qkv, cache, layer: int, ctx, kind: int, last_only: bool) -> torch.Tensor:
+    def _attend_finish(self, x, qkv, pools: list[int], ctx, kind: int, last_only: bool) -> torch.Tensor:
         B, T, _ = x.shape
         qkv_at, qkv_row = qkv.data_ptr(), self.qkv_width * 4
-        pools = [cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k.shape[2]]
         index_at, index_row = ctx.at.read_at
         counts = ctx.key_counts
         if T == 1 and B <= MAX_ROWS:  # a decode step: one graph for the rest of the block
@@ -533,7 +540,6 @@ class StageGraph:
         self.head = head  # (norm weight, eps, the head's matrix)
         self.table = table  # the token embedding: a call takes token ids
         self._built: OrderedDict = OrderedDict()
-        self._pools: tuple = (None, None, [])  # the cache's keys and values, and each layer's pools in them
 
     @property
     def logits(self) -> bool:
@@ -605,16 +611,6 @@ class StageGraph:
             raise ValueError(f"token ids must be in [0, {self.table.N}), the vocabulary of this model")
         return ids.buffer_info()[0], ids
 
-    def _pools_of(self, cache) -> list[int]:
-        """Each layer's keys and values pools, where they are now (the cache moves them as it grows)."""
-        k, v = cache.k, cache.v
-        k_at, v_at, pools = self._pools
-        if (k_at, v_at) != (k.data_ptr(), v.data_ptr()):
-            k_at, v_at, layer = k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size()
-            pools = [at + i * layer for i in range(len(self.blocks)) for at in (k_at, v_at)]
-            self._pools = k_at, v_at, pools
-        return pools
-
     def __call__(self, x, cache, ctx) -> torch.Tensor:
         """The blocks on a decode step's x (token ids [B, 1] where the graph starts with the
         embedding, else hidden states [B, 1, dim]) -> [B, 1, dim], or the logits [B, 1, vocab]
@@ -625,7 +621,7 @@ class StageGraph:
         seen = [c[0] for c in ctx.key_counts]
         index_at, index_row = ctx.at.read_at
         at = [x_at, ctx.positions_at, ctx.at.write_at, out.data_ptr(), cache.k.shape[2]]
-        at += [*seen, *(index_at + s * index_row for s in range(B)), *self._pools_of(cache)]
+        at += [*seen, *(index_at + s * index_row for s in range(B)), *pool_addresses(cache, range(len(self.blocks)))]
         self._graph(B, max(seen), pool_type(cache))(at)
         del held
         return out
