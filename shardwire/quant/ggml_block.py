@@ -269,11 +269,11 @@ class BlockGraphs:
         return g.fields.follow(ggml.ggml_get_rows(g.ctx, pool, index), n, built, ne=(1,), nb=(2, 3))
 
     def _query(self, g: Graph, r: int):
-        """Row r's queries from the "qkv" input [rows, q | k | v], as [D, H / KV, KV]."""
+        """Row r's queries from the "qkv" input [rows, q] (STORE's output), as [D, H / KV, KV]."""
         t = ggml.ggml_new_tensor_3d(
             g.ctx, ggml.GGML_TYPE_F32, self.head_dim, self.heads // self.kv_heads, self.kv_heads
         )
-        return g.fields.data(t, "qkv", r * self.qkv_width * 4)
+        return g.fields.data(t, "qkv", r * self.heads * self.head_dim * 4)
 
     @staticmethod
     def _half(g: Graph, t, n: str | None = None, built: int = 0):
@@ -320,10 +320,12 @@ class BlockGraphs:
         x = _input(g, "x", self.dim, rows)
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32) if self.attends else None
         q, *new = self._project(g.ctx, x, rows, positions)
-        if built:
+        if built:  # keys and values go to the pools, which attention reads: the queries alone out
             write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
             for name, t in zip(("k", "v"), new):
                 self._store(g, t, name, rows, built, kind, write)
+            g.fields.data(q.contents.view_src, "out")  # RoPE's result, of which q is the [Q, rows] view
+            return q
         y = None
         for t in (q, *new):
             y = t if y is None else ggml.ggml_concat(g.ctx, y, t, 0)
@@ -452,20 +454,22 @@ class BlockGraphs:
 
     def project(self, x: torch.Tensor, ctx, pools: list[int] | None = None, kind: int = 0) -> torch.Tensor:
         """attn_norm(x) through Q, K and V (queries and keys turned by RoPE where `attends`):
-        [B, T, dim] -> [B, T, q | k | v]; the keys and values also written into a layer's
-        `pools` (its keys', its values', the positions they hold) of type `kind` where given."""
+        [B, T, dim] -> [B, T, q | k | v]; where a layer's `pools` (its keys', its values', the
+        positions they hold) of type `kind` are given, the keys and values go into them and the
+        queries alone come out, [B, T, q]."""
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
-        out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
+        width = self.qkv_width if pools is None else self.heads * self.head_dim
+        out = torch.empty(rows, width, dtype=torch.float32)
         x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions_at
         for a, b in self._pieces(rows):
             at = [x_at + a * self.dim * 4, positions + 4 * a]
             if pools is None:
-                self._graph(PROJECT, b - a)(at + [out_at + a * self.qkv_width * 4])
+                self._graph(PROJECT, b - a)(at + [out_at + a * width * 4])
             else:
-                at += [ctx.at.write_at + 8 * a, out_at + a * self.qkv_width * 4, *pools]
+                at += [ctx.at.write_at + 8 * a, out_at + a * width * 4, *pools]
                 self._graph(STORE, b - a, 1, kind)(at)
-        return out.view(*x.shape[:-1], self.qkv_width)
+        return out.view(*x.shape[:-1], width)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x + o(attn), then that plus the feed-forward of its norm."""
@@ -493,7 +497,7 @@ class BlockGraphs:
 
     def _attend_finish(self, x, qkv, pools: list[int], ctx, kind: int, last_only: bool) -> torch.Tensor:
         B, T, _ = x.shape
-        qkv_at, qkv_row = qkv.data_ptr(), self.qkv_width * 4
+        qkv_at, qkv_row = qkv.data_ptr(), qkv.shape[-1] * 4
         index_at, index_row = ctx.at.read_at
         counts = ctx.key_counts
         if T == 1 and B <= MAX_ROWS:  # a decode step: one graph for the rest of the block
