@@ -32,7 +32,7 @@ class LargeActivations:
 
     cache = None
 
-    def __call__(self, x, slots, starts):
+    def __call__(self, x, slots, starts, pages=None):
         return torch.zeros(1, 1, 4 << 20)
 
 
