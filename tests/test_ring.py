@@ -9,7 +9,6 @@ import socket
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,6 +26,13 @@ from models import PROMPT, model_path
 from resident import resident_bytes
 
 
+def enqueue(ring: Ring, conn: Connection, step: Forward, ids: list[list[int]]) -> None:
+    """A FORWARD of token ids, as the worker's reader hands it on: checked, its payload read in."""
+    payload, rows = ring.check_forward(step, 4 * sum(map(len, ids)))
+    payload[:] = ids
+    ring.enqueue(conn, step, payload, rows)
+
+
 class LargeActivations:
     """A stage whose output is far more than a socket buffer holds."""
 
@@ -34,6 +40,52 @@ class LargeActivations:
 
     def __call__(self, x, slots, starts, pages=None):
         return torch.zeros(1, 1, 4 << 20)
+
+
+class Hidden:
+    """A stage whose hidden states come out in `made`."""
+
+    cache = None
+
+    def __init__(self, made: torch.dtype):
+        self.made = made
+
+    def __call__(self, x, slots, starts, pages=None):
+        return torch.arange(4 * len(slots), dtype=torch.float32).reshape(len(slots), 1, 4).to(self.made)
+
+
+@pytest.mark.parametrize("made", [torch.float32, torch.bfloat16])
+def test_the_next_stage_gets_the_hidden_states_the_stage_made(made):
+    """The FORWARD to the next stage carries the step as it came (its id, rows) with the hidden
+    states' own dtype and shape, and their bytes."""
+    to_next, next_side = socket.socketpair()
+    to_coordinator, coordinator_side = socket.socketpair()
+    assign = SimpleNamespace(plan="p", coordinator="c", n_slots=1, ctx=8, kv_pages=1, next=NextHop("127.0.0.1", 1))
+    spec = SimpleNamespace(index=0, first=True, last=False)
+    ring = Ring(
+        assign,
+        SimpleNamespace(vocab_size=16, dim=4),
+        [StageRunner(spec, Hidden(made))],
+        Connection(to_coordinator, "coordinator"),
+        Connection(to_next, "next"),
+        FoundWeights(),
+        "worker",
+        idle_timeout=300.0,
+    )
+    ring.start()
+    try:
+        step = Forward.of_rows("p", 7, [Row(0, 0, [3], pages=[0])])
+        enqueue(ring, Connection(coordinator_side, "coordinator"), step, [[3]])
+        next_side.settimeout(10)
+        frame = Connection(next_side, "next").recv()
+        sent = Forward.parse(frame.header)
+        assert (frame.request, sent.step, sent.rows) == (7, 7, [(0, 0, 1)])
+        assert (sent.dtype, sent.shape) == (str(made).removeprefix("torch."), [1, 1, 4])
+        assert bytes(frame.payload) == Hidden(made)(None, [0], [0]).view(torch.uint8).numpy().tobytes()
+    finally:
+        ring.release()
+        for s in (next_side, coordinator_side, to_coordinator):
+            s.close()
 
 
 def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
@@ -53,7 +105,7 @@ def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
     )
     ring.start()
     step = Forward.of_rows("p", 1, [Row(0, 0, [3])])
-    ring.enqueue(Connection(coordinator_side, "coordinator"), step, np.array([[3]], dtype=np.int32))
+    enqueue(ring, Connection(coordinator_side, "coordinator"), step, [[3]])
     deadline = time.monotonic() + 10
     while not ring.runners[0].queue.empty():
         assert time.monotonic() < deadline
@@ -97,7 +149,7 @@ def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
     try:
         for start, tokens in ((0, PROMPT[:5]), (5, PROMPT[5:6])):  # a prompt chunk, then a decode step
             row = Row(0, start, tokens, GREEDY, pages=stage.own_pages(0, start + len(tokens)))
-            ring.enqueue(coordinator, Forward.of_rows("p", start, [row]), np.array([tokens], dtype=np.int32))
+            enqueue(ring, coordinator, Forward.of_rows("p", start, [row]), [tokens])
             coordinator.recv()  # its result
         (graph,) = stage.graph._built.values()
         arena = graph.arena

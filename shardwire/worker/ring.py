@@ -43,7 +43,10 @@ class StageRunner:
 
     spec: StageSpec
     stage: Stage
-    queue: "queue.Queue[tuple[Forward, torch.Tensor | list[list[int]]] | None]" = field(default_factory=queue.Queue)
+    # (the step, its payload, the rows to sample where this worker's last stage samples), or None to stop
+    queue: "queue.SimpleQueue[tuple[Forward, torch.Tensor | list[list[int]], list[Row] | None] | None]" = field(
+        default_factory=queue.SimpleQueue
+    )
     thread: threading.Thread | None = None
 
 
@@ -83,9 +86,10 @@ class Ring:
 
     # -- steps in ----------------------------------------------------------------------------
 
-    def check_forward(self, msg: Forward, nbytes: int) -> torch.Tensor:
-        """Check a FORWARD against the plan before its payload is read; returns the tensor to
-        read the payload into."""
+    def check_forward(self, msg: Forward, nbytes: int) -> tuple[np.ndarray, list[Row] | None]:
+        """Check a FORWARD against the plan before its payload is read; returns the array to read
+        the payload into and, where this worker's last stage samples, the step's rows to sample
+        (their parameters parsed here, once)."""
         if msg.plan != self.id:
             raise FrameError(f"FORWARD for plan {msg.plan!r}, which this worker does not hold")
         if nbytes != msg.payload_nbytes():
@@ -101,18 +105,17 @@ class Ring:
                 raise FrameError(f"FORWARD: positions up to {start + n} exceed the context of {self.ctx}")
         if any(page >= self.n_pages for table in msg.pages for page in table):
             raise FrameError(f"FORWARD: a page id is outside the plan's pool of {self.n_pages} pages")
+        rows = None
         if self.runners[-1].spec.last:
-            for s in msg.sampling:
-                if s is not None:
-                    try:
-                        SamplingParams.from_dict(s)
-                    except (TypeError, ValueError) as e:
-                        raise FrameError(f"FORWARD: bad sampling parameters: {e}") from None
-        return np.empty(msg.shape, dtype=_HELD_AS[msg.dtype])
+            try:
+                rows = _rows_to_sample(msg)
+            except (TypeError, ValueError) as e:
+                raise FrameError(f"FORWARD: bad sampling parameters: {e}") from None
+        return np.empty(msg.shape, dtype=_HELD_AS[msg.dtype]), rows
 
-    def enqueue(self, conn: Connection, msg: Forward, x: np.ndarray) -> None:
-        """Queue a step for the first stage: its payload, as check_forward() made it, goes in as
-        token ids (lists, which ggml's graph reads without a PyTorch call) or hidden states."""
+    def enqueue(self, conn: Connection, msg: Forward, x: np.ndarray, rows: list[Row] | None) -> None:
+        """Queue a step for the first stage, with what check_forward() gave: its payload goes in
+        as token ids (lists, which ggml's graph reads without a PyTorch call) or hidden states."""
         if msg.dtype == "int32":
             ids = x.tolist()
             if any(min(row) < 0 or max(row) >= self.config.vocab_size for row in ids):
@@ -120,10 +123,10 @@ class Ring:
                 message = f"worker {self.worker_id}: token ids must be in [0, {self.config.vocab_size})"
                 conn.send_error("step", message, request=msg.step)
                 return
-            self.runners[0].queue.put((msg, ids))
+            self.runners[0].queue.put((msg, ids, rows))
             return
         hidden = torch.from_numpy(x)
-        self.runners[0].queue.put((msg, hidden.view(torch.bfloat16) if msg.dtype == "bfloat16" else hidden))
+        self.runners[0].queue.put((msg, hidden.view(torch.bfloat16) if msg.dtype == "bfloat16" else hidden, rows))
 
     # -- stage threads -----------------------------------------------------------------------
 
@@ -137,15 +140,15 @@ class Ring:
                 item = runner.queue.get()
             if item is None:
                 return
-            msg, x = item
+            msg, x, rows = item
             try:
                 out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows], pages=msg.pages)
                 if index + 1 < len(self.runners):
-                    self.runners[index + 1].queue.put((msg, out))
+                    self.runners[index + 1].queue.put((msg, out, rows))
                 elif self.next_conn is not None:
                     self._send_next(msg, out)
                 else:
-                    self._send_result(msg, out)
+                    self._send_result(msg, out, rows)
             except (RuntimeError, ValueError) as e:
                 log.error("step %d failed on stage %d: %s", msg.step, runner.spec.index, e)
                 self._report(msg.step, "step", f"stage {runner.spec.index}: {e}")
@@ -167,13 +170,7 @@ class Ring:
         data = out.view(torch.uint8).numpy() if out.dtype == torch.bfloat16 else out.numpy().view(np.uint8)
         self.next_conn.send(wire, data, request=msg.step)
 
-    def _send_result(self, msg: Forward, logits: torch.Tensor) -> None:
-        rows = [
-            Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent, constraint)
-            for (slot, start, n), s, recent, constraint in zip(
-                msg.rows, msg.sampling, msg.recent, msg.row_constraints()
-            )
-        ]
+    def _send_result(self, msg: Forward, logits: torch.Tensor, rows: list[Row]) -> None:
         sampled = sample_rows(logits, rows, self.matchers)
         self.coordinator.send(Result.of_sampled(msg.step, sampled), request=msg.step)
 
@@ -228,3 +225,11 @@ class Ring:
         release_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _rows_to_sample(msg: Forward) -> list[Row]:
+    """The step's rows as the sampler takes them (ValueError or TypeError for bad parameters)."""
+    return [
+        Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent, constraint)
+        for (slot, start, n), s, recent, constraint in zip(msg.rows, msg.sampling, msg.recent, msg.row_constraints())
+    ]

@@ -283,17 +283,17 @@ class Worker:
             msg, ring = Forward.parse(header), self._ring
             if ring is None:
                 raise FrameError(f"FORWARD for plan {msg.plan!r}, which this worker does not hold")
-            payload = ring.check_forward(msg, nbytes)
-            pending["forward"] = (ring, msg, payload)
+            payload, rows = ring.check_forward(msg, nbytes)
+            pending["forward"] = (ring, msg, payload, rows)
             return payload.view(np.uint8).reshape(-1)
 
         while True:
             frame = conn.recv(payload_into)
             if frame.type == MessageType.FORWARD:
-                ring, msg, payload = pending.pop("forward", (None, None, None))
+                ring, msg, payload, rows = pending.pop("forward", (None, None, None, None))
                 if msg is None:
                     raise FrameError("FORWARD without its payload")
-                ring.enqueue(conn, msg, payload)
+                ring.enqueue(conn, msg, payload, rows)
                 continue
             msg = parse_message(frame)
             if isinstance(msg, Ping):
