@@ -33,6 +33,27 @@ def enqueue(ring: Ring, conn: Connection, step: Forward, ids: list[list[int]]) -
     ring.enqueue(conn, step, payload, rows)
 
 
+def first_stage_ring(stage):
+    """A started ring of one first stage of width 4 whose links are socket pairs: (ring, its end of the
+    link to the next stage, the next stage's end, its end of the coordinator's link, the coordinator's end)."""
+    to_next, next_side = socket.socketpair()
+    to_coordinator, coordinator_side = socket.socketpair()
+    assign = SimpleNamespace(plan="p", coordinator="c", n_slots=1, ctx=8, kv_pages=1, next=NextHop("127.0.0.1", 1))
+    spec = SimpleNamespace(index=0, first=True, last=False)
+    ring = Ring(
+        assign,
+        SimpleNamespace(vocab_size=16, dim=4),
+        [StageRunner(spec, stage)],
+        Connection(to_coordinator, "coordinator"),
+        Connection(to_next, "next"),
+        FoundWeights(),
+        "worker",
+        idle_timeout=300.0,
+    )
+    ring.start()
+    return ring, to_next, next_side, to_coordinator, coordinator_side
+
+
 class LargeActivations:
     """A stage whose output is far more than a socket buffer holds."""
 
@@ -58,21 +79,7 @@ class Hidden:
 def test_the_next_stage_gets_the_hidden_states_the_stage_made(made):
     """The FORWARD to the next stage carries the step as it came (its id, rows) with the hidden
     states' own dtype and shape, and their bytes."""
-    to_next, next_side = socket.socketpair()
-    to_coordinator, coordinator_side = socket.socketpair()
-    assign = SimpleNamespace(plan="p", coordinator="c", n_slots=1, ctx=8, kv_pages=1, next=NextHop("127.0.0.1", 1))
-    spec = SimpleNamespace(index=0, first=True, last=False)
-    ring = Ring(
-        assign,
-        SimpleNamespace(vocab_size=16, dim=4),
-        [StageRunner(spec, Hidden(made))],
-        Connection(to_coordinator, "coordinator"),
-        Connection(to_next, "next"),
-        FoundWeights(),
-        "worker",
-        idle_timeout=300.0,
-    )
-    ring.start()
+    ring, to_next, next_side, to_coordinator, coordinator_side = first_stage_ring(Hidden(made))
     try:
         step = Forward.of_rows("p", 7, [Row(0, 0, [3], pages=[0])])
         enqueue(ring, Connection(coordinator_side, "coordinator"), step, [[3]])
@@ -89,21 +96,7 @@ def test_the_next_stage_gets_the_hidden_states_the_stage_made(made):
 
 
 def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
-    to_next, next_side = socket.socketpair()
-    to_coordinator, coordinator_side = socket.socketpair()
-    assign = SimpleNamespace(plan="p", coordinator="c", n_slots=1, ctx=8, kv_pages=1, next=NextHop("127.0.0.1", 1))
-    spec = SimpleNamespace(index=0, first=True, last=False)
-    ring = Ring(
-        assign,
-        SimpleNamespace(vocab_size=16, dim=4),
-        [StageRunner(spec, LargeActivations())],
-        Connection(to_coordinator, "coordinator"),
-        Connection(to_next, "next"),
-        FoundWeights(),
-        "worker",
-        idle_timeout=300.0,
-    )
-    ring.start()
+    ring, to_next, next_side, to_coordinator, coordinator_side = first_stage_ring(LargeActivations())
     step = Forward.of_rows("p", 1, [Row(0, 0, [3])])
     enqueue(ring, Connection(coordinator_side, "coordinator"), step, [[3]])
     deadline = time.monotonic() + 10
