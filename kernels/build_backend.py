@@ -4,8 +4,13 @@ kernels llama.cpp computes with today (its tiled K-quant products read a prompt 
 Q4_K-Q6_K weights about twice as fast as the older ggml's). Both sources are the sdists on PyPI,
 checked against the hashes below; the build itself is ggml-python's (scikit-build-core, cmake).
 
-The wheel is ggml-python 0.0.45+llamacpp.0.3.36, so it satisfies `ggml-python==0.0.45`:
-`pip install -e '.[cpu]' ./kernels` installs shardwire with it.
+One change to that ggml is shardwire's own (PATCHES, tiled_q4_Kx8.cpp): its tiled K-quant products
+also read Q4_K weights held in the repacked layout, which the repack buffer's products of a
+prompt chunk then take, so that a repacked Q4_K weight reads prompts as fast as stored blocks do
+(on x86 the repacked GEMM reads a 64-row chunk 1.6x slower) and still decodes on the repacked GEMV.
+
+The wheel is ggml-python 0.0.45+llamacpp.0.3.36.shardwire.1, so it satisfies
+`ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.
 """
 
 from __future__ import annotations
@@ -22,8 +27,84 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.1"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
+HERE = Path(__file__).resolve().parent
+
+# (file under ggml/src/ggml-cpu, text found exactly once, its replacement)
+PATCHES = [
+    (  # where the tiles read a weight block: one place, which another layout specializes
+        "tiled/tiled.cpp",
+        "template <typename B, int SUBBLK, bool HAS_MIN, int BIAS, bool ACTBIAS>\n"
+        "static void ggml_compute_forward_mul_mat_tiled_one_chunk(",
+        "// shardwire: where the tiles read weight block (row, kblk); specialized for other layouts\n"
+        "template <typename B>\n"
+        "static const B * tiled_src0_at(const char * row0, int64_t row, int64_t kblk, size_t nb01, size_t bs) {\n"
+        "    return (const B *) (row0 + row * nb01 + kblk * bs);\n"
+        "}\n\n"
+        "template <typename B, int SUBBLK, bool HAS_MIN, int BIAS, bool ACTBIAS>\n"
+        "static void ggml_compute_forward_mul_mat_tiled_one_chunk(",
+    ),
+    (
+        "tiled/tiled.cpp",
+        "const B * wbase = (const B *) (src0_row + ir0 * nb01 + kstart * src0_bs);",
+        "const B * wbase = tiled_src0_at<B>(src0_row, ir0, kstart, nb01, src0_bs);",
+    ),
+    (
+        "tiled/tiled.cpp",
+        "tiled_unpack_src0((const B *) (src0_row + iir0 * nb01 + kblk * src0_bs), src0_stride, n_src0, &ws->src0, 1);",
+        "tiled_unpack_src0(tiled_src0_at<B>(src0_row, iir0, kblk, nb01, src0_bs), src0_stride, n_src0, &ws->src0, 1);",
+    ),
+    (
+        "repack.cpp",
+        '#include "repack.h"\n',
+        '#include "repack.h"\n\n#include <type_traits>\n\n'
+        "// shardwire: a prompt chunk's product on repacked Q4_K through the tiled kernels (tiled.cpp)\n"
+        'extern "C" bool ggml_compute_forward_mul_mat_tiled_q4_Kx8(const struct ggml_compute_params *, '
+        "struct ggml_tensor *);\n"
+        'extern "C" size_t ggml_tiled_q4_Kx8_wdata_size(int, const struct ggml_tensor *);\n',
+    ),
+    (
+        "repack.cpp",
+        "    bool work_size(int /* n_threads */, const struct ggml_tensor * op, size_t & size) override {\n"
+        "        // not realy a GGML_TYPE_Q8_0 but same size.\n"
+        "        switch (op->op) {\n"
+        "            case GGML_OP_MUL_MAT:\n"
+        "                {\n"
+        "                    size = ggml_row_size(PARAM_TYPE, ggml_nelements(op->src[1]));\n",
+        "    bool work_size(int n_threads, const struct ggml_tensor * op, size_t & size) override {\n"
+        "        // not realy a GGML_TYPE_Q8_0 but same size.\n"
+        "        switch (op->op) {\n"
+        "            case GGML_OP_MUL_MAT:\n"
+        "                {\n"
+        "                    size = ggml_row_size(PARAM_TYPE, ggml_nelements(op->src[1]));\n"
+        "                    if constexpr (TILED_Q4_Kx8) {\n"
+        "                        size = std::max(size, ggml_tiled_q4_Kx8_wdata_size(n_threads, op));\n"
+        "                    }\n"
+        "                    (void) n_threads;\n",
+    ),
+    (
+        "repack.cpp",
+        "            case GGML_OP_MUL_MAT:\n                forward_mul_mat(params, op);\n",
+        "            case GGML_OP_MUL_MAT:\n"
+        "                if constexpr (TILED_Q4_Kx8) {\n"
+        "                    if (ggml_compute_forward_mul_mat_tiled_q4_Kx8(params, op)) {\n"
+        "                        return true;\n"
+        "                    }\n"
+        "                }\n"
+        "                forward_mul_mat(params, op);\n",
+    ),
+    (
+        "repack.cpp",
+        "template <typename BLOC_TYPE, int64_t INTER_SIZE, int64_t NB_COLS, ggml_type PARAM_TYPE> "
+        "class tensor_traits : public tensor_traits_base {\n",
+        "template <typename BLOC_TYPE, int64_t INTER_SIZE, int64_t NB_COLS, ggml_type PARAM_TYPE> "
+        "class tensor_traits : public tensor_traits_base {\n"
+        "    static constexpr bool TILED_Q4_Kx8 =\n"
+        "        std::is_same_v<BLOC_TYPE, block_q4_K> && INTER_SIZE == 8 && NB_COLS == 8;\n",
+    ),
+]
+APPENDED = [("tiled/tiled.cpp", "tiled_q4_Kx8.cpp")]  # (file, this folder's source added at its end)
 
 
 def _sdist(name: str, version: str, sha256: str, into: Path) -> Path:
@@ -61,12 +142,26 @@ def _prepared_source(work: Path) -> Path:
         target = vendored / part
         shutil.rmtree(target) if target.is_dir() else target.unlink()
         (shutil.copytree if (newer / part).is_dir() else shutil.copy2)(newer / part, target)
+    _patch(vendored / "src" / "ggml-cpu")
     init = bindings / "ggml" / "__init__.py"
     text = init.read_text()
     if f'__version__ = "{BINDINGS[1]}"' not in text:
         raise RuntimeError(f"{init}: no version line {BINDINGS[1]!r} to mark")
     init.write_text(text.replace(f'__version__ = "{BINDINGS[1]}"', f'__version__ = "{LOCAL_VERSION}"'))
     return bindings
+
+
+def _patch(cpu: Path) -> None:
+    """PATCHES and APPENDED applied to ggml's CPU sources, each anchor checked to occur once."""
+    for name, found, replacement in PATCHES:
+        path = cpu / name
+        text = path.read_text()
+        if text.count(found) != 1:
+            raise RuntimeError(f"{path}: {found[:60]!r}... occurs {text.count(found)} times, not once")
+        path.write_text(text.replace(found, replacement))
+    for name, source in APPENDED:
+        path = cpu / name
+        path.write_text(path.read_text() + "\n" + (HERE / source).read_text())
 
 
 def get_requires_for_build_wheel(config_settings=None):

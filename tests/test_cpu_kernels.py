@@ -44,6 +44,59 @@ def test_a_repacked_matrix_multiplies_as_its_stored_blocks(stored):
     assert float((repacked(one) - plain(one)).abs().max()) <= 1e-4 * float(plain(one).abs().max())
 
 
+needs_tiled_repacked = pytest.mark.skipif(
+    not ggml_cpu.tiled_reads_repacked(),
+    reason="ggml's tiled products do not read repacked Q4_K here (ggml-python as published; ./kernels builds them in)",
+)
+
+
+@needs_tiled_repacked
+@pytest.mark.parametrize("rows", [256, 264])
+def test_a_repacked_q4_k_matrix_reads_prompt_rows_as_its_stored_blocks(rows):
+    """From 8 rows of activations ggml's tiled products read the repacked Q4_K layout, each tile
+    unpacked into the values the stored blocks give: the product is the stored blocks' bit for
+    bit. Where the driver's tiles would not start on a group of 8 rows (264 rows on one thread:
+    tiles of 132), the repacked GEMM takes it; one row goes through the repacked GEMV."""
+    _, raw, ref = matrix("Q4_K", rows=rows, cols=512)
+    repacked = ggml_cpu.RepackedLinear(raw, "Q4_K", 512, torch.float32)
+    plain = ggml_cpu.GGMLLinear(raw, "Q4_K", 512, torch.float32)
+    random = torch.Generator().manual_seed(0)
+    for n in (8, 70):
+        x = torch.randn(n, 512, generator=random)
+        if rows % 256 == 0:
+            assert torch.equal(repacked(x), plain(x))
+        else:
+            assert float((repacked(x) - x @ ref.t()).abs().max()) <= 1e-2 * float((x @ ref.t()).abs().max())
+    one = torch.randn(1, 512, generator=random)
+    assert float((repacked(one) - plain(one)).abs().max()) <= 1e-4 * float(plain(one).abs().max())
+
+
+@needs_tiled_repacked
+def test_a_repacked_q4_k_stage_reads_a_prompt_as_its_stored_blocks_do():
+    """A stage of repacked Q4_K weights decodes on the repacked kernels and reads a prompt through
+    the tiled products: the prompt's logits and the keys and values it caches are the stored-block
+    stage's exactly, so the choice of layout changes decode speed and nothing a prompt leaves."""
+    model = open_model(model_path("llama", "Q4_K"))
+    n = model.config.n_layers
+    stages = {fmt: load_stage(model, 0, n, weights="fast", fastest={"Q4_K": fmt}) for fmt in ("ggml", "repacked")}
+    assert any(isinstance(m, ggml_cpu.RepackedLinear) for m in stages["repacked"].modules())
+    assert not any(isinstance(m, ggml_cpu.RepackedLinear) for m in stages["ggml"].modules())
+    tokens = torch.tensor([(PROMPT * 4)[:40]])
+    out = {}
+    for fmt, stage in stages.items():
+        assert stage.blocks[0].graphs is not None
+        stage.allocate_cache(1, 64)
+        out[fmt] = stage(tokens, [0], [0], all_logits=True), stage(torch.tensor([[7]]), [0], [40])
+    assert torch.equal(out["repacked"][0], out["ggml"][0])
+    stored, repacked = stages["ggml"].cache, stages["repacked"].cache
+    assert torch.equal(stored.k[:, :, :40], repacked.k[:, :, :40])
+    assert torch.equal(stored.v[:, :, :40], repacked.v[:, :, :40])
+    # decode on other kernels: each product agrees to ~1e-6, but a last bit that moves an
+    # activation across an 8-bit rounding step in the next product moves it by a step
+    decoded, reference = out["repacked"][1], out["ggml"][1]
+    assert float((decoded - reference).abs().max()) <= 0.05 * float(reference.max() - reference.min())
+
+
 @needs_repack
 def test_a_shape_the_repacked_layout_does_not_take_keeps_the_stored_blocks():
     _, raw, _ = matrix("Q4_0", rows=12)  # rows interleave 8 at a time

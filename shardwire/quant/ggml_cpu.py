@@ -6,6 +6,9 @@ does it, as llama.cpp's CPU backend does). A block's experts run as one graph ov
 Where ggml has a repacked layout for a type on this CPU (its CPU_REPACK buffer: Q4_0 and Q4_K
 interleaved 8 rows at a time on x86, other layouts on ARM), a weight can be copied into it once
 at load, as llama.cpp does: the same bytes, read by kernels that multiply several rows at once.
+The ggml that ./kernels builds also reads repacked Q4_K with its tiled products for 8 rows or
+more (tiled_reads_repacked), as it reads stored blocks: a prompt chunk then multiplies a
+repacked Q4_K weight as fast as, and to the same bits as, the stored blocks.
 
 Optional: without the `ggml-python` package (the `cpu` extra), `available()` is False and the
 PyTorch formats serve instead.
@@ -245,7 +248,22 @@ def build() -> str | None:
         return None
     parts = [ggml.ggml_version().decode(), "repacks" if _repack_buffer_type() is not None else "no repacks"]
     parts.append("llamafile" if ggml.ggml_cpu_has_llamafile() else "no llamafile")
+    if tiled_reads_repacked():
+        parts.append("tiled repacked Q4_K")
     return ", ".join(parts)
+
+
+@lru_cache(maxsize=None)
+def tiled_reads_repacked() -> bool:
+    """Whether this ggml's tiled products read repacked Q4_K (kernels/tiled_q4_Kx8.cpp, which
+    ./kernels builds in; ggml-python as published has no such thing)."""
+    if not available():
+        return False
+    try:
+        getattr(ggml.lib, "ggml_compute_forward_mul_mat_tiled_q4_Kx8")
+    except AttributeError:
+        return False
+    return True
 
 
 class RepackError(ValueError):
@@ -305,8 +323,9 @@ def repackable(stored: str, K: int, N: int) -> bool:
 
 class RepackedLinear(nn.Module):
     """The stored blocks of a matrix in ggml's repacked layout for this CPU, multiplied by the
-    kernels made for it (for one row and for a prompt chunk's many). The layout cannot be read
-    back: such a matrix is never a token table."""
+    kernels made for it (for one row and for a prompt chunk's many; Q4_K chunks by the tiled
+    products where tiled_reads_repacked()). The layout cannot be read back: such a matrix is
+    never a token table."""
 
     fmt = "repacked"
 

@@ -1,0 +1,123 @@
+// shardwire: ggml's tiled K-quant products read Q4_K weights held in the repacked layout
+// (block_q4_Kx8, 8 rows interleaved 8 bytes at a time: repack.cpp's layout for x86), so that a
+// prompt chunk on a repacked weight is multiplied as it would be on the stored blocks (the tiled
+// kernels read a chunk faster than the repacked layout's GEMM on some CPUs), while one row keeps
+// the repacked GEMV, which reads it faster. Each tile is unpacked from the interleaved groups
+// into the same values the stored blocks give, so the products are the stored blocks' exactly.
+//
+// kernels/build_backend.py appends this file to ggml-cpu/tiled/tiled.cpp (its templates and
+// statics are used here) and routes the repack buffer's Q4_K 8x8 products here.
+
+struct block_q4_Kx8_tiled {  // one block of each of 8 rows (repack.h's block_q4_Kx8)
+    ggml_half d[8];
+    ggml_half dmin[8];
+    uint8_t   scales[96];  // per sub-block, the 8 rows' 6-bit scales and mins in 12 bytes
+    uint8_t   qs[1024];    // the rows' quants, 8 bytes of each row in turn
+};
+static_assert(sizeof(block_q4_Kx8_tiled) == 8 * sizeof(block_q4_K), "one group holds 8 stored blocks");
+
+// The tiles name a weight block by its row (a multiple of 8) and K block: in the repacked
+// layout, the group of 8 rows starting there, at its K block.
+template <>
+const block_q4_Kx8_tiled * tiled_src0_at<block_q4_Kx8_tiled>(const char * row0, int64_t row, int64_t kblk,
+                                                             size_t nb01, size_t bs) {
+    GGML_ASSERT(row % 8 == 0);
+    return (const block_q4_Kx8_tiled *) (row0 + row * nb01 + kblk * 8 * bs);
+}
+
+// tiled_unpack_src0 for block_q4_K, reading row r of the window from group r / 8, lane r % 8;
+// `row_stride`: stored blocks a row (so a group of 8 rows is row_stride groups)
+static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_stride, int n_rows,
+                              tiled_tile_src0 * tile, int num_k) {
+    GGML_ASSERT(n_rows <= TILED_TILE_ROWS && n_rows % 8 == 0);
+    constexpr int NB = 8;  // 32-wide subblocks
+    const int qk_stride = num_k * TILED_TILE_K;
+    const int nb_stride = NB * num_k;
+    for (int slab = 0; slab < num_k; slab++) {
+        for (int r = 0; r < n_rows; r++) {
+            const int lane = r % 8;
+            const block_q4_Kx8_tiled & x = groups[(r / 8) * row_stride + slab];
+            const int d_off = slab * TILED_MICRO + r;
+            const int q_off = r * qk_stride + slab * TILED_TILE_K;
+            const int s_off = r * nb_stride + slab * NB;
+
+            tile->d[d_off]    = ggml_fp16_to_fp32(x.d[lane]);
+            tile->dmin[d_off] = ggml_fp16_to_fp32(x.dmin[lane]);
+
+            // sub-block s of rows 0-3: the low 6 bits of bytes j (scale) and j + 4 (min) of its 12;
+            // of rows 4-7: those bytes' top 2 bits over the nibbles of byte j + 8
+            const int j = lane % 4;
+            for (int s = 0; s < NB; s++) {
+                const uint8_t * b = x.scales + (s / 4) * 48 + (s % 4) * 12;
+                if (lane < 4) {
+                    tile->scales[s_off + s] = b[j] & 63;
+                    tile->mins[s_off + s]   = b[j + 4] & 63;
+                } else {
+                    tile->scales[s_off + s] = ((b[j] >> 6) << 4) | (b[j + 8] & 15);
+                    tile->mins[s_off + s]   = ((b[j + 4] >> 6) << 4) | (b[j + 8] >> 4);
+                }
+            }
+
+            uint8_t qs[QK_K / 2];
+            for (int c = 0; c < QK_K / 2 / 8; c++) {
+                memcpy(qs + c * 8, x.qs + (c * 8 + lane) * 8, 8);
+            }
+            uint8_t * q = &tile->q[q_off];
+            tiled_unpk_nib4(qs + 0,  q + 0,   q + 32);
+            tiled_unpk_nib4(qs + 32, q + 64,  q + 96);
+            tiled_unpk_nib4(qs + 64, q + 128, q + 160);
+            tiled_unpk_nib4(qs + 96, q + 192, q + 224);
+        }
+    }
+}
+
+// The rows of src0 each chunk of ggml_compute_forward_mul_mat_tiled_driver starts at a multiple
+// of (its chunking, for nr1 rows of src1 on nth threads)
+static int64_t ggml_tiled_chunk_rows(int64_t nr0, int64_t nr1, int nth) {
+    int64_t chunk_size = 256;
+    int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;
+    int64_t nchunk1 = (nr1 + chunk_size - 1) / chunk_size;
+    while (nchunk0 * nchunk1 < nth * 4 && chunk_size > 16) {
+        chunk_size = chunk_size / 2;
+        nchunk0 = (nr0 + chunk_size - 1) / chunk_size;
+        nchunk1 = (nr1 + chunk_size - 1) / chunk_size;
+    }
+    return (nr0 + nchunk0 - 1) / nchunk0;
+}
+
+// whether the tiled products take dst on nth threads: a 2-D product of enough rows whose every
+// tile starts on a group of 8 rows
+static bool ggml_tiled_q4_Kx8_takes(const struct ggml_tensor * dst, int nth) {
+#if !defined(__AVX512VNNI__) && !defined(__AVX2__) && !defined(__AVX__)
+    UNUSED(dst);
+    UNUSED(nth);
+    return false;
+#else
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+    return ggml_tiled_matmul_enabled() && src0->type == GGML_TYPE_Q4_K && src1->type == GGML_TYPE_F32 &&
+           src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 && src1->ne[3] == 1 &&
+           ggml_tiled_min_batch(src1->ne[1]) && src0->ne[1] % 8 == 0 &&
+           ggml_tiled_chunk_rows(src0->ne[1], src1->ne[1], nth) % 8 == 0;
+#endif
+}
+
+// the work buffer the product takes here: src1 quantized, then a tile workspace per thread
+extern "C" size_t ggml_tiled_q4_Kx8_wdata_size(int n_threads, const struct ggml_tensor * dst) {
+    if (!ggml_tiled_q4_Kx8_takes(dst, n_threads)) {
+        return 0;
+    }
+    const size_t src1 = ggml_row_size(GGML_TYPE_Q8_K, ggml_nelements(dst->src[1]));
+    return GGML_PAD(src1, 64) + 64 + (size_t) n_threads * ggml_tiled_ws_size();
+}
+
+// MUL_MAT on a repacked Q4_K 8x8 weight; false: not taken here (the repacked kernels compute it)
+extern "C" bool ggml_compute_forward_mul_mat_tiled_q4_Kx8(const struct ggml_compute_params * params,
+                                                          struct ggml_tensor *               dst) {
+    if (params->use_ref || !ggml_tiled_q4_Kx8_takes(dst, params->nth) ||
+        params->wsize < ggml_tiled_q4_Kx8_wdata_size(params->nth, dst)) {
+        return false;
+    }
+    ggml_compute_forward_mul_mat_tiled_driver<block_q4_Kx8_tiled, 32, true, 0, false>(params, dst);
+    return true;
+}
