@@ -25,7 +25,47 @@ const block_q4_Kx8_tiled * tiled_src0_at<block_q4_Kx8_tiled>(const char * row0, 
     return (const block_q4_Kx8_tiled *) (row0 + row * nb01 + kblk * 8 * bs);
 }
 
-// tiled_unpack_src0 for block_q4_K, reading row r of the window from group r / 8, lane r % 8;
+// m[i] byte j -> m[j] byte i: an 8x8 byte matrix transposed, one uint64 per row
+static void tiled_transpose8(uint64_t m[8]) {
+    for (int i = 0; i < 8; i += 2) {
+        const uint64_t a = m[i], b = m[i + 1];
+        m[i]     = (a & 0x00FF00FF00FF00FFull) | ((b & 0x00FF00FF00FF00FFull) << 8);
+        m[i + 1] = ((a & 0xFF00FF00FF00FF00ull) >> 8) | (b & 0xFF00FF00FF00FF00ull);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        for (int k = 0; k < 2; k++) {
+            const uint64_t a = m[i + k], b = m[i + k + 2];
+            m[i + k]     = (a & 0x0000FFFF0000FFFFull) | ((b & 0x0000FFFF0000FFFFull) << 16);
+            m[i + k + 2] = ((a & 0xFFFF0000FFFF0000ull) >> 16) | (b & 0xFFFF0000FFFF0000ull);
+        }
+    }
+    for (int k = 0; k < 4; k++) {
+        const uint64_t a = m[k], b = m[k + 4];
+        m[k]     = (a & 0x00000000FFFFFFFFull) | (b << 32);
+        m[k + 4] = (a >> 32) | (b & 0xFFFFFFFF00000000ull);
+    }
+}
+
+// A group's 6-bit scales and mins, scales[lane] byte s: lane's scale of sub-block s. The group
+// keeps each sub-block's 8 values in 12 bytes: rows 0-3 whole in the low 6 bits of bytes 0-3
+// (scales) and 4-7 (mins), rows 4-7 in those bytes' top 2 bits over the nibbles of bytes 8-11.
+static void tiled_q4_Kx8_scales(const uint8_t * in, uint64_t scales[8], uint64_t mins[8]) {
+    for (int s = 0; s < 8; s++) {
+        const uint8_t * b = in + (s / 4) * 48 + (s % 4) * 12;
+        uint32_t b0, b1, b2;
+        memcpy(&b0, b, 4);
+        memcpy(&b1, b + 4, 4);
+        memcpy(&b2, b + 8, 4);
+        const uint32_t s_hi = (((b0 >> 6) & 0x03030303u) << 4) | (b2 & 0x0F0F0F0Fu);
+        const uint32_t m_hi = (((b1 >> 6) & 0x03030303u) << 4) | ((b2 >> 4) & 0x0F0F0F0Fu);
+        scales[s] = (b0 & 0x3F3F3F3Fu) | ((uint64_t) s_hi << 32);
+        mins[s]   = (b1 & 0x3F3F3F3Fu) | ((uint64_t) m_hi << 32);
+    }
+    tiled_transpose8(scales);
+    tiled_transpose8(mins);
+}
+
+// tiled_unpack_src0 for block_q4_K, reading the window's rows a group of 8 at a time;
 // `row_stride`: stored blocks a row (so a group of 8 rows is row_stride groups)
 static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_stride, int n_rows,
                               tiled_tile_src0 * tile, int num_k) {
@@ -34,39 +74,33 @@ static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_str
     const int qk_stride = num_k * TILED_TILE_K;
     const int nb_stride = NB * num_k;
     for (int slab = 0; slab < num_k; slab++) {
-        for (int r = 0; r < n_rows; r++) {
-            const int lane = r % 8;
-            const block_q4_Kx8_tiled & x = groups[(r / 8) * row_stride + slab];
-            const int d_off = slab * TILED_MICRO + r;
-            const int q_off = r * qk_stride + slab * TILED_TILE_K;
-            const int s_off = r * nb_stride + slab * NB;
+        for (int g = 0; g < n_rows / 8; g++) {
+            const block_q4_Kx8_tiled & x = groups[g * row_stride + slab];
+            uint64_t scales[8], mins[8];
+            tiled_q4_Kx8_scales(x.scales, scales, mins);
+            for (int lane = 0; lane < 8; lane++) {
+                const int r = g * 8 + lane;
+                const int d_off = slab * TILED_MICRO + r;
+                const int q_off = r * qk_stride + slab * TILED_TILE_K;
+                const int s_off = r * nb_stride + slab * NB;
 
-            tile->d[d_off]    = ggml_fp16_to_fp32(x.d[lane]);
-            tile->dmin[d_off] = ggml_fp16_to_fp32(x.dmin[lane]);
-
-            // sub-block s of rows 0-3: the low 6 bits of bytes j (scale) and j + 4 (min) of its 12;
-            // of rows 4-7: those bytes' top 2 bits over the nibbles of byte j + 8
-            const int j = lane % 4;
-            for (int s = 0; s < NB; s++) {
-                const uint8_t * b = x.scales + (s / 4) * 48 + (s % 4) * 12;
-                if (lane < 4) {
-                    tile->scales[s_off + s] = b[j] & 63;
-                    tile->mins[s_off + s]   = b[j + 4] & 63;
-                } else {
-                    tile->scales[s_off + s] = ((b[j] >> 6) << 4) | (b[j + 8] & 15);
-                    tile->mins[s_off + s]   = ((b[j + 4] >> 6) << 4) | (b[j + 8] >> 4);
+                tile->d[d_off]    = ggml_fp16_to_fp32(x.d[lane]);
+                tile->dmin[d_off] = ggml_fp16_to_fp32(x.dmin[lane]);
+                for (int s = 0; s < NB; s++) {
+                    tile->scales[s_off + s] = (int32_t) ((scales[lane] >> (8 * s)) & 0xFF);
+                    tile->mins[s_off + s]   = (int32_t) ((mins[lane] >> (8 * s)) & 0xFF);
                 }
-            }
 
-            uint8_t qs[QK_K / 2];
-            for (int c = 0; c < QK_K / 2 / 8; c++) {
-                memcpy(qs + c * 8, x.qs + (c * 8 + lane) * 8, 8);
+                uint8_t qs[QK_K / 2];  // the lane's quants: 8 bytes of each row in turn
+                for (int c = 0; c < QK_K / 2 / 8; c++) {
+                    memcpy(qs + c * 8, x.qs + (c * 8 + lane) * 8, 8);
+                }
+                uint8_t * q = &tile->q[q_off];
+                tiled_unpk_nib4(qs + 0,  q + 0,   q + 32);
+                tiled_unpk_nib4(qs + 32, q + 64,  q + 96);
+                tiled_unpk_nib4(qs + 64, q + 128, q + 160);
+                tiled_unpk_nib4(qs + 96, q + 192, q + 224);
             }
-            uint8_t * q = &tile->q[q_off];
-            tiled_unpk_nib4(qs + 0,  q + 0,   q + 32);
-            tiled_unpk_nib4(qs + 32, q + 64,  q + 96);
-            tiled_unpk_nib4(qs + 64, q + 128, q + 160);
-            tiled_unpk_nib4(qs + 96, q + 192, q + 224);
         }
     }
 }
