@@ -35,15 +35,24 @@ HERE = Path(__file__).resolve().parent
 PATCHES = [
     (  # where the tiles read a weight block: one place, which another layout specializes
         "tiled/tiled.cpp",
-        "template <typename B, int SUBBLK, bool HAS_MIN, int BIAS, bool ACTBIAS>\n"
-        "static void ggml_compute_forward_mul_mat_tiled_one_chunk(",
+        "template <typename B, int SUBBLK, bool HAS_MIN, int BIAS, bool ACTBIAS>\nstatic void tiled_mmid_gemm_window(",
         "// shardwire: where the tiles read weight block (row, kblk); specialized for other layouts\n"
         "template <typename B>\n"
         "static const B * tiled_src0_at(const char * row0, int64_t row, int64_t kblk, size_t nb01, size_t bs) {\n"
         "    return (const B *) (row0 + row * nb01 + kblk * bs);\n"
         "}\n\n"
         "template <typename B, int SUBBLK, bool HAS_MIN, int BIAS, bool ACTBIAS>\n"
-        "static void ggml_compute_forward_mul_mat_tiled_one_chunk(",
+        "static void tiled_mmid_gemm_window(",
+    ),
+    (
+        "tiled/tiled.cpp",
+        "const B * wbase = (const B *) (src0_cur + ir0 * src0->nb[1] + kstart * src0_bs);",
+        "const B * wbase = tiled_src0_at<B>(src0_cur, ir0, kstart, src0->nb[1], src0_bs);",
+    ),
+    (
+        "tiled/tiled.cpp",
+        "tiled_unpack_src0((const B *) (src0_cur + r * src0->nb[1] + kblk * src0_bs), src0_stride",
+        "tiled_unpack_src0(tiled_src0_at<B>(src0_cur, r, kblk, src0->nb[1], src0_bs), src0_stride",
     ),
     (
         "tiled/tiled.cpp",
@@ -62,7 +71,31 @@ PATCHES = [
         "// shardwire: a prompt chunk's product on repacked Q4_K through the tiled kernels (tiled.cpp)\n"
         'extern "C" bool ggml_compute_forward_mul_mat_tiled_q4_Kx8(const struct ggml_compute_params *, '
         "struct ggml_tensor *);\n"
-        'extern "C" size_t ggml_tiled_q4_Kx8_wdata_size(int, const struct ggml_tensor *);\n',
+        'extern "C" size_t ggml_tiled_q4_Kx8_wdata_size(int, const struct ggml_tensor *);\n'
+        'extern "C" bool ggml_tiled_q4_Kx8_mul_mat_id(const struct ggml_compute_params *, struct ggml_tensor *, '
+        "int64_t, int64_t, const int32_t *, char *);\n"
+        'extern "C" size_t ggml_tiled_q4_Kx8_id_wdata_size(int, const struct ggml_tensor *);\n',
+    ),
+    (
+        "repack.cpp",
+        "                    size += sizeof_mmid_row_mapping*ne02*(ne12 + 1);\n",
+        "                    size += sizeof_mmid_row_mapping*ne02*(ne12 + 1);\n"
+        "                    if constexpr (TILED_Q4_Kx8) {  // then the tiled products' workspaces\n"
+        "                        size += ggml_tiled_q4_Kx8_id_wdata_size(n_threads, op);\n"
+        "                    }\n",
+    ),
+    (
+        "repack.cpp",
+        "            const auto * src0_cur = (const char *) src0->data + cur_a*nb02;\n",
+        "            if constexpr (TILED_Q4_Kx8) {  // an expert with enough rows: the tiled products\n"
+        "                char * scratch = (char *) (matrix_rows + n_as * ne12);\n"
+        "                scratch = (char *) (((uintptr_t) scratch + 63) & ~(uintptr_t) 63);\n"
+        "                if (ggml_tiled_q4_Kx8_mul_mat_id(params, dst, cur_a, cne1,\n"
+        "                                                 (const int32_t *) &MMID_MATRIX_ROW(cur_a, 0), scratch)) {\n"
+        "                    continue;\n"
+        "                }\n"
+        "            }\n"
+        "            const auto * src0_cur = (const char *) src0->data + cur_a*nb02;\n",
     ),
     (
         "repack.cpp",

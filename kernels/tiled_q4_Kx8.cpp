@@ -1,9 +1,10 @@
 // shardwire: ggml's tiled K-quant products read Q4_K weights held in the repacked layout
 // (block_q4_Kx8, 8 rows interleaved 8 bytes at a time: repack.cpp's layout for x86), so that a
-// prompt chunk on a repacked weight is multiplied as it would be on the stored blocks (the tiled
-// kernels read a chunk faster than the repacked layout's GEMM on some CPUs), while one row keeps
-// the repacked GEMV, which reads it faster. Each tile is unpacked from the interleaved groups
-// into the same values the stored blocks give, so the products are the stored blocks' exactly.
+// prompt chunk on a repacked weight (or a mixture of experts' expert with several rows) is
+// multiplied as it would be on the stored blocks (the tiled kernels read a chunk faster than the
+// repacked layout's GEMM or row-by-row GEMV on some CPUs), while one row keeps the repacked GEMV,
+// which reads it faster. Each tile is unpacked from the interleaved groups into the same values
+// the stored blocks give, so the products are the stored blocks' exactly.
 //
 // kernels/build_backend.py appends this file to ggml-cpu/tiled/tiled.cpp (its templates and
 // statics are used here) and routes the repack buffer's Q4_K 8x8 products here.
@@ -153,5 +154,36 @@ extern "C" bool ggml_compute_forward_mul_mat_tiled_q4_Kx8(const struct ggml_comp
         return false;
     }
     ggml_compute_forward_mul_mat_tiled_driver<block_q4_Kx8_tiled, 32, true, 0, false>(params, dst);
+    return true;
+}
+
+// the work buffer MUL_MAT_ID on a repacked Q4_K 8x8 weight takes here beyond the repack's own:
+// a tile workspace per thread, 64-byte aligned
+extern "C" size_t ggml_tiled_q4_Kx8_id_wdata_size(int n_threads, const struct ggml_tensor * dst) {
+#if !defined(__AVX512VNNI__) && !defined(__AVX2__) && !defined(__AVX__)
+    UNUSED(n_threads);
+    UNUSED(dst);
+    return 0;
+#else
+    if (!ggml_tiled_matmul_enabled() || dst->src[0]->type != GGML_TYPE_Q4_K) {
+        return 0;
+    }
+    return 64 + (size_t) n_threads * ggml_tiled_ws_size();
+#endif
+}
+
+// one expert of MUL_MAT_ID on a repacked Q4_K 8x8 weight, its `cne1` rows listed at expert_rows
+// as ggml's MUL_MAT_ID lists them (expert slot, src1 row); src1 quantized in the work buffer as
+// ggml quantizes it for the stored blocks. false: not taken here (too few rows).
+extern "C" bool ggml_tiled_q4_Kx8_mul_mat_id(const struct ggml_compute_params * params, struct ggml_tensor * dst,
+                                             int64_t cur_a, int64_t cne1, const int32_t * expert_rows,
+                                             char * scratch) {
+    const struct ggml_tensor * src0 = dst->src[0];
+    if (params->use_ref || ggml_tiled_q4_Kx8_id_wdata_size(params->nth, dst) == 0 || src0->ne[1] % 8 != 0 ||
+        dst->src[1]->type != GGML_TYPE_F32 || !ggml_tiled_min_batch(cne1)) {
+        return false;
+    }
+    ggml_compute_forward_mul_mat_id_tiled_one_expert<block_q4_Kx8_tiled, 32, true, 0, false>(
+        params, dst, cur_a, cne1, expert_rows, scratch);
     return true;
 }

@@ -121,7 +121,7 @@ def build_stage(
         on, dt = (where.device, where.dtype) if where else (device, dtype)
         expert = expert_of(name)
         if fmt in ("ggml", "repacked") and expert is not None:  # experts run as one ggml graph
-            _stack(stacks, expert, raw, info, cfg.n_experts, where)
+            _stack(stacks, expert, raw, info, cfg.n_experts, where, fmt)
         elif fmt == "dense":
             # a few small tensors keep full precision; everything else runs in the stage dtype.
             t = decode_tensor(cfg, info, raw, qk_interleaved, torch.float32 if name.endswith(_FULL_PRECISION) else dt)
@@ -164,34 +164,38 @@ def build_stage(
 
 
 def _stack(
-    stacks: dict, expert: tuple[int, str, int], raw: np.ndarray, info: TensorInfo, n_experts: int, where
+    stacks: dict, expert: tuple[int, str, int], raw: np.ndarray, info: TensorInfo, n_experts: int, where, fmt: str
 ) -> None:
-    """Copy one expert's stored matrix into its block's buffer [experts, rows, bytes per row]."""
+    """Copy one expert's stored matrix into its block's buffer [experts, rows, bytes per row]
+    (`fmt`: the format its block's experts are to be held in, ggml or repacked)."""
     block, matrix, e = expert
     rows = info.shape[0]
     if (block, matrix) not in stacks:
         buffer = torch.empty((n_experts, rows, info.nbytes // rows), dtype=torch.uint8)
-        stacks[block, matrix] = buffer, info.dtype, where
-    buffer, stored, placed = stacks[block, matrix]
+        stacks[block, matrix] = buffer, info.dtype, where, fmt
+    buffer, stored, placed, _ = stacks[block, matrix]
     if stored != info.dtype or raw.size != buffer[e].numel() or placed is not where:
         raise ValueError(f"tensor '{info.name}' is {info.dtype} {list(info.shape)}, unlike its block's other experts")
     np.copyto(buffer[e].numpy(), raw.reshape(rows, -1))
 
 
 def _experts_from_stacks(stacks: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """A block whose three expert matrices all run on ggml gets one module for all its experts;
-    otherwise each expert's matrix is a module of its own."""
+    """A block whose three expert matrices all run on ggml gets one module for all its experts
+    (each matrix repacked where its format says so, its stack then freed); otherwise each
+    expert's matrix is a module of its own."""
     out = {}
     for block in sorted({b for b, _ in stacks}):
-        parts = [stacks.get((block, m)) for m in EXPERT_MATRICES]
-        if all(parts) and len({id(where) for _, _, where in parts}) == 1:
-            buffers, stored, where = [b for b, _, _ in parts], tuple(s for _, s, _ in parts), parts[0][2]
-            module = GGMLExperts(*buffers, stored)
+        parts = [stacks.pop((block, m), None) for m in EXPERT_MATRICES]
+        if all(parts) and len({id(where) for _, _, where, _ in parts}) == 1:
+            stored, where = tuple(s for _, s, _, _ in parts), parts[0][2]
+            repack = tuple(fmt == "repacked" for *_, fmt in parts)
+            module = GGMLExperts(*(b for b, *_ in parts), stored, repack)
             out[f"blk.{block}.{GROUPED_EXPERTS}"] = where.hold(module) if where else module
+            del parts
             continue
         for m, part in zip(EXPERT_MATRICES, parts):
             if part is not None:
-                buffer, stored, where = part
+                buffer, stored, where, _ = part
                 on = where.device if where else device
                 for e in range(buffer.shape[0]):
                     module = pack_matrix(buffer[e], stored, "ggml", on, dtype)

@@ -17,6 +17,7 @@ from shardwire.model import Elsewhere, MixtureOfExperts
 from shardwire.plan import PlanDevice, PlanError, make_plan, parse_overrides
 from shardwire.quant import ggml_cpu
 from shardwire.quant.packed import PackedLinear
+from shardwire_kit.synthetic import load_vocab, random_model
 from shardwire_kit.writer import write_gguf
 
 from models import PROMPT, hf_path, llama_cpp_logits, model_path, model_source
@@ -135,6 +136,41 @@ def test_quantized_experts_stay_in_their_stored_form(weights):
     ours = logits(packed, PROMPT)
     spread = float(reference.max() - reference.min())
     assert float((ours - reference).abs().max()) <= 0.02 * spread
+
+
+@pytest.mark.skipif(not ggml_cpu.repackable("Q4_K", 256, 256), reason="ggml has no repacked Q4_K layout on this CPU")
+def test_experts_held_repacked_decode_on_the_repacked_kernels_and_read_prompts_as_stored(tmp_path):
+    """Where Q4_K measures fastest repacked, a block's experts are held in ggml's repacked layout
+    (one copy, as many bytes as stored), as llama.cpp holds a CPU's experts: a step gives the
+    stored experts' result within rounding, and an expert given 8 rows or more is multiplied by
+    ggml's tiled products on the repacked layout, to the stored blocks' bits (where this ggml
+    reads the layout so; ./kernels builds it in)."""
+    vocab = load_vocab("llama-spm")
+    cfg, tensors = random_model(
+        "qwen3moe", n_layers=2, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
+        n_experts_used=2, expert_ffn_dim=256, vocab_size=vocab.size, seed=0,
+    )  # fmt: skip
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, vocab.gguf_metadata, weight_type="Q4_K")[0]
+    stages = {fmt: whole(path, weights="fast", fastest={"Q4_K": fmt}) for fmt in ("ggml", "repacked")}
+    stored, repacked = (stages[fmt].blocks[1].ffn.grouped for fmt in ("ggml", "repacked"))
+    assert stored.fmt == "ggml" and repacked.fmt == "repacked" and repacked.stored == ("Q4_K",) * 3
+    for a, b in zip((stored.gate, stored.up, stored.down), (repacked.gate, repacked.up, repacked.down)):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.uint8  # the same bytes held
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, cfg.dim, generator=generator)
+    chosen = torch.tensor([[r % 4, 4 + r % 4] for r in range(32)])  # 8 rows for each expert
+    weights = torch.rand(32, 2, generator=generator)
+    if ggml_cpu.tiled_reads_repacked():
+        assert torch.equal(repacked(x, chosen, weights), stored(x, chosen, weights))
+    one = stored(x[:1], chosen[:1], weights[:1])
+    by_gemv = repacked(x[:1], chosen[:1], weights[:1])
+    torch.testing.assert_close(by_gemv, one, rtol=0, atol=1e-5 * float(one.abs().max()))
+    out = {}
+    for fmt, stage in stages.items():
+        stage.allocate_cache(1, 64)
+        out[fmt] = stage(torch.tensor([PROMPT]), [0], [0])
+    spread = float(out["ggml"].max() - out["ggml"].min())
+    assert float((out["repacked"] - out["ggml"]).abs().max()) <= 0.05 * spread
 
 
 def test_missing_experts_are_named(tmp_path):

@@ -81,6 +81,8 @@ class _Built:
     """A ggml graph built once in a context of its own; a call points its tensors at data and
     computes it."""
 
+    lends = False
+
     def __init__(self, nodes: int, tensors: int, nbytes: int = 0):
         """A context for up to `nodes` nodes and `tensors` tensors, or of `nbytes` where given."""
         mem = nbytes or ggml.ggml_tensor_overhead() * tensors + ggml.ggml_graph_overhead_custom(nodes, False) + 1024
@@ -108,6 +110,7 @@ class _Graph(_Built):
     is built with one (`weight`): its buffer and kernel traits, which the plan's work size and
     the computation dispatch on, are the same for every weight of that type."""
 
+    lends = True  # built with the repacked weight it runs on, if any
     OPS = {
         "mul_mat": lambda ctx, w, x: ggml.ggml_mul_mat(ctx, w, x),
         "copy": lambda ctx, w, x: ggml.ggml_cpy(ctx, w, x),
@@ -140,12 +143,14 @@ def least_recently_used(kept: OrderedDict, key, limit: int, make, usable=lambda 
 
 
 def _kept(cls, *shape, weight=None):
-    """This thread's built graph `cls(*shape, [weight,] threads)`: shared by every weight of that
-    type, shape and layout (a call points it at its own data), LRU-kept."""
+    """This thread's built graph `cls(*shape, [weight,] threads)` (`weight` for the classes that
+    lend repacked weights: one, or a tuple with None for the others): shared by every weight of
+    that type, shape and layout (a call points it at its own data), LRU-kept."""
     graphs = _local.__dict__.setdefault("graphs", OrderedDict())
-    key = (cls, *shape, weight is not None, torch.get_num_threads())
+    layout = tuple(w is not None for w in weight) if isinstance(weight, tuple) else weight is not None
+    key = (cls, *shape, layout, torch.get_num_threads())
     return least_recently_used(
-        graphs, key, GRAPHS_KEPT, lambda: cls(*shape, *((weight,) if cls is _Graph else ()), key[-1])
+        graphs, key, GRAPHS_KEPT, lambda: cls(*shape, *((weight,) if cls.lends else ()), key[-1])
     )
 
 
@@ -271,15 +276,19 @@ class RepackError(ValueError):
 
 
 class _Repacked:
-    """One weight in ggml's repack buffer, which reorders stored blocks into this CPU's kernel
-    layout as they are written; memory of ggml's own, freed with this object."""
+    """One weight (or `experts` weights of one shape, one after another) in ggml's repack buffer,
+    which reorders stored blocks into this CPU's kernel layout as they are written; memory of
+    ggml's own, freed with this object."""
 
-    def __init__(self, qtype: int, K: int, N: int):
+    def __init__(self, qtype: int, K: int, N: int, experts: int = 0):
         buffer_type = _repack_buffer_type()
         if buffer_type is None:
             raise RepackError("this ggml build has no repacked layouts")
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() + 256, no_alloc=True))
-        self.tensor = ggml.ggml_new_tensor_2d(self.ctx, qtype, K, N)
+        if experts:
+            self.tensor = ggml.ggml_new_tensor_3d(self.ctx, qtype, K, N, experts)
+        else:
+            self.tensor = ggml.ggml_new_tensor_2d(self.ctx, qtype, K, N)
         size = ggml.ggml_backend_buft_get_alloc_size(buffer_type, self.tensor)
         self.buffer = ggml.ggml_backend_buft_alloc_buffer(buffer_type, size)
         if not self.buffer:
@@ -292,6 +301,12 @@ class _Repacked:
 
     def write(self, raw: torch.Tensor) -> None:
         ggml.ggml_backend_tensor_set(self.tensor, raw.data_ptr(), 0, raw.numel())
+
+    def held(self) -> torch.Tensor:
+        """Its bytes as a uint8 tensor (ggml's memory, not copied), kept alive by the view."""
+        memory = (ctypes.c_uint8 * self.nbytes).from_address(self.data)
+        memory.owner = self
+        return torch.frombuffer(memory, dtype=torch.uint8)
 
     @property
     def data(self) -> int:
@@ -337,9 +352,7 @@ class RepackedLinear(nn.Module):
         self._weight = _Repacked(self._qtype, in_features, self.out_features)
         self._weight.write(raw.contiguous())
         # its bytes, as the stage's weights are counted (parameters): ggml's memory, not copied
-        held = (ctypes.c_uint8 * self._weight.nbytes).from_address(self._weight.data)
-        held.owner = self._weight  # the memory lives as long as any view of it
-        self.held = nn.Parameter(torch.frombuffer(held, dtype=torch.uint8), requires_grad=False)
+        self.held = nn.Parameter(self._weight.held(), requires_grad=False)
         self.bias = None
 
     def extra_repr(self) -> str:
@@ -362,15 +375,20 @@ class RepackedLinear(nn.Module):
 class _ExpertsGraph(_Built):
     """A block's experts in one ggml graph: for each row, its chosen experts' gate and up (ggml's
     mul_mat_id, which groups the rows by expert), SwiGLU, then down; the k outputs per row come
-    back unsummed."""
+    back unsummed. Built with the repacked ones among the three (`lent`), whose buffer and kernel
+    traits the plan and the computation dispatch on."""
 
     NODES = 16
+    lends = True
 
-    def __init__(self, types: tuple[int, int, int], D: int, F: int, E: int, k: int, n: int, threads: int):
+    def __init__(self, types: tuple[int, int, int], D: int, F: int, E: int, k: int, n: int, lent: tuple, threads: int):
         super().__init__(self.NODES, self.NODES)
         self.gate = ggml.ggml_new_tensor_3d(self.ctx, types[0], D, F, E)
         self.up = ggml.ggml_new_tensor_3d(self.ctx, types[1], D, F, E)
         self.down = ggml.ggml_new_tensor_3d(self.ctx, types[2], F, D, E)
+        for t, weight in zip((self.gate, self.up, self.down), lent):
+            if weight is not None:
+                weight.lend_to(t)
         self.x = ggml.ggml_new_tensor_3d(self.ctx, ggml.GGML_TYPE_F32, D, 1, n)
         self.ids = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_I32, k, n)
         g = ggml.ggml_mul_mat_id(self.ctx, self.gate, self.x, self.ids)  # [F, k, n]
@@ -381,8 +399,13 @@ class _ExpertsGraph(_Built):
         self.between_size = F * k * n
         self._finish(self.y, threads)
 
-    def run(self, weights: tuple[int, int, int], x: int, ids: int, y: int) -> None:
-        self.gate.contents.data, self.up.contents.data, self.down.contents.data = weights
+    def run(self, weights: tuple, x: int, ids: int, y: int) -> None:
+        """weights: gate, up and down, each the address of its stored blocks or its _Repacked."""
+        for t, weight in zip((self.gate, self.up, self.down), weights):
+            if isinstance(weight, _Repacked):
+                weight.lend_to(t)
+            else:
+                t.contents.data = weight
         self.x.contents.data, self.ids.contents.data, self.y.contents.data = x, ids, y
         # a prompt's are large: held only while computing, not for as long as the graph is kept
         between = torch.empty(3, self.between_size, dtype=torch.float32)
@@ -393,16 +416,44 @@ class _ExpertsGraph(_Built):
 
 class GGMLExperts(nn.Module):
     """Every expert of a block as stored: gate, up and down each one uint8 buffer [experts, rows,
-    bytes per row] in its GGUF type, run by ggml for the experts each row chose and nothing else."""
+    bytes per row] in its GGUF type, run by ggml for the experts each row chose and nothing else.
+    Those named in `repack` are held in ggml's repacked layout instead, where this CPU has one for
+    their type and shape (as llama.cpp holds a CPU's experts): its one-row kernels decode, and
+    ggml's tiled products take an expert's rows from 8 on where this ggml reads the layout so."""
 
-    fmt = "ggml"
-
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, stored: tuple[str, str, str]):
+    def __init__(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        stored: tuple[str, str, str],
+        repack: tuple[bool, bool, bool] = (False, False, False),
+    ):
         super().__init__()
-        self.gate, self.up, self.down, self.stored = gate, up, down, stored
+        self.stored = stored
         self._types = tuple(int(GGMLQuantizationType[s]) for s in stored)
         self.n_experts, self.ffn_dim = gate.shape[0], gate.shape[1]
         self.dim = down.shape[1]
+        self._weights: list = []
+        held = []
+        for raw, qtype, (K, N), wanted in zip(
+            (gate, up, down), self._types, ((self.dim, self.ffn_dim),) * 2 + ((self.ffn_dim, self.dim),), repack
+        ):
+            weight = None
+            if wanted:
+                try:
+                    weight = _Repacked(qtype, K, N, self.n_experts)
+                except RepackError:  # no repacked layout for the type or shape here
+                    pass
+            if weight is None:
+                self._weights.append(raw)
+                held.append(raw)
+            else:
+                weight.write(raw.contiguous())
+                self._weights.append(weight)
+                held.append(weight.held().view(raw.shape))
+        self.gate, self.up, self.down = held  # each matrix's bytes, [experts, rows, bytes per row]
+        self.fmt = "repacked" if any(isinstance(w, _Repacked) for w in self._weights) else "ggml"
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [rows, dim], each row's chosen experts [rows, k] and their weights -> [rows, dim]."""
@@ -410,7 +461,8 @@ class GGMLExperts(nn.Module):
         x32 = x.to(torch.float32).contiguous()
         ids = chosen.to(torch.int32).contiguous()
         y = torch.empty(n, k, self.dim, dtype=torch.float32)
-        graph = _kept(_ExpertsGraph, self._types, self.dim, self.ffn_dim, self.n_experts, k, n)
-        pointers = (self.gate.data_ptr(), self.up.data_ptr(), self.down.data_ptr())
-        graph.run(pointers, x32.data_ptr(), ids.data_ptr(), y.data_ptr())
+        lent = tuple(w if isinstance(w, _Repacked) else None for w in self._weights)
+        graph = _kept(_ExpertsGraph, self._types, self.dim, self.ffn_dim, self.n_experts, k, n, weight=lent)
+        held = tuple(w if isinstance(w, _Repacked) else w.data_ptr() for w in self._weights)
+        graph.run(held, x32.data_ptr(), ids.data_ptr(), y.data_ptr())
         return torch.einsum("nkd,nk->nd", y, weights.to(torch.float32)).to(x.dtype)
