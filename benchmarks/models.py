@@ -98,6 +98,7 @@ WORKLOADS = {
         Workload("1b-f16", "1b", "F16"),
         Workload("moe-q4_0", "moe", "Q4_0"),
         Workload("moe-q8_0", "moe", "Q8_0"),
+        Workload("moe-q4_k", "moe", "Q4_K"),  # llama-quantize's Q4_K_M mix, as MoE users download
         Workload("moe-top2-q4_0", "moe-top2", "Q4_0"),
         Workload("moe-top8-q4_0", "moe-top8", "Q4_0"),
         Workload("moe35-q8_0", "moe35", "Q8_0"),
