@@ -20,7 +20,7 @@ from .model import Elsewhere, Linear, Stage
 from .plan import placed_apart
 from .quant.codecs import PLAIN, raw_rows, to_torch
 from .quant.ggml_block import BlockGraphs, StageGraph
-from .quant.ggml_cpu import GGMLExperts
+from .quant.ggml_cpu import GGMLExperts, RepackError, repacked_experts
 from .quant.kernels import kernels_on
 from .quant.packed import pack_matrix
 from .quant.policy import EMBEDDING, weight_formats
@@ -114,14 +114,21 @@ def build_stage(
         if name.endswith(_USED_AS_TENSORS):
             formats[name] = "dense"
     built, embedding = {}, None
-    stacks: dict[tuple[int, str], tuple[torch.Tensor, str, Placement | None]] = {}
+    stacks: dict[tuple[int, str], tuple] = {}
+    # a block's experts may be written straight into a repacked layout only where they will run
+    # as one ggml graph: all three matrices on ggml, in one place
+    kinds: dict[int, set] = {}
+    for name, fmt in formats.items():
+        if (expert := expert_of(name)) is not None:
+            kinds.setdefault(expert[0], set()).add((fmt in ("ggml", "repacked"), id(apart.get(name))))
+    grouped = {block for block, seen in kinds.items() if len(seen) == 1 and next(iter(seen))[0]}
     for name, info in tensors.items():
         raw = read(info)
         fmt, where = formats[name], apart.get(name)
         on, dt = (where.device, where.dtype) if where else (device, dtype)
         expert = expert_of(name)
         if fmt in ("ggml", "repacked") and expert is not None:  # experts run as one ggml graph
-            _stack(stacks, expert, raw, info, cfg.n_experts, where, fmt)
+            _stack(stacks, expert, raw, info, cfg.n_experts, where, fmt if expert[0] in grouped else "ggml")
         elif fmt == "dense":
             # a few small tensors keep full precision; everything else runs in the stage dtype.
             t = decode_tensor(cfg, info, raw, qk_interleaved, torch.float32 if name.endswith(_FULL_PRECISION) else dt)
@@ -166,32 +173,39 @@ def build_stage(
 def _stack(
     stacks: dict, expert: tuple[int, str, int], raw: np.ndarray, info: TensorInfo, n_experts: int, where, fmt: str
 ) -> None:
-    """Copy one expert's stored matrix into its block's buffer [experts, rows, bytes per row]
-    (`fmt`: the format its block's experts are to be held in, ggml or repacked)."""
+    """Copy one expert's stored matrix into its block's buffer [experts, rows, bytes per row], or
+    write it into the block's repacked experts where `fmt` is repacked and this CPU has the layout."""
     block, matrix, e = expert
     rows = info.shape[0]
     if (block, matrix) not in stacks:
-        buffer = torch.empty((n_experts, rows, info.nbytes // rows), dtype=torch.uint8)
-        stacks[block, matrix] = buffer, info.dtype, where, fmt
-    buffer, stored, placed, _ = stacks[block, matrix]
-    if stored != info.dtype or raw.size != buffer[e].numel() or placed is not where:
+        buffer = None
+        if fmt == "repacked":
+            try:
+                buffer = repacked_experts(info.dtype, info.shape[1], rows, n_experts)
+            except RepackError:  # no repacked layout for the type or shape here: as stored
+                pass
+        if buffer is None:
+            buffer = torch.empty((n_experts, rows, info.nbytes // rows), dtype=torch.uint8)
+        stacks[block, matrix] = buffer, info.dtype, where, info.nbytes
+    buffer, stored, placed, nbytes = stacks[block, matrix]
+    if stored != info.dtype or raw.size != nbytes or placed is not where:
         raise ValueError(f"tensor '{info.name}' is {info.dtype} {list(info.shape)}, unlike its block's other experts")
-    np.copyto(buffer[e].numpy(), raw.reshape(rows, -1))
+    if isinstance(buffer, torch.Tensor):
+        np.copyto(buffer[e].numpy(), raw.reshape(rows, -1))
+    else:
+        buffer.write_expert(e, raw.reshape(rows, -1))
 
 
 def _experts_from_stacks(stacks: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """A block whose three expert matrices all run on ggml gets one module for all its experts
-    (each matrix repacked where its format says so, its stack then freed); otherwise each
-    expert's matrix is a module of its own."""
+    """A block whose three expert matrices all run on ggml gets one module for all its experts;
+    otherwise each expert's matrix is a module of its own."""
     out = {}
     for block in sorted({b for b, _ in stacks}):
-        parts = [stacks.pop((block, m), None) for m in EXPERT_MATRICES]
+        parts = [stacks.get((block, m)) for m in EXPERT_MATRICES]
         if all(parts) and len({id(where) for _, _, where, _ in parts}) == 1:
-            stored, where = tuple(s for _, s, _, _ in parts), parts[0][2]
-            repack = tuple(fmt == "repacked" for *_, fmt in parts)
-            module = GGMLExperts(*(b for b, *_ in parts), stored, repack)
+            buffers, stored, where = [b for b, *_ in parts], tuple(s for _, s, *_ in parts), parts[0][2]
+            module = GGMLExperts(*buffers, stored)
             out[f"blk.{block}.{GROUPED_EXPERTS}"] = where.hold(module) if where else module
-            del parts
             continue
         for m, part in zip(EXPERT_MATRICES, parts):
             if part is not None:

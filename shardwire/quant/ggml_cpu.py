@@ -284,7 +284,10 @@ class _Repacked:
         buffer_type = _repack_buffer_type()
         if buffer_type is None:
             raise RepackError("this ggml build has no repacked layouts")
-        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() + 256, no_alloc=True))
+        tensors = 1 + experts  # the weight, and one per expert written (write_expert)
+        self.ctx = ggml.ggml_init(
+            ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * tensors + 256, no_alloc=True)
+        )
         if experts:
             self.tensor = ggml.ggml_new_tensor_3d(self.ctx, qtype, K, N, experts)
         else:
@@ -301,6 +304,16 @@ class _Repacked:
 
     def write(self, raw: torch.Tensor) -> None:
         ggml.ggml_backend_tensor_set(self.tensor, raw.data_ptr(), 0, raw.numel())
+
+    def write_expert(self, e: int, raw: np.ndarray) -> None:
+        """Expert e's stored blocks [rows, bytes a row], repacked into its part of the buffer (a
+        tensor of its own there, which the buffer repacks as it is written): a block's experts
+        are written one at a time, never all held as stored beside the repacked ones."""
+        weight = self.tensor.contents
+        t = ggml.ggml_new_tensor_2d(self.ctx, weight.type, weight.ne[0], weight.ne[1])
+        ggml.ggml_backend_tensor_alloc(self.buffer, t, self.data + e * weight.nb[2])
+        raw = np.ascontiguousarray(raw)
+        ggml.ggml_backend_tensor_set(t, raw.ctypes.data, 0, raw.nbytes)
 
     def held(self) -> torch.Tensor:
         """Its bytes as a uint8 tensor (ggml's memory, not copied), kept alive by the view."""
@@ -323,6 +336,12 @@ class _Repacked:
             ggml.ggml_backend_buffer_free(self.buffer)
         if getattr(self, "ctx", None):
             ggml.ggml_free(self.ctx)
+
+
+def _expert_rows(weight: _Repacked) -> tuple[int, int, int]:
+    """A repacked block of experts' shape as its stored buffer has it: [experts, rows, bytes a row]."""
+    t = weight.tensor.contents
+    return t.ne[2], t.ne[1], t.nb[1]
 
 
 def repackable(stored: str, K: int, N: int) -> bool:
@@ -414,45 +433,28 @@ class _ExpertsGraph(_Built):
         self._compute()
 
 
+def repacked_experts(stored: str, K: int, N: int, experts: int) -> _Repacked:
+    """Room for a block's `experts` [N, K] matrices of `stored` blocks in ggml's repacked layout,
+    written with write_expert; RepackError where this CPU has no such layout for them."""
+    return _Repacked(int(GGMLQuantizationType[stored]), K, N, experts)
+
+
 class GGMLExperts(nn.Module):
     """Every expert of a block as stored: gate, up and down each one uint8 buffer [experts, rows,
-    bytes per row] in its GGUF type, run by ggml for the experts each row chose and nothing else.
-    Those named in `repack` are held in ggml's repacked layout instead, where this CPU has one for
-    their type and shape (as llama.cpp holds a CPU's experts): its one-row kernels decode, and
-    ggml's tiled products take an expert's rows from 8 on where this ggml reads the layout so."""
+    bytes per row] in its GGUF type, or its experts written into ggml's repacked layout
+    (repacked_experts, as llama.cpp holds a CPU's experts): run by ggml for the experts each row
+    chose and nothing else; a repacked matrix's one-row kernels decode, and ggml's tiled products
+    take an expert's rows from 8 on where this ggml reads the layout so."""
 
-    def __init__(
-        self,
-        gate: torch.Tensor,
-        up: torch.Tensor,
-        down: torch.Tensor,
-        stored: tuple[str, str, str],
-        repack: tuple[bool, bool, bool] = (False, False, False),
-    ):
+    def __init__(self, gate, up, down, stored: tuple[str, str, str]):
         super().__init__()
         self.stored = stored
         self._types = tuple(int(GGMLQuantizationType[s]) for s in stored)
-        self.n_experts, self.ffn_dim = gate.shape[0], gate.shape[1]
-        self.dim = down.shape[1]
-        self._weights: list = []
-        held = []
-        for raw, qtype, (K, N), wanted in zip(
-            (gate, up, down), self._types, ((self.dim, self.ffn_dim),) * 2 + ((self.ffn_dim, self.dim),), repack
-        ):
-            weight = None
-            if wanted:
-                try:
-                    weight = _Repacked(qtype, K, N, self.n_experts)
-                except RepackError:  # no repacked layout for the type or shape here
-                    pass
-            if weight is None:
-                self._weights.append(raw)
-                held.append(raw)
-            else:
-                weight.write(raw.contiguous())
-                self._weights.append(weight)
-                held.append(weight.held().view(raw.shape))
+        self._weights = [gate, up, down]
+        held = [m.held().view(*_expert_rows(m)) if isinstance(m, _Repacked) else m for m in self._weights]
         self.gate, self.up, self.down = held  # each matrix's bytes, [experts, rows, bytes per row]
+        self.n_experts, self.ffn_dim = self.gate.shape[0], self.gate.shape[1]
+        self.dim = self.down.shape[1]
         self.fmt = "repacked" if any(isinstance(w, _Repacked) for w in self._weights) else "ggml"
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
