@@ -6,8 +6,10 @@ checked against the hashes below; the build itself is ggml-python's (scikit-buil
 
 One change to that ggml is shardwire's own (PATCHES, tiled_q4_Kx8.cpp): its tiled K-quant products
 also read Q4_K weights held in the repacked layout, which the repack buffer's products of a
-prompt chunk then take, so that a repacked Q4_K weight reads prompts as fast as stored blocks do
-(on x86 the repacked GEMM reads a 64-row chunk 1.6x slower) and still decodes on the repacked GEMV.
+prompt chunk (and its MUL_MAT_ID experts with 8 rows or more) then take, so that a repacked Q4_K
+weight reads prompts as fast as stored blocks do (on x86 the repacked GEMM reads a 64-row chunk
+1.6x slower, and its MUL_MAT_ID reads an expert once per row) and still decodes on the repacked
+GEMV.
 
 The wheel is ggml-python 0.0.45+llamacpp.0.3.36.shardwire.1, so it satisfies
 `ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.
