@@ -120,21 +120,26 @@ static int64_t ggml_tiled_chunk_rows(int64_t nr0, int64_t nr1, int nth) {
     return (nr0 + nchunk0 - 1) / nchunk0;
 }
 
+// whether the tiled products may take a product of repacked Q4_K rows by float32 ones here: on
+// the CPUs ggml's tiled kernels are built for, where they are switched on
+static bool ggml_tiled_reads_q4_Kx8(const struct ggml_tensor * dst) {
+#if !defined(__AVX512VNNI__) && !defined(__AVX2__) && !defined(__AVX__)
+    UNUSED(dst);
+    return false;
+#else
+    return ggml_tiled_matmul_enabled() && dst->src[0]->type == GGML_TYPE_Q4_K && dst->src[0]->ne[1] % 8 == 0 &&
+           dst->src[1]->type == GGML_TYPE_F32;
+#endif
+}
+
 // whether the tiled products take dst on nth threads: a 2-D product of enough rows whose every
 // tile starts on a group of 8 rows
 static bool ggml_tiled_q4_Kx8_takes(const struct ggml_tensor * dst, int nth) {
-#if !defined(__AVX512VNNI__) && !defined(__AVX2__) && !defined(__AVX__)
-    UNUSED(dst);
-    UNUSED(nth);
-    return false;
-#else
     const struct ggml_tensor * src0 = dst->src[0];
     const struct ggml_tensor * src1 = dst->src[1];
-    return ggml_tiled_matmul_enabled() && src0->type == GGML_TYPE_Q4_K && src1->type == GGML_TYPE_F32 &&
-           src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 && src1->ne[3] == 1 &&
-           ggml_tiled_min_batch(src1->ne[1]) && src0->ne[1] % 8 == 0 &&
+    return ggml_tiled_reads_q4_Kx8(dst) && src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 &&
+           src1->ne[3] == 1 && ggml_tiled_min_batch(src1->ne[1]) &&
            ggml_tiled_chunk_rows(src0->ne[1], src1->ne[1], nth) % 8 == 0;
-#endif
 }
 
 // the work buffer the product takes here: src1 quantized, then a tile workspace per thread
@@ -160,16 +165,7 @@ extern "C" bool ggml_compute_forward_mul_mat_tiled_q4_Kx8(const struct ggml_comp
 // the work buffer MUL_MAT_ID on a repacked Q4_K 8x8 weight takes here beyond the repack's own:
 // a tile workspace per thread, 64-byte aligned
 extern "C" size_t ggml_tiled_q4_Kx8_id_wdata_size(int n_threads, const struct ggml_tensor * dst) {
-#if !defined(__AVX512VNNI__) && !defined(__AVX2__) && !defined(__AVX__)
-    UNUSED(n_threads);
-    UNUSED(dst);
-    return 0;
-#else
-    if (!ggml_tiled_matmul_enabled() || dst->src[0]->type != GGML_TYPE_Q4_K) {
-        return 0;
-    }
-    return 64 + (size_t) n_threads * ggml_tiled_ws_size();
-#endif
+    return ggml_tiled_reads_q4_Kx8(dst) ? 64 + (size_t) n_threads * ggml_tiled_ws_size() : 0;
 }
 
 // one expert of MUL_MAT_ID on a repacked Q4_K 8x8 weight, its `cne1` rows listed at expert_rows
@@ -178,9 +174,7 @@ extern "C" size_t ggml_tiled_q4_Kx8_id_wdata_size(int n_threads, const struct gg
 extern "C" bool ggml_tiled_q4_Kx8_mul_mat_id(const struct ggml_compute_params * params, struct ggml_tensor * dst,
                                              int64_t cur_a, int64_t cne1, const int32_t * expert_rows,
                                              char * scratch) {
-    const struct ggml_tensor * src0 = dst->src[0];
-    if (params->use_ref || ggml_tiled_q4_Kx8_id_wdata_size(params->nth, dst) == 0 || src0->ne[1] % 8 != 0 ||
-        dst->src[1]->type != GGML_TYPE_F32 || !ggml_tiled_min_batch(cne1)) {
+    if (params->use_ref || !ggml_tiled_reads_q4_Kx8(dst) || !ggml_tiled_min_batch(cne1)) {
         return false;
     }
     ggml_compute_forward_mul_mat_id_tiled_one_expert<block_q4_Kx8_tiled, 32, true, 0, false>(

@@ -115,13 +115,7 @@ def build_stage(
             formats[name] = "dense"
     built, embedding = {}, None
     stacks: dict[tuple[int, str], tuple] = {}
-    # a block's experts may be written straight into a repacked layout only where they will run
-    # as one ggml graph: all three matrices on ggml, in one place
-    kinds: dict[int, set] = {}
-    for name, fmt in formats.items():
-        if (expert := expert_of(name)) is not None:
-            kinds.setdefault(expert[0], set()).add((fmt in ("ggml", "repacked"), id(apart.get(name))))
-    grouped = {block for block, seen in kinds.items() if len(seen) == 1 and next(iter(seen))[0]}
+    grouped = _grouped_blocks(formats, apart)
     for name, info in tensors.items():
         raw = read(info)
         fmt, where = formats[name], apart.get(name)
@@ -156,7 +150,7 @@ def build_stage(
             release(info)
         if progress is not None:
             progress(info.nbytes)
-    built.update(_experts_from_stacks(stacks, device, dtype))
+    built.update(_experts_from_stacks(stacks, grouped, device, dtype))
     release_memory()
     stage = Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
     if device.type == "cpu" and dtype == torch.float32:
@@ -196,13 +190,23 @@ def _stack(
         buffer.write_expert(e, raw.reshape(rows, -1))
 
 
-def _experts_from_stacks(stacks: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """A block whose three expert matrices all run on ggml gets one module for all its experts;
-    otherwise each expert's matrix is a module of its own."""
+def _grouped_blocks(formats: Mapping[str, str], apart: Mapping[str, Placement]) -> set[int]:
+    """The blocks whose experts run as one ggml graph: all three matrices on ggml, in one place
+    (only these may be written straight into a repacked layout)."""
+    kinds: dict[int, set] = {}
+    for name, fmt in formats.items():
+        if (expert := expert_of(name)) is not None:
+            kinds.setdefault(expert[0], set()).add((fmt in ("ggml", "repacked"), id(apart.get(name))))
+    return {block for block, seen in kinds.items() if len(seen) == 1 and next(iter(seen))[0]}
+
+
+def _experts_from_stacks(stacks: dict, grouped: set[int], device: torch.device, dtype: torch.dtype) -> dict:
+    """A block of `grouped` gets one module for all its experts; otherwise each expert's matrix
+    is a module of its own."""
     out = {}
     for block in sorted({b for b, _ in stacks}):
         parts = [stacks.get((block, m)) for m in EXPERT_MATRICES]
-        if all(parts) and len({id(where) for _, _, where, _ in parts}) == 1:
+        if block in grouped:
             buffers, stored, where = [b for b, *_ in parts], tuple(s for _, s, *_ in parts), parts[0][2]
             module = GGMLExperts(*buffers, stored)
             out[f"blk.{block}.{GROUPED_EXPERTS}"] = where.hold(module) if where else module
