@@ -159,12 +159,18 @@ def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
         ("llama", "Q4_0", {"Q4_0": "repacked"}),
         ("llama3.1", "F32", {"F32": "dense"}),  # RoPE with Llama 3.1's frequency factors
         ("qwen3", "F16", {"F16": "ggml"}),  # a norm on each head's queries and keys
+        ("mixtral", "Q8_0", {"Q8_0": "ggml"}),  # experts, their top-k weights renormalized
+        ("qwen3moe", "Q4_0", {"Q4_0": "repacked"}),  # experts held repacked
+        ("qwen2moe", "F32", {"F32": "ggml"}),  # a shared expert behind its sigmoid gate
     ],
 )
 def test_block_graphs_give_what_the_modules_give(name, stored, fastest):
+    """Every block's rows, and a stage's decode step, in ggml graphs: dense blocks and
+    mixture-of-experts ones (routing, the chosen experts and the shared expert in the graph)."""
     model = open_model(model_path(name, stored))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest=fastest, dtype=torch.float32)
     assert all(isinstance(b.graphs, ggml_block.BlockGraphs) for b in stage.blocks)
+    assert isinstance(stage.graph, ggml_block.StageGraph)
     with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
     for a, b in zip(with_graphs, without):
         scale = float(b.abs().max())

@@ -1,6 +1,8 @@
-"""A dense block's rows on a CPU as ggml graphs, as llama.cpp's CPU backend computes them: the
-norm, the Q, K and V projections and RoPE; attention over the cached keys and values; the output
-projection and residual, the feed-forward norm, gate, up, SwiGLU, down and the second residual.
+"""A block's rows on a CPU as ggml graphs, as llama.cpp's CPU backend computes them: the norm,
+the Q, K and V projections and RoPE; attention over the cached keys and values; the output
+projection and residual, the feed-forward norm, the feed-forward and the second residual. The
+feed-forward is dense (gate, up, SwiGLU, down) or a mixture of experts (the router, each row's
+top experts by ggml's mul_mat_id on the experts as held, a shared expert), as in llama.cpp.
 
 A decode step is a few rows against every weight of the model. Run one PyTorch or ggml call at
 a time, its ~20 calls per block cost more than their arithmetic (PyTorch's dispatch, its code
@@ -31,7 +33,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from . import ggml_cpu
-from .ggml_cpu import GGMLLinear, RepackedLinear, ggml, least_recently_used
+from .ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used
 from .ggml_graph import MAX_ROWS, PROMPT, Graph
 from .packed import GGUFLinear
 
@@ -145,19 +147,99 @@ def _input(g: Graph, name: str, *shape: int, kind=None):
     return g.fields.data(make(g.ctx, ggml.GGML_TYPE_F32 if kind is None else kind, *shape), name)
 
 
-class BlockGraphs:
-    """A dense block's graphs (see the kinds above), built per kind, row count and thread on first
-    use, and its part of a stage's decode graph."""
+class _Dense:
+    """A feed-forward as the graphs run it: down(silu(gate(h)) * up(h))."""
 
-    def __init__(self, block: nn.Module, qkv: list[_Matrix], out: _Matrix, ffn: list[_Matrix], piece: int | None):
+    nodes = 0  # graph nodes it adds to a block's
+
+    def __init__(self, gate: _Matrix, up: _Matrix, down: _Matrix):
+        self.gate, self.up, self.down = gate, up, down
+        self.matrices = [gate, up, down]
+        self.hidden = down.K
+
+    @classmethod
+    def of(cls, ffn: nn.Module) -> "_Dense | None":
+        """model.FeedForward `ffn`, None where ggml cannot run its matrices as held."""
+        if ffn.gate_up is not None:
+            half = ffn.gate_up.weight.shape[0] // 2
+            gate_up = _matrices(ffn.gate_up, [half, half])
+        else:
+            g, u = _matrices(ffn.gate), _matrices(ffn.up)
+            gate_up = None if g is None or u is None else g + u
+        down = _matrices(ffn.down)
+        return None if gate_up is None or down is None else cls(*gate_up, down[0])
+
+    def __call__(self, ctx, h):
+        swiglu = ggml.ggml_swiglu_split(ctx, _linear(ctx, self.gate, h), _linear(ctx, self.up, h))
+        return _linear(ctx, self.down, swiglu)
+
+
+class _Sparse:
+    """model.MixtureOfExperts as the graphs run it, as llama.cpp's CPU graph does: the router's
+    softmax, each row's top k experts and their weights (renormalized where the model says so),
+    the chosen experts' gate, up and down by ggml's mul_mat_id on the experts as held, their
+    weighted sum; plus the shared expert behind its sigmoid gate, where the model has one."""
+
+    def __init__(self, router: _Matrix, experts: GGMLExperts, k: int, renormalize: bool, shared, shared_gate):
+        self.router, self.experts, self.k, self.renormalize = router, experts, k, renormalize
+        self.shared, self.shared_gate = shared, shared_gate
+        self.matrices = [router, *([] if shared is None else [*shared.matrices, shared_gate])]
+        self.hidden = experts.ffn_dim
+        self.nodes = 3 * k + 48
+
+    @classmethod
+    def of(cls, moe: nn.Module) -> "_Sparse | None":
+        """model.MixtureOfExperts `moe`, None unless its experts are one GGMLExperts and ggml can
+        run its router and shared expert as held."""
+        router = _matrices(moe.router)
+        if not isinstance(moe.grouped, GGMLExperts) or router is None:
+            return None
+        shared = shared_gate = None
+        if moe.shared is not None:
+            shared, shared_gate = _Dense.of(moe.shared), _matrices(moe.shared_gate)
+            if shared is None or shared_gate is None:
+                return None
+            shared_gate = shared_gate[0]
+        return cls(router[0], moe.grouped, moe.k, moe.renormalize, shared, shared_gate)
+
+    def __call__(self, ctx, h):
+        D, rows, E, k = h.contents.ne[0], h.contents.ne[1], self.experts.n_experts, self.k
+        probs = ggml.ggml_soft_max(ctx, _linear(ctx, self.router, h))  # [E, rows]
+        chosen = ggml.ggml_argsort_top_k(ctx, probs, k)  # [k, rows]
+        weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, E, rows), chosen)  # [1, k, rows]
+        if self.renormalize:
+            flat = ggml.ggml_reshape_2d(ctx, weights, k, rows)
+            weights = ggml.ggml_reshape_3d(ctx, ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat)), 1, k, rows)
+        gate, up, down = self.experts.tensors(ctx)
+        x = ggml.ggml_reshape_3d(ctx, h, D, 1, rows)
+        act = ggml.ggml_swiglu_split(
+            ctx, ggml.ggml_mul_mat_id(ctx, gate, x, chosen), ggml.ggml_mul_mat_id(ctx, up, x, chosen)
+        )  # [F, k, rows]
+        each = ggml.ggml_mul(ctx, ggml.ggml_mul_mat_id(ctx, down, act, chosen), weights)  # [D, k, rows]
+        nb1, nb2 = each.contents.nb[1], each.contents.nb[2]
+        out = None
+        for i in range(k):
+            part = ggml.ggml_view_2d(ctx, each, D, rows, nb2, i * nb1)
+            out = part if out is None else ggml.ggml_add(ctx, out, part)
+        if self.shared is not None:
+            scale = ggml.ggml_sigmoid(ctx, _linear(ctx, self.shared_gate, h))  # [1, rows]
+            out = ggml.ggml_add(ctx, out, ggml.ggml_mul(ctx, self.shared(ctx, h), scale))
+        return out
+
+
+class BlockGraphs:
+    """A block's graphs (see the kinds above), built per kind, row count and thread on first use,
+    and its part of a stage's decode graph."""
+
+    def __init__(self, block: nn.Module, qkv: list[_Matrix], out: _Matrix, ffn, piece: int | None):
         # no reference to the block, which holds this: its weights are freed with it, not by the
         # cycle collector some time later
         attn = block.attn
         self.attn_norm = _f32(block.attn_norm.weight)
         self.ffn_norm = _f32(block.ffn_norm.weight)
         self.eps_attn, self.eps_ffn = block.attn_norm.eps, block.ffn_norm.eps
-        self.qkv, self.out, self.gate, self.up, self.down = qkv, out, *ffn
-        for m in [*qkv, out, *ffn]:
+        self.qkv, self.out, self.ffn = qkv, out, ffn  # ffn: _Dense or _Sparse
+        for m in [*qkv, out, *ffn.matrices]:
             m.bias = _f32(m.bias)
         self.dim = self.attn_norm.shape[0]
         self.qkv_width = sum(m.N for m in qkv)
@@ -181,13 +263,17 @@ class BlockGraphs:
 
     @classmethod
     def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float) -> "BlockGraphs | None":
-        """The graphs for a block of the dense kind whose weights ggml can all run as held; its
-        stage's RoPE frequencies and base."""
-        from ..model import Attention, FeedForward, ffn_piece_rows, prefers_whole
+        """The graphs for a block with attention and a feed-forward ggml can run as held (dense,
+        or experts held as one GGMLExperts); its stage's RoPE frequencies and base."""
+        from ..model import Attention, FeedForward, MixtureOfExperts, ffn_piece_rows, prefers_whole
 
-        attn, ffn = block.attn, block.ffn
-        if not ggml_cpu.available() or not isinstance(attn, Attention) or not isinstance(ffn, FeedForward):
+        attn = block.attn
+        if not ggml_cpu.available() or not isinstance(attn, Attention):
             return None
+        if isinstance(block.ffn, FeedForward):
+            ffn = _Dense.of(block.ffn)
+        else:
+            ffn = _Sparse.of(block.ffn) if isinstance(block.ffn, MixtureOfExperts) else None
         H, KV, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
         Q = 2 * H if attn.gated else H
         if attn.wqkv is not None:
@@ -196,18 +282,11 @@ class BlockGraphs:
             parts = [_matrices(m) for m in (attn.wq, attn.wk, attn.wv)]
             qkv = None if None in parts else [p[0] for p in parts]
         out = _matrices(attn.wo)
-        if ffn.gate_up is not None:
-            half = ffn.gate_up.weight.shape[0] // 2
-            gate_up = _matrices(ffn.gate_up, [half, half])
-        else:
-            g, u = _matrices(ffn.gate), _matrices(ffn.up)
-            gate_up = None if g is None or u is None else g + u
-        down = _matrices(ffn.down)
-        if qkv is None or out is None or gate_up is None or down is None:
+        if qkv is None or out is None or ffn is None:
             return None
-        piece = ffn_piece_rows(down[0].K) // MAX_ROWS * MAX_ROWS
+        piece = ffn_piece_rows(ffn.hidden) // MAX_ROWS * MAX_ROWS
         whole = any(prefers_whole(m, piece) for m in block.modules())
-        graphs = cls(block, qkv, out[0], [*gate_up, down[0]], None if whole else piece)
+        graphs = cls(block, qkv, out[0], ffn, None if whole else piece)
         graphs._set_rope(inv_freq, rope_base)
         return graphs
 
@@ -242,9 +321,7 @@ class BlockGraphs:
     def _rest(self, ctx, x, attn):
         """x + o(attn), then that plus the feed-forward of its norm."""
         mid = ggml.ggml_add(ctx, x, _linear(ctx, self.out, attn))
-        h = _norm(ctx, mid, self.ffn_norm, self.eps_ffn)
-        swiglu = ggml.ggml_swiglu_split(ctx, _linear(ctx, self.gate, h), _linear(ctx, self.up, h))
-        return ggml.ggml_add(ctx, mid, _linear(ctx, self.down, swiglu))
+        return ggml.ggml_add(ctx, mid, self.ffn(ctx, _norm(ctx, mid, self.ffn_norm, self.eps_ffn)))
 
     def _pool(self, g: Graph, name: str, built: int, kind: int):
         """A layer's keys or values pool, head-major [KV, positions, D]: as ggml sees it [D, positions, KV]."""
@@ -437,7 +514,7 @@ class BlockGraphs:
                 (lambda g: build(self, g, rows, built, pool)) if built else (lambda g: build(self, g, rows)),
                 self._names(kind, rows),
                 PROMPT if kind == SHARED or rows > MAX_ROWS else rows,
-                64 + 16 * rows * (built > 0),
+                64 + 16 * rows * (built > 0) + self.ffn.nodes,
                 torch.get_num_threads(),
             )
             graph.keys = built
@@ -529,7 +606,7 @@ class BlockGraphs:
 
 
 class StageGraph:
-    """A decode step of a stage whose blocks are all dense with attention in the graphs, as one
+    """A decode step of a stage whose blocks all have attention in the graphs, as one
     ggml graph (per row count and thread): no Python between the blocks, as in llama.cpp; on the
     first stage the token embedding too, where ggml reads the table as it is held (`table`), and
     on the last the final norm and the head, where ggml runs the head as it is held (`logits`).
@@ -597,7 +674,7 @@ class StageGraph:
             counts, indexes = [f"n{r}" for r in range(rows)], [f"index{r}" for r in range(rows)]
             pools = [f"{name}{layer}" for layer in range(len(self.blocks)) for name in ("k", "v")]
             names = ["x", "positions", "write", "out", "pool", *counts, *indexes, *pools]
-            size = len(self.blocks) * (96 + 16 * rows) + 16
+            size = sum(96 + 16 * rows + block.ffn.nodes for block in self.blocks) + 16
             graph = Graph(lambda g: self._build(g, rows, built, kind), names, rows, size, torch.get_num_threads())
             graph.keys = built
             return graph

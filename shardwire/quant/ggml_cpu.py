@@ -402,12 +402,7 @@ class _ExpertsGraph(_Built):
 
     def __init__(self, types: tuple[int, int, int], D: int, F: int, E: int, k: int, n: int, lent: tuple, threads: int):
         super().__init__(self.NODES, self.NODES)
-        self.gate = ggml.ggml_new_tensor_3d(self.ctx, types[0], D, F, E)
-        self.up = ggml.ggml_new_tensor_3d(self.ctx, types[1], D, F, E)
-        self.down = ggml.ggml_new_tensor_3d(self.ctx, types[2], F, D, E)
-        for t, weight in zip((self.gate, self.up, self.down), lent):
-            if weight is not None:
-                weight.lend_to(t)
+        self.gate, self.up, self.down = expert_tensors(self.ctx, types, D, F, E, lent)
         self.x = ggml.ggml_new_tensor_3d(self.ctx, ggml.GGML_TYPE_F32, D, 1, n)
         self.ids = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_I32, k, n)
         g = ggml.ggml_mul_mat_id(self.ctx, self.gate, self.x, self.ids)  # [F, k, n]
@@ -431,6 +426,22 @@ class _ExpertsGraph(_Built):
         for i, t in enumerate(self.between):
             t.contents.data = between[i].data_ptr()
         self._compute()
+
+
+def expert_tensors(ctx, types: tuple[int, int, int], D: int, F: int, E: int, held: tuple) -> tuple:
+    """A block's experts' gate, up and down as ggml tensors [D, F, E], [D, F, E], [F, D, E]; each
+    on what `held` gives for it: a _Repacked (lent), the address of its stored blocks, or None
+    (pointed at them on each call)."""
+    shapes = ((D, F), (D, F), (F, D))
+    out = []
+    for qtype, (K, N), weight in zip(types, shapes, held):
+        t = ggml.ggml_new_tensor_3d(ctx, qtype, K, N, E)
+        if isinstance(weight, _Repacked):
+            weight.lend_to(t)
+        elif weight is not None:
+            t.contents.data = weight
+        out.append(t)
+    return tuple(out)
 
 
 def repacked_experts(stored: str, K: int, N: int, experts: int) -> _Repacked:
@@ -457,6 +468,14 @@ class GGMLExperts(nn.Module):
         self.dim = self.down.shape[1]
         self.fmt = "repacked" if any(isinstance(w, _Repacked) for w in self._weights) else "ggml"
 
+    def tensors(self, ctx) -> tuple:
+        """Gate, up and down as ggml tensors on the bytes this module holds (expert_tensors)."""
+        return expert_tensors(ctx, self._types, self.dim, self.ffn_dim, self.n_experts, self._held())
+
+    def _held(self) -> tuple:
+        """Each matrix as ggml takes it: its _Repacked, or the address of its stored blocks."""
+        return tuple(w if isinstance(w, _Repacked) else w.data_ptr() for w in self._weights)
+
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [rows, dim], each row's chosen experts [rows, k] and their weights -> [rows, dim]."""
         n, k = chosen.shape
@@ -465,6 +484,5 @@ class GGMLExperts(nn.Module):
         y = torch.empty(n, k, self.dim, dtype=torch.float32)
         lent = tuple(w if isinstance(w, _Repacked) else None for w in self._weights)
         graph = _kept(_ExpertsGraph, self._types, self.dim, self.ffn_dim, self.n_experts, k, n, weight=lent)
-        held = tuple(w if isinstance(w, _Repacked) else w.data_ptr() for w in self._weights)
-        graph.run(held, x32.data_ptr(), ids.data_ptr(), y.data_ptr())
+        graph.run(self._held(), x32.data_ptr(), ids.data_ptr(), y.data_ptr())
         return torch.einsum("nkd,nk->nd", y, weights.to(torch.float32)).to(x.dtype)
