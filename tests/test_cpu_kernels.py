@@ -274,6 +274,22 @@ def test_blocks_get_graphs_only_on_cpu_in_float32():
     assert all(b.graphs is None for b in stage.blocks)
 
 
+@needs_ggml
+def test_a_prompt_piece_stays_below_the_rows_a_matrix_would_rather_take_as_a_gemm():
+    """A block whose F32 router (a small matrix) measured faster dequantized into a GEMM from 64
+    rows still reads prompts in its graphs, in pieces of fewer rows than that; a matrix that
+    would rather take every chunk whole, whatever its rows, sends prompts through the modules."""
+    model = open_model(model_path("qwen3moe", "Q8_0"))
+    stage = load_stage(model, 0, 1, weights="fast", fastest={"Q8_0": "ggml", "F32": "ggml"})
+    block = stage.blocks[0]
+    assert isinstance(block.ffn.router, ggml_cpu.GGMLLinear)
+    block.ffn.router.gemm_rows = 64
+    graphs = ggml_block.BlockGraphs.of(block, stage.inv_freq, model.config.rope_theta)
+    assert graphs.piece == 56 and graphs.takes(torch.zeros(1, 200, model.config.dim))
+    block.ffn.router.gemm_rows = 1
+    assert ggml_block.BlockGraphs.of(block, stage.inv_freq, model.config.rope_theta).piece is None
+
+
 def test_the_compute_dtype_keeps_weights_at_their_stored_precision():
     assert stored_precision_dtype("bfloat16", "cpu", "F32") == "float32"
     assert stored_precision_dtype("float16", "cuda:0", "F32") == "float32"

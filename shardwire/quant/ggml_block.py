@@ -284,8 +284,14 @@ class BlockGraphs:
         out = _matrices(attn.wo)
         if qkv is None or out is None or ffn is None:
             return None
+        # a prompt's pieces stay below the rows from which a matrix measured faster dequantized
+        # into a GEMM (which the modules would do with a whole chunk); none where even the
+        # fewest rows would rather go whole (to another device)
         piece = ffn_piece_rows(ffn.hidden) // MAX_ROWS * MAX_ROWS
-        whole = any(prefers_whole(m, piece) for m in block.modules())
+        modules = list(block.modules())
+        while piece > MAX_ROWS and any(prefers_whole(m, piece) for m in modules):
+            piece -= MAX_ROWS
+        whole = any(prefers_whole(m, piece) for m in modules)
         graphs = cls(block, qkv, out[0], ffn, None if whole else piece)
         graphs._set_rope(inv_freq, rope_base)
         return graphs
