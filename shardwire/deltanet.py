@@ -92,29 +92,33 @@ class GatedDeltaNet(nn.Module):
         return self.w_out(gated.to(x.dtype).reshape(B, T, Hv * Dv))
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+L2_EPS = 1e-6  # queries' and keys' L2 norm, as transformers' and llama.cpp's
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
 def recurrent_delta_rule(q, k, v, g, beta, state):
     """One token at a time: q, k [B, Hk, T, Dk], v [B, H, T, Dv], g and beta [B, H, T], state
-    [B, H, Dk, Dv] (float32), value head h reading query/key head h % Hk (Hk divides H). Returns
-    the outputs [B, H, T, Dv] and the new state."""
+    [B, H, Dv, Dk] (float32; each head's S held transposed, S^T, as ggml's gated_delta_net holds
+    it), value head h reading query/key head h % Hk (Hk divides H). Returns the outputs
+    [B, H, T, Dv] and the new state."""
     B, H, T, Dv = v.shape
     Hk, Dk = k.shape[1], k.shape[-1]
     r = H // Hk  # heads grouped [r, Hk]: query/key head i serves heads i, Hk + i, ...
-    state = state.view(B, r, Hk, Dk, Dv)
+    state = state.view(B, r, Hk, Dv, Dk)
     q, k = q[:, None], k[:, None]
     v, g, beta = v.view(B, r, Hk, T, Dv), g.view(B, r, Hk, T), beta.view(B, r, Hk, T)
     outs = []
     for t in range(T):
         state = state * g[..., t, None, None].exp()
         kt = k[..., t, :]
-        recalled = (kt[..., None, :] @ state).squeeze(-2)  # what the state holds for this key
+        recalled = (state @ kt[..., :, None]).squeeze(-1)  # what the state holds for this key
         correction = (v[..., t, :] - recalled) * beta[..., t, None]
-        state = state + kt[..., :, None] * correction[..., None, :]
-        outs.append((q[..., t, None, :] @ state).squeeze(-2))
-    return torch.stack(outs, dim=-2).view(B, H, T, Dv), state.view(B, H, Dk, Dv)
+        state = state + correction[..., :, None] * kt[..., None, :]
+        outs.append((state @ q[..., t, :, None]).squeeze(-1))
+    return torch.stack(outs, dim=-2).view(B, H, T, Dv), state.view(B, H, Dv, Dk)
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -125,8 +129,9 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     A_ij = beta_i (k_i . k_j) e^(c_i - c_j) for j < i; each output is what the chunk's starting
     state S0 gives its query plus the chunk's earlier (and own) updates, and the state moves on
     to e^(c_last) S0 + sum_j e^(c_last - c_j) k_j u_j^T. Only the walk from chunk to chunk is
-    sequential."""
+    sequential. The state comes and goes as recurrent_delta_rule's, S^T [B, H, Dv, Dk]."""
     B, H, T, Dk = k.shape
+    state = state.transpose(-1, -2)
     pad = -T % chunk
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -151,7 +156,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
         u = updates[:, :, c] - recall[:, :, c] @ state
         out[:, :, c] = q_from_start[:, :, c] @ state + within[:, :, c] @ u
         state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ u
-    return out.reshape(B, H, n * chunk, -1)[:, :, :T], state
+    return out.reshape(B, H, n * chunk, -1)[:, :, :T], state.transpose(-1, -2)
 
 
 # A transformers checkpoint's tensors in the form llama.cpp's converter writes them

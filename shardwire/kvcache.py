@@ -230,7 +230,8 @@ class KVCache:
 class RecurrentState:
     """What a gated delta-net block remembers of a sequence, per slot: the last kernel - 1 inputs
     of its causal convolution, and the delta rule's state, a [k_dim, v_dim] matrix per value head
-    (float32: it accumulates over the whole sequence).
+    held transposed, [v_dim, k_dim], as ggml's gated_delta_net holds it (float32: it accumulates
+    over the whole sequence).
 
     Unlike a KV cache this state cannot be truncated or rewound: it holds every position folded
     together. A slot's state is valid only for the positions it has consumed; a sequence that
@@ -243,7 +244,7 @@ class RecurrentState:
             n_layers, n_slots, cfg.conv_channels, cfg.ssm_conv_kernel - 1, dtype=dtype, device=device
         )
         self.delta = torch.zeros(
-            n_layers, n_slots, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim, dtype=torch.float32, device=device
+            n_layers, n_slots, cfg.ssm_v_heads, cfg.ssm_v_dim, cfg.ssm_k_dim, dtype=torch.float32, device=device
         )
         self.consumed: list[int | None] = [0] * n_slots  # positions folded in; None: unknown (a failed step)
 

@@ -19,8 +19,9 @@ from .formats.tensors import copied
 from .model import Elsewhere, Linear, Stage
 from .plan import placed_apart
 from .quant.codecs import PLAIN, raw_rows, to_torch
-from .quant.ggml_block import BlockGraphs, StageGraph
+from .quant.ggml_block import BlockGraphs, FeedForwardGraphs, StageGraph
 from .quant.ggml_cpu import GGMLExperts, RepackError, repacked_experts
+from .quant.ggml_deltanet import DeltaNetGraphs
 from .quant.kernels import kernels_on
 from .quant.packed import pack_matrix
 from .quant.policy import EMBEDDING, weight_formats
@@ -156,6 +157,9 @@ def build_stage(
     if device.type == "cpu" and dtype == torch.float32:
         for block in stage.blocks:
             block.graphs = BlockGraphs.of(block, stage.inv_freq, cfg.rope_theta)
+            if block.graphs is None:  # a token mixer the block's graphs do not take: a delta-net's
+                block.feed = FeedForwardGraphs.of(block)
+                block.graphs = DeltaNetGraphs.of(block, block.feed)
         stage.graph = StageGraph.of(
             [block.graphs for block in stage.blocks],
             *((stage.norm, stage.head) if last else (None, None)),

@@ -374,7 +374,10 @@ class Block(nn.Module):
             self.ffn = MixtureOfExperts(cfg, w)
         else:
             self.ffn = FeedForward(w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
-        self.graphs = None  # quant.ggml_block.BlockGraphs, where ggml runs this block's rows
+        # where ggml runs this block's rows: quant.ggml_block.BlockGraphs, or a delta-net's decode
+        # steps, quant.ggml_deltanet.DeltaNetGraphs
+        self.graphs = None
+        self.feed = None  # quant.ggml_block.FeedForwardGraphs, where ggml runs the feed-forward half alone
 
     def forward(
         self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext, last_only: bool = False
@@ -387,6 +390,8 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cache, layer, ctx)
         if last_only:
             x = x[:, -1:]
+        if self.feed is not None and self.feed.takes(x):
+            return self.feed.feed(x)
         return x + self.ffn(self.ffn_norm(x))
 
 

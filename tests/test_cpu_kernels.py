@@ -132,11 +132,11 @@ def test_the_measurement_times_the_repacked_layout_where_ggml_has_one():
 def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
     """Logits of a 3-token prompt, then decode steps of 2 and of 9 sequences (the second more rows
     than the graphs take), with or without the blocks' graphs."""
-    kept, kept_stage = [b.graphs for b in stage.blocks], stage.graph
+    kept, kept_stage = [(b.graphs, b.feed) for b in stage.blocks], stage.graph
     if not use_graphs:
         stage.graph = None
         for b in stage.blocks:
-            b.graphs = None
+            b.graphs = b.feed = None
     try:
         stage.allocate_cache(9, 32)
         out = [stage(torch.tensor([PROMPT[:3]]), [0], [0])]
@@ -145,8 +145,8 @@ def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
         return out
     finally:
         stage.graph = kept_stage
-        for b, g in zip(stage.blocks, kept):
-            b.graphs = g
+        for b, (graphs, feed) in zip(stage.blocks, kept):
+            b.graphs, b.feed = graphs, feed
 
 
 @needs_ggml

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
+from test_cpu_kernels import stage_outputs
 
 from shardwire.config import ConfigError, ModelConfig
 from shardwire.deltanet import GatedDeltaNet, chunked_delta_rule, recurrent_delta_rule
@@ -20,6 +21,8 @@ from shardwire.kvcache import RecurrentState, stage_cache_nbytes
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.plan import PlanDevice, make_plan
+from shardwire.quant import ggml_block, ggml_cpu
+from shardwire.quant.ggml_deltanet import DeltaNetGraphs
 from shardwire.sampling import SamplingParams
 from shardwire_kit.writer import gguf_config, write_gguf
 
@@ -79,7 +82,7 @@ def test_chunked_and_recurrent_delta_rules_agree():
     v = torch.randn(B, H, T, Dv, generator=g)
     decay = -torch.rand(B, H, T, generator=g)
     beta = torch.rand(B, H, T, generator=g)
-    state = torch.randn(B, H, Dk, Dv, generator=g)
+    state = torch.randn(B, H, Dv, Dk, generator=g)
     out_c, state_c = chunked_delta_rule(q, k, v, decay, beta, state)
     out_r, state_r = recurrent_delta_rule(q, k, v, decay, beta, state)
     torch.testing.assert_close(out_c, out_r, rtol=1e-4, atol=1e-4)
@@ -97,6 +100,54 @@ def test_prefill_in_chunks_then_decode_equals_one_full_forward(name):
         parts.append(stage(torch.tensor([[PROMPT[i]]]), [2], [i], all_logits=True)[0])
     spread = float(full.max() - full.min())  # float32 rounding, in the experts' sums too
     assert float((torch.cat(parts) - full).abs().max()) <= 1e-4 * spread
+
+
+needs_ggml = pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+
+
+@needs_ggml
+@pytest.mark.parametrize("name,stored", [("qwen35moe", "Q8_0"), ("qwen35", "F16")])
+def test_a_delta_net_blocks_rows_run_in_ggml_as_the_modules_run_them(name, stored):
+    """A delta-net block's decode step runs in one ggml graph; a prompt's rows run its mixer in the
+    modules and its feed-forward half (experts and the shared expert, or a dense one) in a graph,
+    more rows than a graph takes a piece at a time: the logits of a prompt and of decode steps
+    (of 2 sequences, and of 9: pieces of 8 and 1) are the modules'."""
+    stage = whole(model_path(name, stored), weights="fast", fastest={stored: "ggml", "F32": "ggml"})
+    linear = [b for b in stage.blocks if isinstance(b.attn, GatedDeltaNet)]
+    assert linear and all(isinstance(b.graphs, DeltaNetGraphs) for b in linear)
+    assert all(isinstance(b.feed, ggml_block.FeedForwardGraphs) for b in linear)
+    for b in linear:
+        b.feed.piece = 8
+    with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
+    for a, b in zip(with_graphs, without):
+        assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_ggml
+@pytest.mark.parametrize("name,stored", [("qwen35moe", "Q8_0"), ("qwen35", "F32")])
+def test_a_delta_net_decode_step_leaves_each_slot_the_state_the_modules_leave(name, stored):
+    """Two sequences in slots out of order step together in the graph: each slot's convolution
+    inputs and delta-rule state afterwards are what the modules leave in a copy of it."""
+    stage = whole(model_path(name, stored), weights="fast", fastest={stored: "ggml", "F32": "ggml"})
+    stage.allocate_cache(6, 32)
+    for slot in (0, 2, 3, 5):
+        stage(torch.tensor([PROMPT[:5]]), [slot], [0])
+    step = torch.tensor([[PROMPT[5]], [PROMPT[6]]])
+    in_graphs = stage(step, [2, 0], [5, 5])
+    kept = [(b.graphs, b.feed) for b in stage.blocks]
+    for b in stage.blocks:
+        b.graphs = b.feed = None
+    by_modules = stage(step, [5, 3], [5, 5])
+    for b, (graphs, feed) in zip(stage.blocks, kept):
+        b.graphs, b.feed = graphs, feed
+    assert float((in_graphs - by_modules).abs().max()) <= 2e-3 * float(by_modules.abs().max())
+    state = stage.cache.recurrent
+    for mine, theirs in ((2, 5), (0, 3)):
+        scale = float(state.delta[:, theirs].abs().max())
+        torch.testing.assert_close(state.delta[:, mine], state.delta[:, theirs], rtol=0, atol=1e-5 * scale)
+        torch.testing.assert_close(state.conv[:, mine], state.conv[:, theirs], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(state.delta[:, 2], state.delta[:, 0])
 
 
 def test_rows_of_a_batch_keep_their_own_state():

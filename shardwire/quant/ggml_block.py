@@ -45,8 +45,9 @@ _GGML_TYPES = {torch.float32: "GGML_TYPE_F32", torch.float16: "GGML_TYPE_F16", t
 # a block's graph kinds: PROJECT (norm, Q, K, V, RoPE), or STORE (that, and the keys and values
 # written into the cache); then STEP (a decode step's attention, one row per sequence, and the rest
 # of the block), or EACH (that attention alone) or SHARED (rows of one sequence, a prompt's,
-# attention alone) followed by FINISH (the rest)
-PROJECT, STORE, FINISH, STEP, EACH, SHARED = "project", "store", "finish", "step", "each", "shared"
+# attention alone) followed by FINISH (the rest); FEED: the feed-forward half alone, of a block
+# whose token mixer runs in the modules
+PROJECT, STORE, FINISH, STEP, EACH, SHARED, FEED = "project", "store", "finish", "step", "each", "shared", "feed"
 
 
 class _Matrix:
@@ -227,21 +228,116 @@ class _Sparse:
         return out
 
 
-class BlockGraphs:
+def _feed_forward(ffn: nn.Module) -> "_Dense | _Sparse | None":
+    from ..model import FeedForward, MixtureOfExperts
+
+    if isinstance(ffn, FeedForward):
+        return _Dense.of(ffn)
+    return _Sparse.of(ffn) if isinstance(ffn, MixtureOfExperts) else None
+
+
+def _piece(ffn, modules: list[nn.Module]) -> int | None:
+    """Rows of a prompt chunk a graph takes at once: as many as keep the feed-forward's largest
+    activations to a few MiB (model.ffn_piece_rows), and fewer than those from which one of
+    `modules` measured faster dequantized into a GEMM (which the modules would do with a whole
+    chunk); None where even the fewest rows would rather go whole (to another device)."""
+    from ..model import ffn_piece_rows, prefers_whole
+
+    piece = ffn_piece_rows(ffn.hidden) // MAX_ROWS * MAX_ROWS
+    while piece > MAX_ROWS and any(prefers_whole(m, piece) for m in modules):
+        piece -= MAX_ROWS
+    return None if any(prefers_whole(m, piece) for m in modules) else piece
+
+
+class FeedForwardGraphs:
+    """The feed-forward half of a block, x + ffn(ffn_norm(x)), as graphs built per row count and
+    thread on first use; a prompt's rows a piece at a time. A block whose token mixer runs in the
+    modules (Qwen3.5's delta-net blocks) runs this half alone in ggml (FEED); BlockGraphs, the
+    whole block, builds on it."""
+
+    def __init__(self, block: nn.Module, ffn, piece: int | None):
+        # no reference to the block, which holds this: its weights are freed with it, not by the
+        # cycle collector some time later
+        self.ffn_norm, self.eps_ffn = _f32(block.ffn_norm.weight), block.ffn_norm.eps
+        self.ffn = ffn  # _Dense or _Sparse
+        for m in ffn.matrices:
+            m.bias = _f32(m.bias)
+        self.dim = self.ffn_norm.shape[0]
+        self.piece = piece  # rows of a prompt chunk a graph takes at once; None: prompts go through the modules
+        self._built: dict[str, OrderedDict] = {}
+
+    @classmethod
+    def of(cls, block: nn.Module) -> "FeedForwardGraphs | None":
+        """The feed-forward half of `block` where ggml can run it as held."""
+        ffn = _feed_forward(block.ffn) if ggml_cpu.available() else None
+        piece = None if ffn is None else _piece(ffn, [block.ffn_norm, *block.ffn.modules()])
+        return None if piece is None else cls(block, ffn, piece)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // self.dim
+        return x.dtype == torch.float32 and x.device.type == "cpu" and (rows <= MAX_ROWS or self.piece is not None)
+
+    def residual_ffn(self, ctx, x):
+        """x + ffn(ffn_norm(x)) in a graph being built."""
+        return ggml.ggml_add(ctx, x, self.ffn(ctx, _norm(ctx, x, self.ffn_norm, self.eps_ffn)))
+
+    def _build_feed(self, g: Graph, rows: int):
+        return g.fields.data(self.residual_ffn(g.ctx, _input(g, "x", self.dim, rows)), "out")
+
+    _BUILD = {FEED: _build_feed}
+
+    @staticmethod
+    def _names(kind: str, rows: int) -> list[str]:
+        """The values a graph of `kind` takes on each call, in order."""
+        return ["x", "out"]
+
+    def _graph(self, kind: str, rows: int, keys: int = 0, pool: int = 0) -> Graph:
+        """The graph of `kind` for `rows` rows on this thread, built for at least `keys` keys a row."""
+
+        def make() -> Graph:
+            built = _capacity(keys) if keys else 0
+            build = self._BUILD[kind]
+            graph = Graph(
+                (lambda g: build(self, g, rows, built, pool)) if built else (lambda g: build(self, g, rows)),
+                self._names(kind, rows),
+                PROMPT if kind == SHARED or rows > MAX_ROWS else rows,
+                64 + 16 * rows * (built > 0) + self.ffn.nodes,
+                torch.get_num_threads(),
+            )
+            graph.keys = built
+            return graph
+
+        kept = self._built.setdefault(kind, OrderedDict())
+        key = (threading.get_ident(), rows, pool)
+        return least_recently_used(kept, key, KEPT, make, lambda graph: graph.keys >= keys)
+
+    def _pieces(self, rows: int) -> list[tuple[int, int]]:
+        """A decode step's few rows at once, a prompt chunk's a piece at a time."""
+        step = rows if rows <= MAX_ROWS else self.piece
+        return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        """x + ffn(ffn_norm(x)) for x [..., dim]."""
+        rows = x.numel() // self.dim
+        flat = x.reshape(rows, self.dim).contiguous()
+        out = torch.empty_like(flat)
+        x_at, out_at, row = flat.data_ptr(), out.data_ptr(), self.dim * 4
+        for a, b in self._pieces(rows):
+            self._graph(FEED, b - a)([x_at + a * row, out_at + a * row])
+        return out.view(x.shape)
+
+
+class BlockGraphs(FeedForwardGraphs):
     """A block's graphs (see the kinds above), built per kind, row count and thread on first use,
     and its part of a stage's decode graph."""
 
     def __init__(self, block: nn.Module, qkv: list[_Matrix], out: _Matrix, ffn, piece: int | None):
-        # no reference to the block, which holds this: its weights are freed with it, not by the
-        # cycle collector some time later
+        super().__init__(block, ffn, piece)
         attn = block.attn
-        self.attn_norm = _f32(block.attn_norm.weight)
-        self.ffn_norm = _f32(block.ffn_norm.weight)
-        self.eps_attn, self.eps_ffn = block.attn_norm.eps, block.ffn_norm.eps
-        self.qkv, self.out, self.ffn = qkv, out, ffn  # ffn: _Dense or _Sparse
-        for m in [*qkv, out, *ffn.matrices]:
+        self.attn_norm, self.eps_attn = _f32(block.attn_norm.weight), block.attn_norm.eps
+        self.qkv, self.out = qkv, out
+        for m in [*qkv, out]:
             m.bias = _f32(m.bias)
-        self.dim = self.attn_norm.shape[0]
         self.qkv_width = sum(m.N for m in qkv)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.attends = not attn.gated
@@ -249,8 +345,6 @@ class BlockGraphs:
         if attn.q_norm is not None:
             eps = attn.q_norm.eps
             self.head_norms = ((_f32(attn.q_norm.weight), eps), (_f32(attn.k_norm.weight), eps))
-        self.piece = piece  # rows of a prompt chunk a graph takes at once; None: prompts go through the modules
-        self._built: dict[str, OrderedDict] = {}
         self.rope: tuple | None = None  # (rotated dims, base, frequency factors or None)
 
     def _set_rope(self, inv_freq: torch.Tensor, base: float) -> None:
@@ -265,15 +359,12 @@ class BlockGraphs:
     def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float) -> "BlockGraphs | None":
         """The graphs for a block with attention and a feed-forward ggml can run as held (dense,
         or experts held as one GGMLExperts); its stage's RoPE frequencies and base."""
-        from ..model import Attention, FeedForward, MixtureOfExperts, ffn_piece_rows, prefers_whole
+        from ..model import Attention
 
         attn = block.attn
         if not ggml_cpu.available() or not isinstance(attn, Attention):
             return None
-        if isinstance(block.ffn, FeedForward):
-            ffn = _Dense.of(block.ffn)
-        else:
-            ffn = _Sparse.of(block.ffn) if isinstance(block.ffn, MixtureOfExperts) else None
+        ffn = _feed_forward(block.ffn)
         H, KV, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
         Q = 2 * H if attn.gated else H
         if attn.wqkv is not None:
@@ -284,21 +375,9 @@ class BlockGraphs:
         out = _matrices(attn.wo)
         if qkv is None or out is None or ffn is None:
             return None
-        # a prompt's pieces stay below the rows from which a matrix measured faster dequantized
-        # into a GEMM (which the modules would do with a whole chunk); none where even the
-        # fewest rows would rather go whole (to another device)
-        piece = ffn_piece_rows(ffn.hidden) // MAX_ROWS * MAX_ROWS
-        modules = list(block.modules())
-        while piece > MAX_ROWS and any(prefers_whole(m, piece) for m in modules):
-            piece -= MAX_ROWS
-        whole = any(prefers_whole(m, piece) for m in modules)
-        graphs = cls(block, qkv, out[0], ffn, None if whole else piece)
+        graphs = cls(block, qkv, out[0], ffn, _piece(ffn, list(block.modules())))
         graphs._set_rope(inv_freq, rope_base)
         return graphs
-
-    def takes(self, x: torch.Tensor) -> bool:
-        rows = x.numel() // self.dim
-        return x.dtype == torch.float32 and x.device.type == "cpu" and (rows <= MAX_ROWS or self.piece is not None)
 
     # -- the arithmetic -----------------------------------------------------------------------------
 
@@ -326,8 +405,7 @@ class BlockGraphs:
 
     def _rest(self, ctx, x, attn):
         """x + o(attn), then that plus the feed-forward of its norm."""
-        mid = ggml.ggml_add(ctx, x, _linear(ctx, self.out, attn))
-        return ggml.ggml_add(ctx, mid, self.ffn(ctx, _norm(ctx, mid, self.ffn_norm, self.eps_ffn)))
+        return self.residual_ffn(ctx, ggml.ggml_add(ctx, x, _linear(ctx, self.out, attn)))
 
     def _pool(self, g: Graph, name: str, built: int, kind: int):
         """A layer's keys or values pool, head-major [KV, positions, D]: as ggml sees it [D, positions, KV]."""
@@ -485,6 +563,7 @@ class BlockGraphs:
     # -- running ------------------------------------------------------------------------------------
 
     _BUILD = {
+        **FeedForwardGraphs._BUILD,
         PROJECT: _build_project,
         STORE: _build_project,
         FINISH: _build_finish,
@@ -496,6 +575,8 @@ class BlockGraphs:
     @staticmethod
     def _names(kind: str, rows: int) -> list[str]:
         """The values a graph of `kind` takes on each call, in order."""
+        if kind == FEED:
+            return FeedForwardGraphs._names(kind, rows)
         if kind == PROJECT:
             return ["x", "positions", "out"]
         if kind == STORE:
@@ -509,31 +590,6 @@ class BlockGraphs:
             EACH: ["qkv", "out", "k", "v", "pool", *counts, *indexes],
             SHARED: ["qkv", "out", "k", "v", "pool", "seen", "index0", *counts],
         }[kind]
-
-    def _graph(self, kind: str, rows: int, keys: int = 0, pool: int = 0) -> Graph:
-        """The graph of `kind` for `rows` rows on this thread, built for at least `keys` keys a row."""
-
-        def make() -> Graph:
-            built = _capacity(keys) if keys else 0
-            build = self._BUILD[kind]
-            graph = Graph(
-                (lambda g: build(self, g, rows, built, pool)) if built else (lambda g: build(self, g, rows)),
-                self._names(kind, rows),
-                PROMPT if kind == SHARED or rows > MAX_ROWS else rows,
-                64 + 16 * rows * (built > 0) + self.ffn.nodes,
-                torch.get_num_threads(),
-            )
-            graph.keys = built
-            return graph
-
-        kept = self._built.setdefault(kind, OrderedDict())
-        key = (threading.get_ident(), rows, pool)
-        return least_recently_used(kept, key, KEPT, make, lambda graph: graph.keys >= keys)
-
-    def _pieces(self, rows: int) -> list[tuple[int, int]]:
-        """A decode step's few rows at once, a prompt chunk's a piece at a time."""
-        step = rows if rows <= MAX_ROWS else self.piece
-        return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
     def project(self, x: torch.Tensor, ctx, pools: list[int] | None = None, kind: int = 0) -> torch.Tensor:
         """attn_norm(x) through Q, K and V (queries and keys turned by RoPE where `attends`):
@@ -639,7 +695,7 @@ class StageGraph:
     ) -> "StageGraph | None":
         """The graph of a stage's blocks' graphs (None unless all are of the kind), and of its
         final `norm` and `head`, and its token embedding `embed`, where given."""
-        if not graphs or any(g is None or not g.attends for g in graphs):
+        if not graphs or any(not isinstance(g, BlockGraphs) or not g.attends for g in graphs):
             return None
         matrix = None if head is None else _matrices(head)
         head = None if matrix is None else (_f32(norm.weight), norm.eps, matrix[0])
