@@ -550,7 +550,13 @@ class Stage(nn.Module):
         graph = self.graph
         if graph is not None and graph.takes(x, self.cache) and (graph.logits or not self.last):
             # a decode step that ggml's graph runs whole, with no PyTorch call on the way
-            return graph(x, self.cache, self._context(slots, starts, 1, pages))
+            ctx, recurrent = self._context(slots, starts, 1, pages), self.cache.recurrent
+            if recurrent is None:
+                return graph(x, self.cache, ctx)
+            recurrent.begin(slots, starts, 1)
+            out = graph(x, self.cache, ctx)
+            recurrent.end()
+            return out
         with torch.inference_mode():
             return self._forward(x, slots, starts, all_logits, pages)
 

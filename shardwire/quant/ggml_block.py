@@ -128,6 +128,18 @@ def pool_addresses(cache, layers: range) -> list[int]:
     return [at + i * step for i in layers for at in (k_at, v_at)]
 
 
+def slot_ids(rows) -> array:
+    """A step's slots (a StepContext's rows: a slice or a tensor) as int32 ids ggml reads."""
+    return array("i", range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist())
+
+
+def recurrent_addresses(recurrent, layers: list[int]) -> list[int]:
+    """Where each delta-net layer's convolution inputs and delta-rule states lie, in turn."""
+    conv, delta = recurrent.conv, recurrent.delta
+    step_conv, step_delta = conv.stride(0) * conv.element_size(), delta.stride(0) * delta.element_size()
+    return [at for i in layers for at in (conv.data_ptr() + i * step_conv, delta.data_ptr() + i * step_delta)]
+
+
 def _vector(ctx, t: torch.Tensor):
     v = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, t.shape[0])
     v.contents.data = t.data_ptr()
@@ -340,7 +352,9 @@ class BlockGraphs(FeedForwardGraphs):
             m.bias = _f32(m.bias)
         self.qkv_width = sum(m.N for m in qkv)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.attends = not attn.gated
+        self.attends = not attn.gated  # a prompt's attention in the graphs; a gated block's is the modules'
+        self.gated = attn.gated  # each head's queries followed by as many gate rows (Qwen3.5)
+        self.layer = block.layer  # its keys' and values' layer in the stage's cache
         self.head_norms = None
         if attn.q_norm is not None:
             eps = attn.q_norm.eps
@@ -392,19 +406,33 @@ class BlockGraphs(FeedForwardGraphs):
         t = ggml.ggml_rope_ext(ctx, t, positions, factors, dims, mode, 0, base, 1.0, 0.0, 1.0, 32.0, 1.0)
         return ggml.ggml_reshape_2d(ctx, t, self.head_dim * heads, rows)
 
-    def _project(self, ctx, x, rows: int, positions) -> list:
+    def _project(self, ctx, x, rows: int, positions, turn: bool | None = None) -> list:
         """Queries, keys and values of x [dim, rows], each [heads * D, rows]; the first two
-        turned by RoPE where attention is in the graphs."""
+        turned by RoPE where `turn` (default: where a prompt's attention is in the graphs). A
+        gated block's turned queries come with their gates after them, [q, k, v, gate]; unturned,
+        its queries are the interleaved rows attn_q gives."""
         h = _norm(ctx, x, self.attn_norm, self.eps_attn)
         q, k, v = (_linear(ctx, m, h) for m in self.qkv)
-        if self.attends:
-            q_norm, k_norm = self.head_norms or (None, None)
-            q = self._rotate(ctx, q, self.heads, rows, positions, q_norm)
-            k = self._rotate(ctx, k, self.kv_heads, rows, positions, k_norm)
-        return [q, k, v]
+        if not (self.attends if turn is None else turn):
+            return [q, k, v]
+        gate = None
+        if self.gated:  # [D queries, D gates] a head
+            D, H = self.head_dim, self.heads
+            q, gate = (
+                ggml.ggml_cont(ctx, ggml.ggml_view_3d(ctx, q, D, H, rows, 2 * D * 4, 2 * H * D * 4, at))
+                for at in (0, D * 4)
+            )
+            q, gate = (ggml.ggml_reshape_2d(ctx, t, H * D, rows) for t in (q, gate))
+        q_norm, k_norm = self.head_norms or (None, None)
+        q = self._rotate(ctx, q, self.heads, rows, positions, q_norm)
+        k = self._rotate(ctx, k, self.kv_heads, rows, positions, k_norm)
+        return [q, k, v] if gate is None else [q, k, v, gate]
 
-    def _rest(self, ctx, x, attn):
-        """x + o(attn), then that plus the feed-forward of its norm."""
+    def _rest(self, ctx, x, attn, gate=None):
+        """x + o(attn) (attn scaled by sigmoid(gate) where given), then that plus the feed-forward
+        of its norm."""
+        if gate is not None:
+            attn = ggml.ggml_mul(ctx, attn, ggml.ggml_sigmoid(ctx, gate))
         return self.residual_ffn(ctx, ggml.ggml_add(ctx, x, _linear(ctx, self.out, attn)))
 
     def _pool(self, g: Graph, name: str, built: int, kind: int):
@@ -545,12 +573,18 @@ class BlockGraphs(FeedForwardGraphs):
             out = g.fields.data(row, "out", r * self.out.K * 4)
         return out
 
-    def decode(self, g: Graph, x, rows: int, built: int, kind: int, positions, write, layer: int):
+    def nodes(self, rows: int) -> int:
+        """Graph nodes its part of a stage's decode graph takes, at most."""
+        return 96 + 16 * rows + self.ffn.nodes
+
+    def decode(self, g: Graph, x, rows: int, built: int, kind: int, positions, write):
         """This block's part of a stage's decode graph: x [dim, rows] -> the block's output, the
         new keys and values written into the pools at the "write" positions."""
         ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
-        q, *new = self._project(ctx, x, rows, positions)
-        pools = [self._store(g, t, f"{name}{layer}", rows, built, kind, write) for name, t in zip(("k", "v"), new)]
+        q, k, v, *gate = self._project(ctx, x, rows, positions, turn=True)
+        pools = [
+            self._store(g, t, f"{name}{self.layer}", rows, built, kind, write) for name, t in zip(("k", "v"), (k, v))
+        ]
         attn = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.out.K, rows)
         group, width = self.heads // KV, self.out.K * 4
 
@@ -558,7 +592,7 @@ class BlockGraphs(FeedForwardGraphs):
             return ggml.ggml_view_3d(ctx, q, D, group, KV, D * 4, group * D * 4, r * width)
 
         self._attend_each(g, rows, built, kind, pools, query, lambda r, t: g.inside(t, attn, r * width))
-        return self._rest(ctx, x, attn)
+        return self._rest(ctx, x, attn, *gate)
 
     # -- running ------------------------------------------------------------------------------------
 
@@ -668,8 +702,9 @@ class BlockGraphs(FeedForwardGraphs):
 
 
 class StageGraph:
-    """A decode step of a stage whose blocks all have attention in the graphs, as one
-    ggml graph (per row count and thread): no Python between the blocks, as in llama.cpp; on the
+    """A decode step of a stage whose blocks all decode in graphs (attention, gated or not, and
+    Qwen3.5's delta-net blocks), as one ggml graph (per row count, slot count and thread): no
+    Python between the blocks, as in llama.cpp; on the
     first stage the token embedding too, where ggml reads the table as it is held (`table`), and
     on the last the final norm and the head, where ggml runs the head as it is held (`logits`).
 
@@ -677,8 +712,10 @@ class StageGraph:
     gone through the caches, each PyTorch call costs tens of microseconds (its dispatcher's code
     and data fetched from memory again), as much as the arithmetic of a small model's block."""
 
-    def __init__(self, blocks: list[BlockGraphs], head: tuple | None, table: _Matrix | None = None):
-        self.blocks = blocks
+    def __init__(self, blocks: list, head: tuple | None, table: _Matrix | None = None):
+        self.blocks = blocks  # BlockGraphs, and DeltaNetGraphs (quant.ggml_deltanet)
+        self.attending = [b for b in blocks if isinstance(b, BlockGraphs)]
+        self.mixing = [b for b in blocks if not isinstance(b, BlockGraphs)]
         self.dim = blocks[0].dim
         self.head = head  # (norm weight, eps, the head's matrix)
         self.table = table  # the token embedding: a call takes token ids
@@ -693,9 +730,9 @@ class StageGraph:
     def of(
         cls, graphs: list, norm: nn.Module | None = None, head: nn.Module | None = None, embed: nn.Module | None = None
     ) -> "StageGraph | None":
-        """The graph of a stage's blocks' graphs (None unless all are of the kind), and of its
+        """The graph of a stage's blocks' graphs (None unless all decode in graphs), and of its
         final `norm` and `head`, and its token embedding `embed`, where given."""
-        if not graphs or any(not isinstance(g, BlockGraphs) or not g.attends for g in graphs):
+        if not graphs or any(g is None or not hasattr(g, "decode") for g in graphs):
             return None
         matrix = None if head is None else _matrices(head)
         head = None if matrix is None else (_f32(norm.weight), norm.eps, matrix[0])
@@ -713,9 +750,11 @@ class StageGraph:
             fits = fits and x.shape[1] == 1 and x.shape[0] <= MAX_ROWS
         else:
             fits = self.table is not None and len(x) <= MAX_ROWS and all(len(row) == 1 for row in x)
-        return fits and pool_type(cache) is not None
+        recurrent = cache.recurrent
+        held = recurrent is None or (recurrent.conv.dtype == torch.float32 and recurrent.conv.device.type == "cpu")
+        return fits and held and pool_type(cache) is not None
 
-    def _build(self, g: Graph, rows: int, built: int, kind: int):
+    def _build(self, g: Graph, rows: int, built: int, kind: int, slots: int):
         if self.table is not None:
             ids = _input(g, "x", rows, kind=ggml.GGML_TYPE_I32)
             x = ggml.ggml_get_rows(g.ctx, self.table.tensor(g.ctx), ids)
@@ -723,25 +762,31 @@ class StageGraph:
             x = _input(g, "x", self.dim, rows)
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
-        for layer, block in enumerate(self.blocks):
-            x = block.decode(g, x, rows, built, kind, positions, write, layer)
+        if self.mixing:  # the sequences' slots, where their recurrent state lies
+            g.slots, g.n_slots = _input(g, "slots", rows, kind=ggml.GGML_TYPE_I32), slots
+        for block in self.blocks:
+            x = block.decode(g, x, rows, built, kind, positions, write)
         if self.head is not None:
             weight, eps, matrix = self.head
             x = _linear(g.ctx, matrix, _norm(g.ctx, x, weight, eps))
         return g.fields.data(x, "out")
 
-    def _graph(self, rows: int, keys: int, kind: int) -> Graph:
+    def _graph(self, rows: int, keys: int, kind: int, slots: int) -> Graph:
         def make() -> Graph:
             built = _capacity(keys)
             counts, indexes = [f"n{r}" for r in range(rows)], [f"index{r}" for r in range(rows)]
-            pools = [f"{name}{layer}" for layer in range(len(self.blocks)) for name in ("k", "v")]
+            pools = [f"{name}{b.layer}" for b in self.attending for name in ("k", "v")]
             names = ["x", "positions", "write", "out", "pool", *counts, *indexes, *pools]
-            size = sum(96 + 16 * rows + block.ffn.nodes for block in self.blocks) + 16
-            graph = Graph(lambda g: self._build(g, rows, built, kind), names, rows, size, torch.get_num_threads())
+            if self.mixing:
+                names += ["slots", *(f"{name}{b.layer}" for b in self.mixing for name in ("conv", "state"))]
+            size = sum(b.nodes(rows) for b in self.blocks) + 16
+            graph = Graph(
+                lambda g: self._build(g, rows, built, kind, slots), names, rows, size, torch.get_num_threads()
+            )
             graph.keys = built
             return graph
 
-        key = (threading.get_ident(), rows, kind)
+        key = (threading.get_ident(), rows, kind, slots)
         return least_recently_used(self._built, key, KEPT, make, lambda graph: graph.keys >= keys)
 
     def _input(self, x) -> tuple[int, object]:
@@ -764,7 +809,13 @@ class StageGraph:
         seen = [c[0] for c in ctx.key_counts]
         index_at, index_row = ctx.at.read_at
         at = [x_at, ctx.positions_at, ctx.at.write_at, out.data_ptr(), cache.k.shape[2]]
-        at += [*seen, *(index_at + s * index_row for s in range(B)), *pool_addresses(cache, range(len(self.blocks)))]
-        self._graph(B, max(seen), pool_type(cache))(at)
+        at += [*seen, *(index_at + s * index_row for s in range(B)), *pool_addresses(cache, range(len(self.attending)))]
+        slots = 0
+        if self.mixing:
+            recurrent = cache.recurrent
+            ids = slot_ids(ctx.rows)
+            at += [ids.buffer_info()[0], *recurrent_addresses(recurrent, [b.layer for b in self.mixing])]
+            slots = recurrent.conv.shape[1]
+        self._graph(B, max(seen), pool_type(cache), slots)(at)
         del held
         return out

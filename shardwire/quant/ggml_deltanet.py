@@ -13,14 +13,25 @@ ggml's operation does not take.
 from __future__ import annotations
 
 import threading
-from array import array
 from collections import OrderedDict
 
 import torch
 from torch import nn
 
 from . import ggml_cpu
-from .ggml_block import KEPT, FeedForwardGraphs, _f32, _input, _linear, _matrices, _Matrix, _norm, _vector
+from .ggml_block import (
+    KEPT,
+    FeedForwardGraphs,
+    _f32,
+    _input,
+    _linear,
+    _matrices,
+    _Matrix,
+    _norm,
+    _vector,
+    recurrent_addresses,
+    slot_ids,
+)
 from .ggml_cpu import ggml, least_recently_used
 from .ggml_graph import MAX_ROWS, Graph
 
@@ -44,6 +55,7 @@ class DeltaNetGraphs:
         self.k_heads, self.k_dim, self.v_heads, self.v_dim = net.k_heads, net.k_dim, net.v_heads, net.v_dim
         self.channels, self.taps = self.conv.shape
         self.dim = feed.dim
+        self.layer = block.layer  # its state's layer in the stage's RecurrentState
         self._built: OrderedDict = OrderedDict()
 
     @classmethod
@@ -71,13 +83,26 @@ class DeltaNetGraphs:
             and x.device.type == "cpu"
         )
 
+    def nodes(self, rows: int) -> int:
+        """Graph nodes its part of a stage's decode graph takes, at most."""
+        return 128 + self.feed.ffn.nodes
+
     def _build(self, g: Graph, rows: int, slots: int):
-        ctx = g.ctx
-        C, taps, Hk, D, Hv = self.channels, self.taps, self.k_heads, self.k_dim, self.v_heads
         x = _input(g, "x", self.dim, rows)
         ids = _input(g, "slots", rows, kind=ggml.GGML_TYPE_I32)
-        conv_pool = _input(g, "conv", C * (taps - 1), slots)
-        state_pool = _input(g, "state", Hv * D * D, slots)
+        return g.fields.data(self._step(g, x, rows, ids, slots, "conv", "state"), "out")
+
+    def decode(self, g: Graph, x, rows: int, built: int, kind: int, positions, write):
+        """This block's part of a stage's decode graph (StageGraph), whose "slots" are g.slots."""
+        return self._step(g, x, rows, g.slots, g.n_slots, f"conv{self.layer}", f"state{self.layer}")
+
+    def _step(self, g: Graph, x, rows: int, ids, slots: int, conv_name: str, state_name: str):
+        """x [dim, rows] -> the block's output; the slots' (`ids`, of `slots` in the pools, which
+        the call gives as `conv_name` and `state_name`) inputs and states moved on a step."""
+        ctx = g.ctx
+        C, taps, Hk, D, Hv = self.channels, self.taps, self.k_heads, self.k_dim, self.v_heads
+        conv_pool = _input(g, conv_name, C * (taps - 1), slots)
+        state_pool = _input(g, state_name, Hv * D * D, slots)
         h = _norm(ctx, x, self.attn_norm, self.eps_attn)
         qkv, z, b, a = (_linear(ctx, m, h) for m in self.projections)
 
@@ -86,7 +111,7 @@ class DeltaNetGraphs:
         window = ggml.ggml_concat(ctx, last, ggml.ggml_reshape_3d(ctx, qkv, 1, C, rows), 0)  # [taps, C, rows]
         kept = ggml.ggml_view_3d(ctx, window, taps - 1, C, rows, window.contents.nb[1], window.contents.nb[2], 4)
         kept = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, kept), C * (taps - 1), rows)
-        g.then(g.fields.data(ggml.ggml_set_rows(ctx, conv_pool, kept, ids), "conv"))  # a view of the pool
+        g.then(g.fields.data(ggml.ggml_set_rows(ctx, conv_pool, kept, ids), conv_name))  # a view of the pool
         mixed = ggml.ggml_silu(ctx, ggml.ggml_ssm_conv(ctx, window, _f32_matrix(ctx, self.conv)))  # [C, 1, rows]
 
         nb = mixed.contents.nb[2]
@@ -103,17 +128,17 @@ class DeltaNetGraphs:
 
         stepped = ggml.ggml_gated_delta_net(ctx, q, k, v, decay, beta, state, 1)  # outputs, then the new states
         new = ggml.ggml_view_2d(ctx, stepped, Hv * D * D, rows, Hv * D * D * 4, Hv * D * rows * 4)
-        g.then(g.fields.data(ggml.ggml_set_rows(ctx, state_pool, new, ids), "state"))
+        g.then(g.fields.data(ggml.ggml_set_rows(ctx, state_pool, new, ids), state_name))
         out = ggml.ggml_view_3d(ctx, stepped, D, Hv, rows, D * 4, Hv * D * 4, 0)
 
         normed = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, out, self.eps), _vector(ctx, self.norm))
         gated = ggml.ggml_mul(ctx, normed, ggml.ggml_silu(ctx, ggml.ggml_reshape_3d(ctx, z, D, Hv, rows)))
         mid = ggml.ggml_add(ctx, x, _linear(ctx, self.out, ggml.ggml_reshape_2d(ctx, gated, Hv * D, rows)))
-        return g.fields.data(self.feed.residual_ffn(ctx, mid), "out")
+        return self.feed.residual_ffn(ctx, mid)
 
     def _graph(self, rows: int, slots: int) -> Graph:
         def make() -> Graph:
-            size = 128 + self.feed.ffn.nodes
+            size = self.nodes(rows)
             return Graph(
                 lambda g: self._build(g, rows, slots),
                 ["x", "slots", "conv", "state", "out"],
@@ -130,18 +155,9 @@ class DeltaNetGraphs:
         B = x.shape[0]
         flat = x.reshape(B, self.dim).contiguous()
         out = torch.empty_like(flat)
-        state = cache.recurrent
-        rows = ctx.rows
-        slots = array("i", range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist())
-        conv, delta = state.conv, state.delta
-        at = [
-            flat.data_ptr(),
-            slots.buffer_info()[0],
-            conv.data_ptr() + layer * conv.stride(0) * conv.element_size(),
-            delta.data_ptr() + layer * delta.stride(0) * delta.element_size(),
-            out.data_ptr(),
-        ]
-        self._graph(B, conv.shape[1])(at)
+        recurrent, ids = cache.recurrent, slot_ids(ctx.rows)
+        at = [flat.data_ptr(), ids.buffer_info()[0], *recurrent_addresses(recurrent, [layer]), out.data_ptr()]
+        self._graph(B, recurrent.conv.shape[1])(at)
         return out.view(x.shape)
 
 
