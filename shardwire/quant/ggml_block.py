@@ -7,8 +7,9 @@ top experts by ggml's mul_mat_id on the experts as held, a shared expert), as in
 A decode step is a few rows against every weight of the model. Run one PyTorch or ggml call at
 a time, its ~20 calls per block cost more than their arithmetic (PyTorch's dispatch, its code
 cold after each block's weights went through the caches: 170 us a block at 1B width), and every
-matrix starts its stream from a cold prefetcher. So a decode step of a stage whose blocks are all
-of this kind is one graph (StageGraph), as llama.cpp's is; other stages run a block as two graphs.
+matrix starts its stream from a cold prefetcher. So a decode step of a stage whose blocks all
+decode in graphs (these, and Qwen3.5's delta-net blocks, quant.ggml_deltanet) is one graph
+(StageGraph), as llama.cpp's is; other stages run a block as two graphs.
 
 A prompt chunk goes through the same kernels in pieces of rows where every matrix multiplies a
 piece as it is held (no dequantized GEMM that pieces would repeat). Attention takes each row
@@ -17,8 +18,10 @@ weighted one key after another, so each row meets the same arithmetic whether it
 read in a prompt, and the keys and values a reply left in the cache are the ones a prompt
 holding it computes.
 
-Attention in the graphs needs a plain block (no gate on its output); a gated one keeps PyTorch's
-attention between a projection graph without RoPE and the rest.
+A prompt's attention in the graphs needs a plain block (no gate on its output); a gated one keeps
+PyTorch's attention between a projection graph without RoPE and the rest. A gated block's decode
+step in a stage's graph splits each head's queries from its gate rows and scales the attention's
+output by sigmoid(gate) before the output projection.
 """
 
 from __future__ import annotations
