@@ -130,28 +130,34 @@ def test_a_delta_net_blocks_rows_run_in_ggml_as_the_modules_run_them(name, store
 @pytest.mark.parametrize("name,stored", [("qwen35moe", "Q8_0"), ("qwen35", "F32")])
 @pytest.mark.parametrize("one_graph", [True, False])
 def test_a_delta_net_decode_step_leaves_each_slot_the_state_the_modules_leave(name, stored, one_graph):
-    """Two sequences in slots out of order step together, in the stage's one graph or in each
-    block's: each slot's convolution inputs and delta-rule state afterwards are what the modules
-    leave in a copy of it, and the logits theirs."""
+    """A prompt read in ggml's graphs a piece at a time (of 2 rows: 2, 2, 1), then two sequences
+    in slots out of order stepping together, in the stage's one graph or in each block's: each
+    slot's convolution inputs and delta-rule state afterwards are what the modules leave in a
+    copy of it, and the logits theirs."""
     stage = whole(model_path(name, stored), weights="fast", fastest={stored: "ggml", "F32": "ggml"})
     if not one_graph:
         stage.graph = None
+    for b in stage.blocks:
+        if b.feed is not None:
+            b.feed.piece = 2
     stage.allocate_cache(6, 32)
-    for slot in (0, 2, 3, 5):
-        stage(torch.tensor([PROMPT[:5]]), [slot], [0])
+    prompt = torch.tensor([PROMPT[:5]])
     step = torch.tensor([[PROMPT[5]], [PROMPT[6]]])
+    read = [stage(prompt, [slot], [0]) for slot in (0, 2)]
     in_graphs = stage(step, [2, 0], [5, 5])
     stage.graph = None
     for b in stage.blocks:
         b.graphs = b.feed = None
+    read_by_modules = [stage(prompt, [slot], [0]) for slot in (3, 5)]
     by_modules = stage(step, [5, 3], [5, 5])
-    assert float((in_graphs - by_modules).abs().max()) <= 2e-3 * float(by_modules.abs().max())
-    assert torch.equal(in_graphs.argmax(-1), by_modules.argmax(-1))
+    for ours, theirs in ((read[0], read_by_modules[0]), (in_graphs, by_modules)):
+        assert float((ours - theirs).abs().max()) <= 2e-3 * float(theirs.abs().max())
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     state = stage.cache.recurrent
-    for mine, theirs in ((2, 5), (0, 3)):
-        scale = float(state.delta[:, theirs].abs().max())
-        torch.testing.assert_close(state.delta[:, mine], state.delta[:, theirs], rtol=0, atol=1e-5 * scale)
-        torch.testing.assert_close(state.conv[:, mine], state.conv[:, theirs], rtol=1e-5, atol=1e-6)
+    for mine, theirs in ((2, 5), (0, 3)):  # the rounding of 6 positions through 5 blocks
+        for held in (state.delta, state.conv):
+            scale = float(held[:, theirs].abs().max())
+            torch.testing.assert_close(held[:, mine], held[:, theirs], rtol=0, atol=1e-4 * scale)
     assert not torch.equal(state.delta[:, 2], state.delta[:, 0])
 
 
