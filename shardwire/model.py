@@ -375,7 +375,7 @@ class Block(nn.Module):
         else:
             self.ffn = FeedForward(w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
         # where ggml runs this block's rows: quant.ggml_block.BlockGraphs, or a delta-net's decode
-        # steps, quant.ggml_deltanet.DeltaNetGraphs
+        # steps and one sequence's prompt rows, quant.ggml_deltanet.DeltaNetGraphs
         self.graphs = None
         self.feed = None  # quant.ggml_block.FeedForwardGraphs, where ggml runs the feed-forward half alone
 
