@@ -57,14 +57,18 @@ def _read_exact(fd: int, n: int) -> bytes:
 def _load(path: str, part: str):
     import torch
 
+    from shardwire.devices import TORCH_DTYPES, default_dtype
     from shardwire.formats import open_model
     from shardwire.loading import load_stage
+    from shardwire.quant.measure import fastest_formats
 
     torch.set_num_threads(1)
     model = open_model(path)
     n = model.config.n_layers
     start, end = {"all": (0, n), "first": (0, n // 2), "second": (n // 2, n)}[part]
-    stage = load_stage(model, start, end, dtype=torch.bfloat16, weights="fast")  # auto's choice when memory allows
+    dtype = default_dtype("cpu")  # held and computed as a CPU worker holds them (auto's choice when memory allows)
+    fastest = fastest_formats("cpu", dtype)
+    stage = load_stage(model, start, end, dtype=TORCH_DTYPES[dtype], weights="fast", fastest=fastest)
     stage.allocate_cache(1, 4096)
     return stage
 
@@ -100,7 +104,8 @@ def child(args) -> None:
         if args.part == "first":
             x = torch.tensor([[int.from_bytes(_read_exact(rfd, 4), "little")]])
         else:
-            x = torch.frombuffer(bytearray(_read_exact(rfd, dim * 2)), dtype=torch.bfloat16).view(1, 1, dim)
+            width = dim * stage.dtype.itemsize
+            x = torch.frombuffer(bytearray(_read_exact(rfd, width)), dtype=stage.dtype).view(1, 1, dim)
         t = time.perf_counter()
         y = stage(x, [0], [p])
         if args.part == "first":
