@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from . import ggml_cpu
-from .ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used
+from .ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
 from .ggml_graph import MAX_ROWS, PROMPT, Graph
 from .packed import GGUFLinear
 
@@ -62,10 +62,7 @@ class _Matrix:
 
     def tensor(self, ctx):
         t = ggml.ggml_new_tensor_2d(ctx, self.qtype, self.K, self.N)
-        if self.repacked is not None:
-            self.repacked.lend_to(t)
-        else:
-            t.contents.data = self.data
+        point_at(t, self.data if self.repacked is None else self.repacked)
         return t
 
 

@@ -416,16 +416,22 @@ class _ExpertsGraph(_Built):
     def run(self, weights: tuple, x: int, ids: int, y: int) -> None:
         """weights: gate, up and down, each the address of its stored blocks or its _Repacked."""
         for t, weight in zip((self.gate, self.up, self.down), weights):
-            if isinstance(weight, _Repacked):
-                weight.lend_to(t)
-            else:
-                t.contents.data = weight
+            point_at(t, weight)
         self.x.contents.data, self.ids.contents.data, self.y.contents.data = x, ids, y
         # a prompt's are large: held only while computing, not for as long as the graph is kept
         between = torch.empty(3, self.between_size, dtype=torch.float32)
         for i, t in enumerate(self.between):
             t.contents.data = between[i].data_ptr()
         self._compute()
+
+
+def point_at(t, weight) -> None:
+    """Make graph tensor `t` read `weight`: a _Repacked lends it its buffer and kernel traits; an
+    address is where its stored bytes lie."""
+    if isinstance(weight, _Repacked):
+        weight.lend_to(t)
+    else:
+        t.contents.data = weight
 
 
 def expert_tensors(ctx, types: tuple[int, int, int], D: int, F: int, E: int, held: tuple) -> tuple:
@@ -436,10 +442,8 @@ def expert_tensors(ctx, types: tuple[int, int, int], D: int, F: int, E: int, hel
     out = []
     for qtype, (K, N), weight in zip(types, shapes, held):
         t = ggml.ggml_new_tensor_3d(ctx, qtype, K, N, E)
-        if isinstance(weight, _Repacked):
-            weight.lend_to(t)
-        elif weight is not None:
-            t.contents.data = weight
+        if weight is not None:
+            point_at(t, weight)
         out.append(t)
     return tuple(out)
 
