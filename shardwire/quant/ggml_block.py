@@ -91,6 +91,16 @@ def _matrices(module: nn.Module, rows: list[int] | None = None) -> list[_Matrix]
     return found if rows is None else None
 
 
+def _projections(fused: nn.Module | None, sizes: list[int] | None, parts) -> list[_Matrix] | None:
+    """Several projections of one input as ggml matrices: `fused` (one module holding them all,
+    where the model was loaded so) split into rows of `sizes`, else each of the modules `parts()`
+    gives; None if ggml cannot run one as it is held."""
+    if fused is not None:
+        return _matrices(fused, sizes)
+    found = [_matrices(m) for m in parts()]
+    return None if None in found else [f[0] for f in found]
+
+
 def _table(module: nn.Module) -> _Matrix | None:
     """A token embedding's table as ggml reads its rows (stored blocks, in whichever format they
     are multiplied, or a dense matrix); None where its layout is not one ggml reads rows of."""
@@ -173,12 +183,8 @@ class _Dense:
     @classmethod
     def of(cls, ffn: nn.Module) -> "_Dense | None":
         """model.FeedForward `ffn`, None where ggml cannot run its matrices as held."""
-        if ffn.gate_up is not None:
-            half = ffn.gate_up.weight.shape[0] // 2
-            gate_up = _matrices(ffn.gate_up, [half, half])
-        else:
-            g, u = _matrices(ffn.gate), _matrices(ffn.up)
-            gate_up = None if g is None or u is None else g + u
+        sizes = None if ffn.gate_up is None else [ffn.gate_up.weight.shape[0] // 2] * 2
+        gate_up = _projections(ffn.gate_up, sizes, lambda: (ffn.gate, ffn.up))
         down = _matrices(ffn.down)
         return None if gate_up is None or down is None else cls(*gate_up, down[0])
 
@@ -381,11 +387,7 @@ class BlockGraphs(FeedForwardGraphs):
         ffn = _feed_forward(block.ffn)
         H, KV, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
         Q = 2 * H if attn.gated else H
-        if attn.wqkv is not None:
-            qkv = _matrices(attn.wqkv, [Q * D, KV * D, KV * D])
-        else:
-            parts = [_matrices(m) for m in (attn.wq, attn.wk, attn.wv)]
-            qkv = None if None in parts else [p[0] for p in parts]
+        qkv = _projections(attn.wqkv, [Q * D, KV * D, KV * D], lambda: (attn.wq, attn.wk, attn.wv))
         out = _matrices(attn.wo)
         if qkv is None or out is None or ffn is None:
             return None

@@ -31,6 +31,7 @@ from .ggml_block import (
     _matrices,
     _Matrix,
     _norm,
+    _projections,
     _vector,
     recurrent_addresses,
     slot_ids,
@@ -70,11 +71,7 @@ class DeltaNetGraphs:
         net = block.attn
         if feed is None or not ggml_cpu.available() or not isinstance(net, GatedDeltaNet) or net.k_dim != net.v_dim:
             return None
-        if net.w_in is not None:
-            projections = _matrices(net.w_in, net.sizes)
-        else:
-            parts = [_matrices(m) for m in (net.w_qkv, net.w_z, net.w_beta, net.w_alpha)]
-            projections = None if None in parts else [p[0] for p in parts]
+        projections = _projections(net.w_in, net.sizes, lambda: (net.w_qkv, net.w_z, net.w_beta, net.w_alpha))
         out = _matrices(net.w_out)
         return None if projections is None or out is None else cls(block, projections, out[0], feed)
 
