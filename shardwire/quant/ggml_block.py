@@ -255,8 +255,8 @@ def _feed_forward(ffn: nn.Module) -> "_Dense | _Sparse | None":
 
 
 def _piece(ffn, modules: list[nn.Module]) -> int | None:
-    """Rows of a prompt chunk a graph takes at once: as many as keep the feed-forward's largest
-    activations to a few MiB (model.ffn_piece_rows), and fewer than those from which one of
+    """Rows of a prompt chunk a graph takes at once: as many as model.ffn_piece_rows gives the
+    feed-forward's width, and fewer than those from which one of
     `modules` measured faster dequantized into a GEMM (which the modules would do with a whole
     chunk); None where even the fewest rows would rather go whole (to another device)."""
     from ..model import ffn_piece_rows, prefers_whole
