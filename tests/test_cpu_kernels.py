@@ -354,7 +354,7 @@ def test_the_last_block_finishes_only_the_position_the_head_reads(graphs, monkey
         last.ffn.register_forward_hook(lambda m, args, out: finished.append(args[0].shape[1]))
         if graphs:
             finish = last.graphs.finish
-            last.graphs.finish = lambda x, attn: finished.append(x.shape[1]) or finish(x, attn)
+            last.graphs.finish = lambda x, attn, gate=None: finished.append(x.shape[1]) or finish(x, attn, gate)
     tokens = torch.tensor([(PROMPT * 10)[:100]])
     every = stages[0](tokens, [0], [0], all_logits=True)
     assert sum(finished) == 100

@@ -18,10 +18,9 @@ weighted one key after another, so each row meets the same arithmetic whether it
 read in a prompt, and the keys and values a reply left in the cache are the ones a prompt
 holding it computes.
 
-A prompt's attention in the graphs needs a plain block (no gate on its output); a gated one keeps
-PyTorch's attention between a projection graph without RoPE and the rest. A gated block's decode
-step in a stage's graph splits each head's queries from its gate rows and scales the attention's
-output by sigmoid(gate) before the output projection.
+A gated block (Qwen3.5) splits each head's queries from its gate rows and scales the attention's
+output by sigmoid(gate) before the output projection, in a decode step and in a prompt's pieces
+(the gates carried from the projection's graph to the rest's).
 """
 
 from __future__ import annotations
@@ -304,8 +303,7 @@ class FeedForwardGraphs:
 
     _BUILD = {FEED: _build_feed}
 
-    @staticmethod
-    def _names(kind: str, rows: int) -> list[str]:
+    def _names(self, kind: str, rows: int) -> list[str]:
         """The values a graph of `kind` takes on each call, in order."""
         return ["x", "out"]
 
@@ -358,7 +356,6 @@ class BlockGraphs(FeedForwardGraphs):
             m.bias = _f32(m.bias)
         self.qkv_width = sum(m.N for m in qkv)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.attends = not attn.gated  # a prompt's attention in the graphs; a gated block's is the modules'
         self.gated = attn.gated  # each head's queries followed by as many gate rows (Qwen3.5)
         self.layer = block.layer  # its keys' and values' layer in the stage's cache
         self.head_norms = None
@@ -408,14 +405,14 @@ class BlockGraphs(FeedForwardGraphs):
         t = ggml.ggml_rope_ext(ctx, t, positions, factors, dims, mode, 0, base, 1.0, 0.0, 1.0, 32.0, 1.0)
         return ggml.ggml_reshape_2d(ctx, t, self.head_dim * heads, rows)
 
-    def _project(self, ctx, x, rows: int, positions, turn: bool | None = None) -> list:
+    def _project(self, ctx, x, rows: int, positions, turn: bool) -> list:
         """Queries, keys and values of x [dim, rows], each [heads * D, rows]; the first two
-        turned by RoPE where `turn` (default: where a prompt's attention is in the graphs). A
-        gated block's turned queries come with their gates after them, [q, k, v, gate]; unturned,
-        its queries are the interleaved rows attn_q gives."""
+        turned by RoPE where `turn` (else as attn_q, attn_k and attn_v give them, which the
+        modules' attention turns). A gated block's turned queries come with their gates after
+        them, [q, k, v, gate]; unturned, its queries are the interleaved rows attn_q gives."""
         h = _norm(ctx, x, self.attn_norm, self.eps_attn)
         q, k, v = (_linear(ctx, m, h) for m in self.qkv)
-        if not (self.attends if turn is None else turn):
+        if not turn:
             return [q, k, v]
         gate = None
         if self.gated:  # [D queries, D gates] a head
@@ -507,14 +504,18 @@ class BlockGraphs(FeedForwardGraphs):
     # -- a block's graphs -----------------------------------------------------------------------------
 
     def _build_project(self, g: Graph, rows: int, built: int = 0, kind: int = 0):
-        """PROJECT, or STORE where the pools are `built` for (of type `kind`)."""
+        """PROJECT (for the modules' attention), or STORE where the pools are `built` for (of
+        type `kind`)."""
         x = _input(g, "x", self.dim, rows)
-        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32) if self.attends else None
-        q, *new = self._project(g.ctx, x, rows, positions)
+        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32) if built else None
+        q, *new = self._project(g.ctx, x, rows, positions, turn=bool(built))
         if built:  # keys and values go to the pools, which attention reads: the queries alone out
             write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
-            for name, t in zip(("k", "v"), new):
+            k, v, *gate = new
+            for name, t in zip(("k", "v"), (k, v)):
                 self._store(g, t, name, rows, built, kind, write)
+            if gate:  # the gates, for the rest of the block (FINISH)
+                g.fields.data(g.then(gate[0]).contents.view_src, "gate")
             g.fields.data(q.contents.view_src, "out")  # RoPE's result, of which q is the [Q, rows] view
             return q
         y = None
@@ -533,7 +534,8 @@ class BlockGraphs(FeedForwardGraphs):
 
     def _build_finish(self, g: Graph, rows: int):
         x, attn = _input(g, "x", self.dim, rows), _input(g, "attn", self.out.K, rows)
-        return g.fields.data(self._rest(g.ctx, x, attn), "out")
+        gate = [_input(g, "gate", self.out.K, rows)] if self.gated else []
+        return g.fields.data(self._rest(g.ctx, x, attn, *gate), "out")
 
     def _build_step(self, g: Graph, rows: int, built: int, kind: int):
         x = _input(g, "x", self.dim, rows)
@@ -543,7 +545,8 @@ class BlockGraphs(FeedForwardGraphs):
         self._attend_each(
             g, rows, built, kind, pools, lambda r: self._query(g, r), lambda r, t: g.inside(t, attn, r * width)
         )
-        return g.fields.data(self._rest(g.ctx, x, attn), "out")
+        gate = [_input(g, "gate", self.out.K, rows)] if self.gated else []
+        return g.fields.data(self._rest(g.ctx, x, attn, *gate), "out")
 
     def _build_each(self, g: Graph, rows: int, built: int, kind: int):
         pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
@@ -608,53 +611,67 @@ class BlockGraphs(FeedForwardGraphs):
         SHARED: _build_shared,
     }
 
-    @staticmethod
-    def _names(kind: str, rows: int) -> list[str]:
+    def _names(self, kind: str, rows: int) -> list[str]:
         """The values a graph of `kind` takes on each call, in order."""
+        gate = ["gate"] if self.gated else []
         if kind == FEED:
-            return FeedForwardGraphs._names(kind, rows)
+            return super()._names(kind, rows)
         if kind == PROJECT:
             return ["x", "positions", "out"]
         if kind == STORE:
-            return ["x", "positions", "write", "out", "k", "v", "pool"]
+            return ["x", "positions", "write", "out", "k", "v", "pool", *gate]
         if kind == FINISH:
-            return ["x", "attn", "out"]
+            return ["x", "attn", "out", *gate]
         counts = [f"n{r}" for r in range(rows)]
         indexes = [f"index{r}" for r in range(rows)]
         return {
-            STEP: ["x", "qkv", "out", "k", "v", "pool", *counts, *indexes],
+            STEP: ["x", "qkv", "out", "k", "v", "pool", *counts, *indexes, *gate],
             EACH: ["qkv", "out", "k", "v", "pool", *counts, *indexes],
             SHARED: ["qkv", "out", "k", "v", "pool", "seen", "index0", *counts],
         }[kind]
 
-    def project(self, x: torch.Tensor, ctx, pools: list[int] | None = None, kind: int = 0) -> torch.Tensor:
-        """attn_norm(x) through Q, K and V (queries and keys turned by RoPE where `attends`):
-        [B, T, dim] -> [B, T, q | k | v]; where a layer's `pools` (its keys', its values', the
-        positions they hold) of type `kind` are given, the keys and values go into them and the
-        queries alone come out, [B, T, q]."""
+    def project(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """attn_norm(x) through Q, K and V as the modules' attention takes them (not turned):
+        [B, T, dim] -> [B, T, q | k | v]."""
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
-        width = self.qkv_width if pools is None else self.heads * self.head_dim
-        out = torch.empty(rows, width, dtype=torch.float32)
+        out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
         x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions_at
         for a, b in self._pieces(rows):
-            at = [x_at + a * self.dim * 4, positions + 4 * a]
-            if pools is None:
-                self._graph(PROJECT, b - a)(at + [out_at + a * width * 4])
-            else:
-                at += [ctx.at.write_at + 8 * a, out_at + a * width * 4, *pools]
-                self._graph(STORE, b - a, 1, kind)(at)
-        return out.view(*x.shape[:-1], width)
+            self._graph(PROJECT, b - a)([x_at + a * self.dim * 4, positions + 4 * a, out_at + a * self.qkv_width * 4])
+        return out.view(*x.shape[:-1], self.qkv_width)
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x + o(attn), then that plus the feed-forward of its norm."""
+    def store(self, x: torch.Tensor, ctx, pools: list[int], kind: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """attn_norm(x) through Q, K and V, queries and keys turned by RoPE, the keys and values
+        into a layer's `pools` (its keys', its values', the positions they hold) of type `kind`:
+        [B * T, dim] -> the queries [B * T, q] and a gated block's gates (else None)."""
+        rows = x.shape[0]
+        width = self.heads * self.head_dim
+        out = torch.empty(rows, width, dtype=torch.float32)
+        gate = torch.empty(rows, width, dtype=torch.float32) if self.gated else None
+        x_at, out_at, positions = x.data_ptr(), out.data_ptr(), ctx.positions_at
+        for a, b in self._pieces(rows):
+            at = [x_at + a * self.dim * 4, positions + 4 * a, ctx.at.write_at + 8 * a, out_at + a * width * 4, *pools]
+            if gate is not None:
+                at.append(gate.data_ptr() + a * width * 4)
+            self._graph(STORE, b - a, 1, kind)(at)
+        return out, gate
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """x + o(attn) (attn scaled by sigmoid(gate) where given), then that plus the feed-forward
+        of its norm."""
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
         attn = attn.reshape(rows, -1).contiguous()
         out = torch.empty_like(flat)
         x_at, attn_at, out_at, width = flat.data_ptr(), attn.data_ptr(), out.data_ptr(), attn.shape[1] * 4
+        if gate is not None:
+            gate = gate.reshape(rows, -1).contiguous()
         for a, b in self._pieces(rows):
-            self._graph(FINISH, b - a)([x_at + a * self.dim * 4, attn_at + a * width, out_at + a * self.dim * 4])
+            at = [x_at + a * self.dim * 4, attn_at + a * width, out_at + a * self.dim * 4]
+            if gate is not None:
+                at.append(gate.data_ptr() + a * width)
+            self._graph(FINISH, b - a)(at)
         return out.view(x.shape)
 
     def __call__(
@@ -663,24 +680,26 @@ class BlockGraphs(FeedForwardGraphs):
         """The block on x [B, T, dim] (only each sequence's last position out where `last_only`);
         `attention` (the block's) where attention is not in the graphs."""
         kind = pool_type(cache)
-        if not self.attends or kind is None:
+        if kind is None:
             attn = attention.attend(self.project(x, ctx), cache, layer, ctx)
             return self.finish(x[:, -1:], attn[:, -1:]) if last_only else self.finish(x, attn)
         pools = [*pool_addresses(cache, range(layer, layer + 1)), cache.k.shape[2]]
-        qkv = self.project(x, ctx, pools, kind)
-        return self._attend_finish(x, qkv, pools, ctx, kind, last_only)
+        B, T, _ = x.shape
+        flat = x.reshape(B * T, self.dim).contiguous()
+        queries, gate = self.store(flat, ctx, pools, kind)
+        return self._attend_finish(x, flat, queries, gate, pools, ctx, kind, last_only)
 
-    def _attend_finish(self, x, qkv, pools: list[int], ctx, kind: int, last_only: bool) -> torch.Tensor:
+    def _attend_finish(self, x, flat, qkv, gate, pools: list[int], ctx, kind: int, last_only: bool) -> torch.Tensor:
         B, T, _ = x.shape
         qkv_at, qkv_row = qkv.data_ptr(), qkv.shape[-1] * 4
         index_at, index_row = ctx.at.read_at
         counts = ctx.key_counts
         if T == 1 and B <= MAX_ROWS:  # a decode step: one graph for the rest of the block
             seen = [c[0] for c in counts]
-            flat = x.reshape(B, self.dim).contiguous()
             out = torch.empty_like(flat)
             at = [flat.data_ptr(), qkv_at, out.data_ptr(), *pools, *seen]
-            self._graph(STEP, B, max(seen), kind)(at + [index_at + s * index_row for s in range(B)])
+            at += [index_at + s * index_row for s in range(B)] + ([gate.data_ptr()] if gate is not None else [])
+            self._graph(STEP, B, max(seen), kind)(at)
             return out.view(x.shape)
         # more rows: their attention a few at a time (graphs of a few sizes, whatever the number
         # of rows), then the rest in pieces
@@ -699,8 +718,9 @@ class BlockGraphs(FeedForwardGraphs):
                     at = [qkv_at + first * qkv_row, attn_at + first * attn_row, *pools, max(seen)]
                     self._graph(SHARED, len(seen), max(seen), kind)(at + [index_at + s * index_row, *seen])
         if last_only:
-            return self.finish(x[:, -1:], attn.view(B, T, -1)[:, -1:])
-        return self.finish(x, attn)
+            last = None if gate is None else gate.view(B, T, -1)[:, -1:]
+            return self.finish(x[:, -1:], attn.view(B, T, -1)[:, -1:], last)
+        return self.finish(x, attn, gate)
 
 
 class StageGraph:
