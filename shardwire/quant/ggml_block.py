@@ -44,12 +44,12 @@ FIRST_KEYS = 256  # keys a graph's attention is first built for; doubled as its 
 
 _GGML_TYPES = {torch.float32: "GGML_TYPE_F32", torch.float16: "GGML_TYPE_F16", torch.bfloat16: "GGML_TYPE_BF16"}
 
-# a block's graph kinds: PROJECT (norm, Q, K, V, RoPE), or STORE (that, and the keys and values
-# written into the cache); then STEP (a decode step's attention, one row per sequence, and the rest
+# a block's graph kinds: STORE (norm, Q, K, V, RoPE, and the keys and values written into the
+# cache); then STEP (a decode step's attention, one row per sequence, and the rest
 # of the block), or EACH (that attention alone) or SHARED (rows of one sequence, a prompt's,
 # attention alone) followed by FINISH (the rest); FEED: the feed-forward half alone, of a block
 # whose token mixer runs in the modules
-PROJECT, STORE, FINISH, STEP, EACH, SHARED, FEED = "project", "store", "finish", "step", "each", "shared", "feed"
+STORE, FINISH, STEP, EACH, SHARED, FEED = "store", "finish", "step", "each", "shared", "feed"
 
 
 class _Matrix:
@@ -255,9 +255,9 @@ def _feed_forward(ffn: nn.Module) -> "_Dense | _Sparse | None":
 
 def _piece(ffn, modules: list[nn.Module]) -> int | None:
     """Rows of a prompt chunk a graph takes at once: as many as model.ffn_piece_rows gives the
-    feed-forward's width, and fewer than those from which one of
-    `modules` measured faster dequantized into a GEMM (which the modules would do with a whole
-    chunk); None where even the fewest rows would rather go whole (to another device)."""
+    feed-forward's width, and fewer than those from which one of `modules` measured faster
+    dequantized into a GEMM (which the modules would do with a whole chunk); None where even the
+    fewest rows would rather go whole (to another device)."""
     from ..model import ffn_piece_rows, prefers_whole
 
     piece = ffn_piece_rows(ffn.hidden) // MAX_ROWS * MAX_ROWS
@@ -354,7 +354,6 @@ class BlockGraphs(FeedForwardGraphs):
         self.qkv, self.out = qkv, out
         for m in [*qkv, out]:
             m.bias = _f32(m.bias)
-        self.qkv_width = sum(m.N for m in qkv)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.gated = attn.gated  # each head's queries followed by as many gate rows (Qwen3.5)
         self.layer = block.layer  # its keys' and values' layer in the stage's cache
@@ -405,15 +404,11 @@ class BlockGraphs(FeedForwardGraphs):
         t = ggml.ggml_rope_ext(ctx, t, positions, factors, dims, mode, 0, base, 1.0, 0.0, 1.0, 32.0, 1.0)
         return ggml.ggml_reshape_2d(ctx, t, self.head_dim * heads, rows)
 
-    def _project(self, ctx, x, rows: int, positions, turn: bool) -> list:
-        """Queries, keys and values of x [dim, rows], each [heads * D, rows]; the first two
-        turned by RoPE where `turn` (else as attn_q, attn_k and attn_v give them, which the
-        modules' attention turns). A gated block's turned queries come with their gates after
-        them, [q, k, v, gate]; unturned, its queries are the interleaved rows attn_q gives."""
+    def _project(self, ctx, x, rows: int, positions) -> list:
+        """Queries, keys and values of x [dim, rows], each [heads * D, rows], the first two turned
+        by RoPE; a gated block's queries come with their gates after them, [q, k, v, gate]."""
         h = _norm(ctx, x, self.attn_norm, self.eps_attn)
         q, k, v = (_linear(ctx, m, h) for m in self.qkv)
-        if not turn:
-            return [q, k, v]
         gate = None
         if self.gated:  # [D queries, D gates] a head
             D, H = self.head_dim, self.heads
@@ -503,25 +498,18 @@ class BlockGraphs(FeedForwardGraphs):
 
     # -- a block's graphs -----------------------------------------------------------------------------
 
-    def _build_project(self, g: Graph, rows: int, built: int = 0, kind: int = 0):
-        """PROJECT (for the modules' attention), or STORE where the pools are `built` for (of
-        type `kind`)."""
+    def _build_store(self, g: Graph, rows: int, built: int, kind: int):
+        """STORE, into pools `built` for (of type `kind`): the keys and values go to the pools,
+        which attention reads; the queries alone out (and a gated block's gates)."""
         x = _input(g, "x", self.dim, rows)
-        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32) if built else None
-        q, *new = self._project(g.ctx, x, rows, positions, turn=bool(built))
-        if built:  # keys and values go to the pools, which attention reads: the queries alone out
-            write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
-            k, v, *gate = new
-            for name, t in zip(("k", "v"), (k, v)):
-                self._store(g, t, name, rows, built, kind, write)
-            if gate:  # the gates, for the rest of the block (FINISH)
-                g.fields.data(g.then(gate[0]).contents.view_src, "gate")
-            g.fields.data(q.contents.view_src, "out")  # RoPE's result, of which q is the [Q, rows] view
-            return q
-        y = None
-        for t in (q, *new):
-            y = t if y is None else ggml.ggml_concat(g.ctx, y, t, 0)
-        return g.fields.data(y, "out")
+        positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
+        q, k, v, *gate = self._project(g.ctx, x, rows, positions)
+        write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
+        for name, t in zip(("k", "v"), (k, v)):
+            self._store(g, t, name, rows, built, kind, write)
+        if gate:  # the gates, for the rest of the block (FINISH)
+            g.fields.data(g.then(gate[0]).contents.view_src, "gate")
+        return g.fields.data(q.contents.view_src, "out")  # RoPE's result, of which q is the [Q, rows] view
 
     def _store(self, g: Graph, t, name: str, rows: int, built: int, kind: int, write):
         """t [KV * D, rows] into the pool `name` at the positions `write`: the pool as written."""
@@ -586,7 +574,7 @@ class BlockGraphs(FeedForwardGraphs):
         """This block's part of a stage's decode graph: x [dim, rows] -> the block's output, the
         new keys and values written into the pools at the "write" positions."""
         ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
-        q, k, v, *gate = self._project(ctx, x, rows, positions, turn=True)
+        q, k, v, *gate = self._project(ctx, x, rows, positions)
         pools = [
             self._store(g, t, f"{name}{self.layer}", rows, built, kind, write) for name, t in zip(("k", "v"), (k, v))
         ]
@@ -603,8 +591,7 @@ class BlockGraphs(FeedForwardGraphs):
 
     _BUILD = {
         **FeedForwardGraphs._BUILD,
-        PROJECT: _build_project,
-        STORE: _build_project,
+        STORE: _build_store,
         FINISH: _build_finish,
         STEP: _build_step,
         EACH: _build_each,
@@ -616,8 +603,6 @@ class BlockGraphs(FeedForwardGraphs):
         gate = ["gate"] if self.gated else []
         if kind == FEED:
             return super()._names(kind, rows)
-        if kind == PROJECT:
-            return ["x", "positions", "out"]
         if kind == STORE:
             return ["x", "positions", "write", "out", "k", "v", "pool", *gate]
         if kind == FINISH:
@@ -629,17 +614,6 @@ class BlockGraphs(FeedForwardGraphs):
             EACH: ["qkv", "out", "k", "v", "pool", *counts, *indexes],
             SHARED: ["qkv", "out", "k", "v", "pool", "seen", "index0", *counts],
         }[kind]
-
-    def project(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        """attn_norm(x) through Q, K and V as the modules' attention takes them (not turned):
-        [B, T, dim] -> [B, T, q | k | v]."""
-        rows = x.numel() // self.dim
-        flat = x.reshape(rows, self.dim).contiguous()
-        out = torch.empty(rows, self.qkv_width, dtype=torch.float32)
-        x_at, out_at, positions = flat.data_ptr(), out.data_ptr(), ctx.positions_at
-        for a, b in self._pieces(rows):
-            self._graph(PROJECT, b - a)([x_at + a * self.dim * 4, positions + 4 * a, out_at + a * self.qkv_width * 4])
-        return out.view(*x.shape[:-1], self.qkv_width)
 
     def store(self, x: torch.Tensor, ctx, pools: list[int], kind: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attn_norm(x) through Q, K and V, queries and keys turned by RoPE, the keys and values
@@ -678,11 +652,9 @@ class BlockGraphs(FeedForwardGraphs):
         self, x: torch.Tensor, attention: nn.Module, cache, layer: int, ctx, last_only: bool = False
     ) -> torch.Tensor:
         """The block on x [B, T, dim] (only each sequence's last position out where `last_only`);
-        `attention` (the block's) where attention is not in the graphs."""
+        its `attention` module is not needed: the graphs attend over the cache, whose every type
+        (kvcache.kv_dtype) ggml reads."""
         kind = pool_type(cache)
-        if kind is None:
-            attn = attention.attend(self.project(x, ctx), cache, layer, ctx)
-            return self.finish(x[:, -1:], attn[:, -1:]) if last_only else self.finish(x, attn)
         pools = [*pool_addresses(cache, range(layer, layer + 1)), cache.k.shape[2]]
         B, T, _ = x.shape
         flat = x.reshape(B * T, self.dim).contiguous()
