@@ -255,7 +255,7 @@ def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: 
 # On a CPU a prompt chunk goes through a block's feed-forward (its ggml graphs, quant/ggml_block.py,
 # or the modules) in pieces of rows, where a matrix does not prefer whole chunks (it is dequantized
 # for each product, or elsewhere). Each piece unpacks every weight block once, so larger pieces read
-# prompts faster (1B Q4_K: 256-row pieces 1.05-1.10x the 64-row ones); the piece's gate, up and
+# prompts faster (1B Q4_K_M, a 512-token prompt: 256-row pieces 1.17x the 64-row ones); the piece's gate, up and
 # SwiGLU, the largest activations of a step, are held to FFN_PIECE_ELEMENTS values each (16 MiB).
 MIN_PIECE_ROWS, MAX_PIECE_ROWS = 64, 256
 FFN_PIECE_ELEMENTS = 1 << 22
@@ -387,7 +387,7 @@ class Block(nn.Module):
         nothing reads the others (the model's last block, logits of the last position): every
         row's keys and values still go into the cache."""
         if self.graphs is not None and self.graphs.takes(x):
-            return self.graphs(x, self.attn, cache, layer, ctx, last_only)
+            return self.graphs(x, cache, layer, ctx, last_only)
         x = x + self.attn(self.attn_norm(x), cache, layer, ctx)
         if last_only:
             x = x[:, -1:]

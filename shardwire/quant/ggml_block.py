@@ -507,7 +507,7 @@ class BlockGraphs(FeedForwardGraphs):
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
         for name, t in zip(("k", "v"), (k, v)):
             self._store(g, t, name, rows, built, kind, write)
-        if gate:  # the gates, for the rest of the block (FINISH)
+        if gate:  # the gates, for the rest of the block (FINISH or STEP)
             g.fields.data(g.then(gate[0]).contents.view_src, "gate")
         return g.fields.data(q.contents.view_src, "out")  # RoPE's result, of which q is the [Q, rows] view
 
@@ -520,10 +520,13 @@ class BlockGraphs(FeedForwardGraphs):
         written = ggml.ggml_set_rows(ctx, self._pool(g, name, built, kind), rows_first, write)
         return g.then(self._follow_pool(g, written, name, built))
 
+    def _gates(self, g: Graph, rows: int) -> list:
+        """A gated block's "gate" input (what STORE gave) for the rest of the block, else none."""
+        return [_input(g, "gate", self.out.K, rows)] if self.gated else []
+
     def _build_finish(self, g: Graph, rows: int):
         x, attn = _input(g, "x", self.dim, rows), _input(g, "attn", self.out.K, rows)
-        gate = [_input(g, "gate", self.out.K, rows)] if self.gated else []
-        return g.fields.data(self._rest(g.ctx, x, attn, *gate), "out")
+        return g.fields.data(self._rest(g.ctx, x, attn, *self._gates(g, rows)), "out")
 
     def _build_step(self, g: Graph, rows: int, built: int, kind: int):
         x = _input(g, "x", self.dim, rows)
@@ -533,8 +536,7 @@ class BlockGraphs(FeedForwardGraphs):
         self._attend_each(
             g, rows, built, kind, pools, lambda r: self._query(g, r), lambda r, t: g.inside(t, attn, r * width)
         )
-        gate = [_input(g, "gate", self.out.K, rows)] if self.gated else []
-        return g.fields.data(self._rest(g.ctx, x, attn, *gate), "out")
+        return g.fields.data(self._rest(g.ctx, x, attn, *self._gates(g, rows)), "out")
 
     def _build_each(self, g: Graph, rows: int, built: int, kind: int):
         pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
@@ -648,12 +650,9 @@ class BlockGraphs(FeedForwardGraphs):
             self._graph(FINISH, b - a)(at)
         return out.view(x.shape)
 
-    def __call__(
-        self, x: torch.Tensor, attention: nn.Module, cache, layer: int, ctx, last_only: bool = False
-    ) -> torch.Tensor:
-        """The block on x [B, T, dim] (only each sequence's last position out where `last_only`);
-        its `attention` module is not needed: the graphs attend over the cache, whose every type
-        (kvcache.kv_dtype) ggml reads."""
+    def __call__(self, x: torch.Tensor, cache, layer: int, ctx, last_only: bool = False) -> torch.Tensor:
+        """The block on x [B, T, dim] (only each sequence's last position out where `last_only`),
+        attention over the cache, whose every type (kvcache.kv_dtype) ggml reads."""
         kind = pool_type(cache)
         pools = [*pool_addresses(cache, range(layer, layer + 1)), cache.k.shape[2]]
         B, T, _ = x.shape

@@ -157,10 +157,10 @@ class DeltaNetGraphs:
         key = (threading.get_ident(), seqs, tokens, slots)
         return least_recently_used(self._built, key, KEPT, make)
 
-    def __call__(self, x, mixer, cache, layer: int, ctx, last_only: bool = False) -> torch.Tensor:
+    def __call__(self, x, cache, layer: int, ctx, last_only: bool = False) -> torch.Tensor:
         """The block on x [B, T, dim]: a decode step (T = 1), or one sequence's prompt rows a
-        piece at a time (B = 1); `mixer`, the block's, is not called. Every row's output comes
-        out (the last position's alone read where `last_only`)."""
+        piece at a time (B = 1). Every row's output comes out (the last position's alone read
+        where `last_only`)."""
         B, T, _ = x.shape
         flat = x.reshape(B * T, self.dim).contiguous()
         out = torch.empty_like(flat)
