@@ -172,9 +172,13 @@ def test_block_graphs_give_what_the_modules_give(name, stored, fastest):
     assert all(isinstance(b.graphs, ggml_block.BlockGraphs) for b in stage.blocks)
     assert isinstance(stage.graph, ggml_block.StageGraph)
     with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
+    # ggml quantizes a quantized weight's activations to 8 bits: a last-bit difference between the
+    # two computations may round one code the other way, which moves the logits up to ~1e-3 of
+    # their scale a block (measured: 3e-3 after 4 blocks of Q4_0 experts on an AVX-512 Xeon)
+    bound = 2e-3 if stored in ("F32", "F16") else 1e-2
     for a, b in zip(with_graphs, without):
         scale = float(b.abs().max())
-        assert float((a - b).abs().max()) <= 2e-3 * scale
+        assert float((a - b).abs().max()) <= bound * scale
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
