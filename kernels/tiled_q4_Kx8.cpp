@@ -66,6 +66,46 @@ static void tiled_q4_Kx8_scales(const uint8_t * in, uint64_t scales[8], uint64_t
     tiled_transpose8(mins);
 }
 
+// one group's quants for its 8 rows, each row's 128 bytes in stored order (4 runs of 32, each
+// run unpacked as the stored blocks' are) at out(lane) = q + lane * qk_stride. The group holds
+// 8 bytes of each row in turn: run u of a row is its bytes 8c..8c+7 for c = 4u..4u+3.
+static void tiled_q4_Kx8_quants(const uint8_t * qs, uint8_t * q, int qk_stride) {
+#if defined(__AVX2__)
+    // 4 rows' run u at once: a 4x4 transpose of 8-byte pieces, in registers
+    for (int half = 0; half < 2; half++) {
+        for (int u = 0; u < 4; u++) {
+            const uint8_t * run = qs + u * 4 * 64 + half * 32;
+            const __m256i a0 = _mm256_loadu_si256((const __m256i *) (run + 0 * 64));
+            const __m256i a1 = _mm256_loadu_si256((const __m256i *) (run + 1 * 64));
+            const __m256i a2 = _mm256_loadu_si256((const __m256i *) (run + 2 * 64));
+            const __m256i a3 = _mm256_loadu_si256((const __m256i *) (run + 3 * 64));
+            const __m256i t0 = _mm256_unpacklo_epi64(a0, a1), t1 = _mm256_unpackhi_epi64(a0, a1);
+            const __m256i t2 = _mm256_unpacklo_epi64(a2, a3), t3 = _mm256_unpackhi_epi64(a2, a3);
+            const __m256i rows[4] = {
+                _mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
+                _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
+            for (int i = 0; i < 4; i++) {
+                uint8_t * out = q + (half * 4 + i) * qk_stride + u * 64;
+                _mm256_storeu_si256((__m256i *) out, _mm256_and_si256(rows[i], _mm256_set1_epi8(0x0F)));
+                _mm256_storeu_si256((__m256i *) (out + 32),
+                                    _mm256_and_si256(_mm256_srli_epi16(rows[i], 4), _mm256_set1_epi8(0x0F)));
+            }
+        }
+    }
+#else
+    for (int lane = 0; lane < 8; lane++) {
+        uint8_t row[QK_K / 2];
+        for (int c = 0; c < QK_K / 2 / 8; c++) {
+            memcpy(row + c * 8, qs + (c * 8 + lane) * 8, 8);
+        }
+        uint8_t * out = q + lane * qk_stride;
+        for (int u = 0; u < 4; u++) {
+            tiled_unpk_nib4(row + u * 32, out + u * 64, out + u * 64 + 32);
+        }
+    }
+#endif
+}
+
 // tiled_unpack_src0 for block_q4_K, reading the window's rows a group of 8 at a time;
 // `row_stride`: stored blocks a row (so a group of 8 rows is row_stride groups)
 static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_stride, int n_rows,
@@ -82,7 +122,6 @@ static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_str
             for (int lane = 0; lane < 8; lane++) {
                 const int r = g * 8 + lane;
                 const int d_off = slab * TILED_MICRO + r;
-                const int q_off = r * qk_stride + slab * TILED_TILE_K;
                 const int s_off = r * nb_stride + slab * NB;
 
                 tile->d[d_off]    = ggml_fp16_to_fp32(x.d[lane]);
@@ -91,17 +130,8 @@ static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_str
                     tile->scales[s_off + s] = (int32_t) ((scales[lane] >> (8 * s)) & 0xFF);
                     tile->mins[s_off + s]   = (int32_t) ((mins[lane] >> (8 * s)) & 0xFF);
                 }
-
-                uint8_t qs[QK_K / 2];  // the lane's quants: 8 bytes of each row in turn
-                for (int c = 0; c < QK_K / 2 / 8; c++) {
-                    memcpy(qs + c * 8, x.qs + (c * 8 + lane) * 8, 8);
-                }
-                uint8_t * q = &tile->q[q_off];
-                tiled_unpk_nib4(qs + 0,  q + 0,   q + 32);
-                tiled_unpk_nib4(qs + 32, q + 64,  q + 96);
-                tiled_unpk_nib4(qs + 64, q + 128, q + 160);
-                tiled_unpk_nib4(qs + 96, q + 192, q + 224);
             }
+            tiled_q4_Kx8_quants(x.qs, &tile->q[g * 8 * qk_stride + slab * TILED_TILE_K], qk_stride);
         }
     }
 }
