@@ -39,9 +39,6 @@ PROMPT_ROWS = 64
 # products on the stored blocks), the one that serves such a request sooner is taken.
 PROMPT_PER_GENERATED = 4
 NEAR = 1.5  # candidates decoding within this factor of the fastest are timed on a prompt chunk too
-# formats a block's ggml graphs run (ggml_block._matrices): a stage of these runs a decode step as
-# one graph, so a PyTorch kernel (int4, int8) is taken only where it is the fastest one row
-GRAPHED = ("dense", "ggml", "repacked")
 DEQUANTIZED = "ggml, dequantized into a GEMM"  # how ggml's stored-block layer may take a prompt chunk
 
 
@@ -58,7 +55,7 @@ def cpu_model() -> str:
 
 def _key(dtype: str) -> str:
     versions = f"torch {torch.__version__}, ggml {ggml_cpu.build() or 'no'}"
-    method = f"fastest of 3 turns, decode + {PROMPT_PER_GENERATED} prompt rows"
+    method = f"fastest of 3 turns, decode + {PROMPT_PER_GENERATED} prompt rows of every near format"
     return f"{cpu_model()} | {dtype} | {torch.get_num_threads()} thread(s) | {versions} | {method}"
 
 
@@ -142,19 +139,20 @@ def request_seconds(one_row: float, chunk: float) -> float:
 
 
 def measure(dtype: str) -> dict[str, dict]:
-    """For each stored type: every candidate's seconds for one row and the fastest. Where the
-    fastest one row is a format the graphs run and others of those decode within NEAR of it, each
-    of them is timed on a prompt chunk (PROMPT_ROWS rows) too, and the one with the least
-    request_seconds is the fastest."""
+    """For each stored type: every candidate's seconds for one row and the fastest. Where others
+    decode within NEAR of the fastest one row, each of them is timed on a prompt chunk
+    (PROMPT_ROWS rows) too, and the one with the least request_seconds is the fastest: a kernel
+    made for one row (PyTorch's int4 on some CPUs) may decode a hair faster and read a prompt
+    several times slower."""
     torch_dtype = TORCH_DTYPES[dtype]
     out = {}
     for stored in MEASURED_TYPES:
         candidates = _candidates(stored, torch_dtype)
         times = _fastest_of({fmt: _rows(m, 1, torch_dtype) for fmt, m in candidates.items()})
         fastest = min(times, key=times.get)
-        near = [f for f, t in times.items() if f in GRAPHED and t <= NEAR * times[fastest]]
+        near = [f for f, t in times.items() if t <= NEAR * times[fastest]]
         entry = {"seconds": times, "fastest": fastest}
-        if fastest in GRAPHED and len(near) > 1:
+        if len(near) > 1:
             takers = _prompt_takers(candidates, near)
             chunk = _fastest_of({fmt: _rows(m, PROMPT_ROWS, torch_dtype) for fmt, m in takers})
             if DEQUANTIZED in chunk:  # ggml's layer takes a chunk whichever way it measured faster (gemm_rows)
