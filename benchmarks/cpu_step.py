@@ -41,7 +41,7 @@ def products_alone(stage) -> float:
         g = block.graphs
         if g is None:
             raise SystemExit(f"block {i} runs no ggml graphs: nothing to compare against")
-        matrices += [*g.qkv, g.out, g.gate, g.up, g.down]
+        matrices += [*g.qkv, g.out, *g.ffn.matrices]
     if stage.last:
         matrices += _matrices(stage.head) or []
     ctx = ggml.ggml_init(
