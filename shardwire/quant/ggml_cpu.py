@@ -248,10 +248,12 @@ def _repack_buffer_type():
 
 def build() -> str | None:
     """What this ggml build brings that changes which kernels are fastest (its measurements are
-    kept apart from another build's); None without ggml."""
+    kept apart from another build's: the bindings' version names ./kernels' changes to ggml);
+    None without ggml."""
     if not available():
         return None
-    parts = [ggml.ggml_version().decode(), "repacks" if _repack_buffer_type() is not None else "no repacks"]
+    parts = [ggml.ggml_version().decode(), f"bindings {ggml.__version__}"]
+    parts.append("repacks" if _repack_buffer_type() is not None else "no repacks")
     parts.append("llamafile" if ggml.ggml_cpu_has_llamafile() else "no llamafile")
     if tiled_reads_repacked():
         parts.append("tiled repacked Q4_K")
