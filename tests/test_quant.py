@@ -289,6 +289,7 @@ def test_fastest_formats_are_measured_once_per_machine_and_kept(tmp_path, monkey
         first = measure.fastest_formats("cpu", "float32")
         assert set(first) == set(measure.MEASURED_TYPES)
         assert all(f in ("dense", "ggml", "repacked", policy.FAST.get(t)) for t, f in first.items())
+        assert measure._eviction_buffer.cache_info().currsize == 0  # its memory back once measured
         saved = json.loads((tmp_path / "kernels.json").read_text())
         ((key, entry),) = saved.items()
         assert measure.cpu_model() in key and "float32" in key

@@ -178,7 +178,10 @@ def _remembered(key: str, compute) -> dict:
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        known[key] = compute()
+        try:
+            known[key] = compute()
+        finally:  # up to twice the largest cache (960 MiB where a VM lists its host's): not kept
+            _eviction_buffer.cache_clear()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(known, indent=1))
