@@ -454,3 +454,25 @@ def test_a_prompt_in_pieces_leaves_a_later_stage_its_input():
     for block in whole.blocks:
         block.graphs.piece = 16
     assert torch.equal(logits, whole(tokens, [0], [0], all_logits=True))
+
+
+@needs_repack
+def test_an_experts_rows_read_together_give_what_each_row_alone_gives():
+    """Experts held repacked: rows that chose the same expert go through it four at a time (the
+    repacked GEMM, where ./kernels built ggml) and a row alone through the one-row GEMV, to the
+    same bits for Q4_0, as its dense matrices' do."""
+    E, D, F = 4, 256, 128
+    held = []
+    for K, N in ((D, F), (D, F), (F, D)):
+        m = ggml_cpu.repacked_experts("Q4_0", K, N, E)
+        for e in range(E):
+            m.write_expert(e, matrix("Q4_0", rows=N, cols=K, seed=e)[1].numpy())
+        held.append(m)
+    experts = ggml_cpu.GGMLExperts(*held, ("Q4_0",) * 3)
+    random = torch.Generator().manual_seed(0)
+    x = torch.randn(11, D, generator=random)
+    chosen = torch.tensor([[0, 1]] * 6 + [[1, 2]] * 5)  # expert 1: 11 rows, 0: 6, 2: 5
+    weights = torch.rand(11, 2, generator=random)
+    together = experts(x, chosen, weights)
+    alone = torch.cat([experts(x[i : i + 1], chosen[i : i + 1], weights[i : i + 1]) for i in range(11)])
+    assert torch.equal(together, alone)
