@@ -92,8 +92,11 @@ PATCHES = [
         "                    if constexpr (TILED_Q4_Kx8) {  // then the tiled products' workspaces\n"
         "                        size += ggml_tiled_q4_Kx8_id_wdata_size(n_threads, op);\n"
         "                    }\n"
-        "                    size += 64 + (size_t) n_threads * shardwire_gemm_id_slot(op->src[1]->ne[0], op->src[0]->ne[1],\n"
-        "                        ggml_row_size(PARAM_TYPE, op->src[1]->ne[0]));  // then the GEMM's rooms\n",
+        "                    {  // then the GEMM's rooms\n"
+        "                        const int64_t K = op->src[1]->ne[0], N = op->src[0]->ne[1];\n"
+        "                        size += 64 + (size_t) n_threads *\n"
+        "                            shardwire_gemm_id_slot(K, N, ggml_row_size(PARAM_TYPE, K));\n"
+        "                    }\n",
     ),
     (  # an expert's rows four at a time through the repacked GEMM, the rest through the GEMV
         "repack.cpp",
@@ -113,16 +116,17 @@ PATCHES = [
         "                for (; ir1_first + 4 <= cne1; ir1_first += 4) {\n"
         "                    for (int r = 0; r < 4; r++) {\n"
         "                        const struct mmid_row_mapping m = MMID_MATRIX_ROW(cur_a, ir1_first + r);\n"
-        "                        memcpy(rows + r * ne10, (const char *) src1->data + (m.i1 % ne11) * nb11 + m.i2 * nb12,\n"
-        "                               ne10 * sizeof(float));\n"
+        "                        const char * row = (const char *) src1->data + (m.i1 % ne11) * nb11 + m.i2 * nb12;\n"
+        "                        memcpy(rows + r * ne10, row, ne10 * sizeof(float));\n"
         "                    }\n"
         "                    ggml_quantize_mat_t<INTER_SIZE, PARAM_TYPE>(rows, quantized, 4, ne10);\n"
         "                    gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, out + src0_cur_start, ne01,\n"
         "                        src0_cur + src0_cur_start * nb01, quantized, 4, ncols);\n"
         "                    for (int r = 0; r < 4; r++) {\n"
         "                        const struct mmid_row_mapping m = MMID_MATRIX_ROW(cur_a, ir1_first + r);\n"
-        "                        memcpy((char *) dst->data + m.i1 * nb1 + m.i2 * nb2 + src0_cur_start * sizeof(float),\n"
-        "                               out + r * ne01 + src0_cur_start, ncols * sizeof(float));\n"
+        "                        char * to = (char *) dst->data + m.i1 * nb1 + m.i2 * nb2;\n"
+        "                        memcpy(to + src0_cur_start * sizeof(float), out + r * ne01 + src0_cur_start,\n"
+        "                               ncols * sizeof(float));\n"
         "                    }\n"
         "                }\n"
         "            }\n"
