@@ -16,7 +16,10 @@ near-tie.
 from __future__ import annotations
 
 import argparse
+import functools
+import multiprocessing
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +31,9 @@ RANDOM_PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 
 
 
 def llama_cpp():
-    """The llama_cpp bindings of the llama.cpp build in PREFIX, or None when it is not built."""
+    """The llama_cpp bindings of the llama.cpp build in PREFIX, or None when it is not built. Import
+    them only in a child process (LlamaCpp): they load their own libggml, and in a process that has
+    also loaded ggml-python's (shardwire's CPU kernels) llama.cpp crashes in decode."""
     if not (PREFIX / "lib" / "libllama.so").exists() or not (PREFIX / "python" / "llama_cpp").is_dir():
         return None
     os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(PREFIX / "lib"))
@@ -39,10 +44,69 @@ def llama_cpp():
     return module
 
 
+@functools.cache
+def unavailable() -> str | None:
+    """Why llama.cpp cannot be run here (not built, or its bindings do not import), or None."""
+    if not (PREFIX / "lib" / "libllama.so").exists() or not (PREFIX / "python" / "llama_cpp").is_dir():
+        return f"llama.cpp is not built in {PREFIX} (benchmarks/build_llama_cpp.sh)"
+    here = str(Path(__file__).parent)
+    probe = f"import sys; sys.path.insert(0, {here!r}); import numerics_llamacpp; numerics_llamacpp.llama_cpp()"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if done.returncode:
+        return f"llama.cpp's Python bindings do not import: {done.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
 class LlamaCpp:
+    """llama.cpp's engine for one file, held by a child process (see llama_cpp)."""
+
     def __init__(self, path: Path, n_ctx: int, threads: int):
+        context = multiprocessing.get_context("spawn")
+        self._conn, theirs = context.Pipe()
+        self._child = context.Process(target=_serve, args=(theirs, str(path), n_ctx, threads), daemon=True)
+        self._child.start()
+        theirs.close()
+        self._call("ready")
+
+    def _call(self, name: str, *args):
+        self._conn.send((name, args))
+        try:
+            ok, value = self._conn.recv()
+        except EOFError:
+            self._child.join(5)
+            raise RuntimeError(f"llama.cpp's process ended (exit code {self._child.exitcode})") from None
+        if not ok:
+            raise RuntimeError(f"llama.cpp: {value}")
+        return value
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        return self._call("greedy", ids, n)
+
+    def logits(self, seq: list[int], n_prompt: int) -> np.ndarray:
+        """Logits predicting seq[n_prompt:], fed one token at a time after the prompt."""
+        return self._call("logits", seq, n_prompt)
+
+    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+        """Logits at every position of ids, read as one prompt."""
+        return self._call("prompt_logits", ids)
+
+    def close(self) -> None:
+        if self._child.is_alive():
+            self._conn.send(("close", ()))
+            self._child.join(10)
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Engine:
+    def __init__(self, path: str, n_ctx: int, threads: int):
         self.llm = llama_cpp().Llama(
-            model_path=str(path),
+            model_path=path,
             n_ctx=n_ctx,
             logits_all=True,
             n_threads=threads,
@@ -50,6 +114,9 @@ class LlamaCpp:
             n_gpu_layers=0,
             verbose=False,
         )
+
+    def ready(self) -> None:
+        return None
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
         self.llm.reset()
@@ -61,12 +128,37 @@ class LlamaCpp:
         return out
 
     def logits(self, seq: list[int], n_prompt: int) -> np.ndarray:
-        """Logits predicting seq[n_prompt:], fed one token at a time after the prompt."""
         self.llm.reset()
         self.llm.eval(seq[:n_prompt])
         for t in seq[n_prompt:-1]:
             self.llm.eval([t])
         return np.array(self.llm.scores[n_prompt - 1 : len(seq) - 1])
+
+    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[: len(ids)])
+
+
+def _serve(conn, path: str, n_ctx: int, threads: int) -> None:
+    try:
+        engine = _Engine(path, n_ctx, threads)
+    except Exception as e:  # the parent's first call reports it
+        engine, failure = None, f"{type(e).__name__}: {e}"
+    while True:
+        try:
+            name, args = conn.recv()
+        except EOFError:  # the parent has gone
+            return
+        if name == "close":
+            return
+        if engine is None:
+            conn.send((False, failure))
+            continue
+        try:
+            conn.send((True, getattr(engine, name)(*args)))
+        except Exception as e:
+            conn.send((False, f"{type(e).__name__}: {e}"))
 
 
 class Shardwire:
@@ -118,9 +210,10 @@ def compare(path: Path, prompt: list[int], steps: int = 64, threads: int = 2) ->
         "packed": Shardwire(path, n_ctx, "packed"),
         "dequant": Shardwire(path, n_ctx, "dequant"),
     }
-    greedy = {k: e.greedy(prompt, steps) for k, e in engines.items()}
-    seq = prompt + greedy["llama.cpp"]
-    logits = {k: e.logits(seq, len(prompt)) for k, e in engines.items()}
+    with engines["llama.cpp"]:
+        greedy = {k: e.greedy(prompt, steps) for k, e in engines.items()}
+        seq = prompt + greedy["llama.cpp"]
+        logits = {k: e.logits(seq, len(prompt)) for k, e in engines.items()}
     out = {"file": path.name, "steps": steps}
     for a, b in [("packed", "llama.cpp"), ("dequant", "llama.cpp"), ("packed", "dequant")]:
         diff = np.abs(logits[a] - logits[b])
@@ -165,8 +258,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=64)
     args = p.parse_args()
-    if llama_cpp() is None:
-        sys.exit(f"llama.cpp is not built in {PREFIX}: run benchmarks/build_llama_cpp.sh")
+    if reason := unavailable():
+        sys.exit(reason)
     for name in args.files.split(","):
         for i, prompt in enumerate(prompts_for(name)):
             report(compare(MODELS / f"{name}.gguf", prompt, args.steps, args.threads), f"prompt {i}")

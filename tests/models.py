@@ -78,18 +78,12 @@ def llama_cpp_logits(path: Path, prompt: list[int]):
     float32), where benchmarks/build_llama_cpp.sh built it; else the calling test is skipped."""
     import sys
 
-    import numpy as np
     import pytest
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     numerics = pytest.importorskip("numerics_llamacpp")
-    try:
-        llama = numerics.llama_cpp()
-    except ImportError as e:
-        pytest.skip(f"llama.cpp's Python bindings do not import: {e}")
-    if llama is None:
-        pytest.skip("llama.cpp is not built (benchmarks/build_llama_cpp.sh)")
-    llm = llama.Llama(model_path=str(path), n_ctx=128, logits_all=True, n_threads=1, n_gpu_layers=0, verbose=False)
-    llm.eval(prompt)
-    return torch.tensor(np.array(llm.scores[: len(prompt)]))
+    if reason := numerics.unavailable():
+        pytest.skip(reason)
+    with numerics.LlamaCpp(path, n_ctx=128, threads=1) as llama:
+        return torch.tensor(llama.prompt_logits(prompt))

@@ -14,13 +14,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 numerics = pytest.importorskip("numerics_llamacpp")
 pytest.importorskip("glassllm")
-try:
-    if numerics.llama_cpp() is None:
-        pytest.skip(
-            f"llama.cpp is not built in {numerics.PREFIX} (benchmarks/build_llama_cpp.sh)", allow_module_level=True
-        )
-except ImportError as e:  # the bindings' own dependencies (diskcache, ...)
-    pytest.skip(f"llama.cpp's Python bindings do not import: {e}", allow_module_level=True)
+if reason := numerics.unavailable():
+    pytest.skip(reason, allow_module_level=True)
 
 from packed_models import quantize  # noqa: E402
 
@@ -68,6 +63,7 @@ def test_f32_and_f16_files_give_llama_cpp_greedy_tokens_by_default(tmp_path_fact
     assert dtype == "float32"
     for prompt in numerics.prompts_for("glassllm"):
         n_ctx = len(prompt) + STEPS + 8
-        theirs = numerics.LlamaCpp(path, n_ctx, threads=1).greedy(prompt, STEPS)
+        with numerics.LlamaCpp(path, n_ctx, threads=1) as llama:
+            theirs = llama.greedy(prompt, STEPS)
         ours = numerics.Shardwire(path, n_ctx, "fast", dtype, fastest_formats("cpu", dtype)).greedy(prompt, STEPS)
         assert ours == theirs, numerics.agreement(ours, theirs)
