@@ -433,6 +433,38 @@ def test_graph_intermediates_take_memory_only_while_they_are_read():
 
 
 @needs_repack
+def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_pages():
+    """Each block of a prompt chunk takes the thread's scratch for what passes between its graphs
+    (not fresh allocations, which the OS maps and zeroes page by page each time); after the chunk
+    none of it stays resident."""
+    from shardwire.quant import ggml_graph
+
+    model = open_model(model_path("llama", "Q4_0"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
+    stage.allocate_cache(1, 128)
+    seen = {}
+    for block in stage.blocks:
+        store = block.graphs.store
+
+        def noted(x, *args, store=store):
+            queries, gate = store(x, *args)
+            seen.setdefault("queries", set()).add(queries.data_ptr())
+            return queries, gate
+
+        block.graphs.store = noted
+    tokens = torch.tensor([PROMPT[:12]])
+    stage(tokens, [0], [0])
+    assert len(seen["queries"]) == 1 and len(stage.blocks) > 1  # one buffer for every block
+    buffers = ggml_graph._local.scratch
+    assert {"queries", "attention"} <= buffers.keys()
+    for buffer in buffers.values():
+        assert resident_bytes(buffer.memory.ctypes.data, buffer.nbytes) == 0
+    a = ggml_graph.scratch("attention", 2, 8)
+    assert a.data_ptr() == ggml_graph.scratch("attention", 1, 16).data_ptr()  # no larger: the same
+    assert ggml_graph.scratch("attention", 1 << 12, 1 << 12).data_ptr() != a.data_ptr()  # a larger one
+
+
+@needs_repack
 def test_a_prompt_in_pieces_leaves_a_later_stage_its_input():
     """A stage that is not the first writes a chunk's results beside its input, which the caller
     may still hold; the first writes them over the embeddings it made."""

@@ -36,7 +36,7 @@ from torch import nn
 
 from . import ggml_cpu
 from .ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
-from .ggml_graph import MAX_ROWS, PROMPT, Graph
+from .ggml_graph import MAX_ROWS, PROMPT, Graph, scratch
 from .packed import GGUFLinear
 
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces
@@ -623,8 +623,8 @@ class BlockGraphs(FeedForwardGraphs):
         [B * T, dim] -> the queries [B * T, q] and a gated block's gates (else None)."""
         rows = x.shape[0]
         width = self.heads * self.head_dim
-        out = torch.empty(rows, width, dtype=torch.float32)
-        gate = torch.empty(rows, width, dtype=torch.float32) if self.gated else None
+        out = scratch("queries", rows, width)
+        gate = scratch("gates", rows, width) if self.gated else None
         x_at, out_at, positions = x.data_ptr(), out.data_ptr(), ctx.positions_at
         for a, b in self._pieces(rows):
             at = [x_at + a * self.dim * 4, positions + 4 * a, ctx.at.write_at + 8 * a, out_at + a * width * 4, *pools]
@@ -674,7 +674,7 @@ class BlockGraphs(FeedForwardGraphs):
             return out.view(x.shape)
         # more rows: their attention a few at a time (graphs of a few sizes, whatever the number
         # of rows), then the rest in pieces
-        attn = torch.empty(B * T, self.out.K, dtype=torch.float32)
+        attn = scratch("attention", B * T, self.out.K)
         attn_at, attn_row = attn.data_ptr(), attn.shape[1] * 4
         if T == 1:  # many sequences' decode step
             for a in range(0, B, MAX_ROWS):

@@ -11,6 +11,7 @@ import threading
 import weakref
 
 import numpy as np
+import torch
 
 from . import ggml_cpu
 from .ggml_cpu import ggml
@@ -242,7 +243,20 @@ def _merged(blocks: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def scratch(name: str, rows: int, width: int) -> torch.Tensor:
+    """This thread's float32 buffer `name` [rows, width] between a block's graphs (its queries,
+    its attention), in a mapping of its own: every block of a prompt chunk writes the same pages,
+    where fresh allocations would each be mapped and zeroed page by page as first written."""
+    buffers = _local.__dict__.setdefault("scratch", {})
+    n = rows * width
+    buffer = buffers.get(name)
+    if buffer is None or buffer.nbytes < n * 4:
+        buffer = buffers[name] = _Arena(n * 4)
+    return torch.frombuffer(buffer.map, dtype=torch.float32, count=n).view(rows, width)
+
+
 def release_graph_memory() -> None:
-    """No intermediates of this thread's graphs stay resident (they come back as a graph runs)."""
-    for arena in _local.__dict__.get("arenas", {}).values():
+    """No intermediates of this thread's graphs, nor its scratch, stay resident (they come back
+    as they are used)."""
+    for arena in [*_local.__dict__.get("arenas", {}).values(), *_local.__dict__.get("scratch", {}).values()]:
         arena.release()
