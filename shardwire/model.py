@@ -23,7 +23,7 @@ from .devices import attention_without_cudnn, release_memory
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
-from .quant.ggml_graph import release_graph_memory
+from .quant.ggml_graph import in_scratch, release_graph_memory
 
 
 class RMSNorm(nn.Module):
@@ -582,6 +582,8 @@ class Stage(nn.Module):
             x = self._in_pieces(x, slots, starts, pages, piece, out, last_only)
         else:
             x = self._through_blocks(x, ctx, last_only)
+        if in_scratch(x):  # the last block's output, which the next block to run overwrites
+            x = x.clone()
         if chunk and self.device.type == "cpu":  # what a prompt chunk's activations took goes back
             release_scratch()
         if recurrent is not None:

@@ -440,8 +440,8 @@ def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_
     from shardwire.quant import ggml_graph
 
     model = open_model(model_path("llama", "Q4_0"))
-    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
-    stage.allocate_cache(1, 128)
+    stage = load_stage(model, 0, model.config.n_layers - 1, weights="fast", fastest={"Q4_0": "repacked"})
+    stage.allocate_cache(2, 128)
     seen = {}
     for block in stage.blocks:
         store = block.graphs.store
@@ -453,8 +453,11 @@ def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_
 
         block.graphs.store = noted
     tokens = torch.tensor([PROMPT[:12]])
-    stage(tokens, [0], [0])
+    hidden = stage(tokens, [0], [0])
+    kept = hidden.clone()
     assert len(seen["queries"]) == 1 and len(stage.blocks) > 1  # one buffer for every block
+    stage(torch.tensor([PROMPT[12:24]]), [1], [0])
+    assert torch.equal(hidden, kept)  # the stage's output is its own, not the next chunk's scratch
     buffers = ggml_graph._local.scratch
     assert {"queries", "attention"} <= buffers.keys()
     for buffer in buffers.values():

@@ -36,7 +36,7 @@ from torch import nn
 
 from . import ggml_cpu
 from .ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
-from .ggml_graph import MAX_ROWS, PROMPT, Graph, scratch
+from .ggml_graph import MAX_ROWS, PROMPT, Graph, scratch, scratch_beside
 from .packed import GGUFLinear
 
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces
@@ -639,7 +639,7 @@ class BlockGraphs(FeedForwardGraphs):
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
         attn = attn.reshape(rows, -1).contiguous()
-        out = torch.empty_like(flat)
+        out = scratch_beside(flat, "outputs", rows, self.dim)
         x_at, attn_at, out_at, width = flat.data_ptr(), attn.data_ptr(), out.data_ptr(), attn.shape[1] * 4
         if gate is not None:
             gate = gate.reshape(rows, -1).contiguous()

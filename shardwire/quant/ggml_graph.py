@@ -255,6 +255,24 @@ def scratch(name: str, rows: int, width: int) -> torch.Tensor:
     return torch.frombuffer(buffer.map, dtype=torch.float32, count=n).view(rows, width)
 
 
+def scratch_beside(t: torch.Tensor, name: str, rows: int, width: int) -> torch.Tensor:
+    """One of this thread's two scratch buffers `name`, the one t is not in: a block's output
+    beside its input, which is the block before's output."""
+    first = scratch(f"{name} 0", rows, width)
+    if first.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        return first
+    return scratch(f"{name} 1", rows, width)
+
+
+def in_scratch(t: torch.Tensor) -> bool:
+    """Whether t lies in this thread's scratch, which the next use overwrites."""
+    at = t.untyped_storage().data_ptr()
+    return any(
+        b.memory.ctypes.data <= at < b.memory.ctypes.data + b.nbytes
+        for b in _local.__dict__.get("scratch", {}).values()
+    )
+
+
 def release_graph_memory() -> None:
     """No intermediates of this thread's graphs, nor its scratch, stay resident (they come back
     as they are used)."""
