@@ -266,6 +266,8 @@ def scratch_beside(t: torch.Tensor, name: str, rows: int, width: int) -> torch.T
 
 def in_scratch(t: torch.Tensor) -> bool:
     """Whether t lies in this thread's scratch, which the next use overwrites."""
+    if t.device.type != "cpu":
+        return False
     at = t.untyped_storage().data_ptr()
     return any(
         b.memory.ctypes.data <= at < b.memory.ctypes.data + b.nbytes
