@@ -34,7 +34,7 @@ def llama_cpp():
     """The llama_cpp bindings of the llama.cpp build in PREFIX, or None when it is not built. Import
     them only in a child process (LlamaCpp): they load their own libggml, and in a process that has
     also loaded ggml-python's (shardwire's CPU kernels) llama.cpp crashes in decode."""
-    if not (PREFIX / "lib" / "libllama.so").exists() or not (PREFIX / "python" / "llama_cpp").is_dir():
+    if not _built():
         return None
     os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(PREFIX / "lib"))
     if str(PREFIX / "python") not in sys.path:
@@ -44,16 +44,21 @@ def llama_cpp():
     return module
 
 
+def _built() -> bool:
+    return (PREFIX / "lib" / "libllama.so").exists() and (PREFIX / "python" / "llama_cpp").is_dir()
+
+
 @functools.cache
 def unavailable() -> str | None:
     """Why llama.cpp cannot be run here (not built, or its bindings do not import), or None."""
-    if not (PREFIX / "lib" / "libllama.so").exists() or not (PREFIX / "python" / "llama_cpp").is_dir():
+    if not _built():
         return f"llama.cpp is not built in {PREFIX} (benchmarks/build_llama_cpp.sh)"
     here = str(Path(__file__).parent)
     probe = f"import sys; sys.path.insert(0, {here!r}); import numerics_llamacpp; numerics_llamacpp.llama_cpp()"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if done.returncode:
-        return f"llama.cpp's Python bindings do not import: {done.stderr.strip().splitlines()[-1:]}"
+        last = done.stderr.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        return f"llama.cpp's Python bindings do not import: {last[0]}"
     return None
 
 
@@ -66,10 +71,13 @@ class LlamaCpp:
         self._child = context.Process(target=_serve, args=(theirs, str(path), n_ctx, threads), daemon=True)
         self._child.start()
         theirs.close()
-        self._call("ready")
+        self._answer()  # loaded, or why not
 
     def _call(self, name: str, *args):
         self._conn.send((name, args))
+        return self._answer()
+
+    def _answer(self):
         try:
             ok, value = self._conn.recv()
         except EOFError:
@@ -115,9 +123,6 @@ class _Engine:
             verbose=False,
         )
 
-    def ready(self) -> None:
-        return None
-
     def greedy(self, ids: list[int], n: int) -> list[int]:
         self.llm.reset()
         self.llm.eval(ids)
@@ -143,8 +148,10 @@ class _Engine:
 def _serve(conn, path: str, n_ctx: int, threads: int) -> None:
     try:
         engine = _Engine(path, n_ctx, threads)
-    except Exception as e:  # the parent's first call reports it
-        engine, failure = None, f"{type(e).__name__}: {e}"
+    except Exception as e:
+        conn.send((False, f"{type(e).__name__}: {e}"))
+        return
+    conn.send((True, None))
     while True:
         try:
             name, args = conn.recv()
@@ -152,9 +159,6 @@ def _serve(conn, path: str, n_ctx: int, threads: int) -> None:
             return
         if name == "close":
             return
-        if engine is None:
-            conn.send((False, failure))
-            continue
         try:
             conn.send((True, getattr(engine, name)(*args)))
         except Exception as e:
