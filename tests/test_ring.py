@@ -1,11 +1,12 @@
-"""A worker's ring of stages (shardwire/worker/ring.py): releasing its plan when the next stage's
-worker stopped reading (frozen, or behind a route that drops every packet; socket pairs stand in
-for the links and a stage that makes a large activation for the model), and what an idle stage
-keeps."""
+"""A worker's ring of stages (shardwire/worker/ring.py): which thread runs a step, releasing its
+plan when the next stage's worker stopped reading (frozen, or behind a route that drops every
+packet; socket pairs stand in for the links and a stage that makes a large activation for the
+model), and what an idle stage keeps."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ from shardwire.quant import ggml_cpu
 from shardwire.sampling import GREEDY
 from shardwire.wire.conn import Connection
 from shardwire.wire.messages import Forward, NextHop
-from shardwire.worker.ring import IDLE_S, Ring, StageRunner
+from shardwire.worker.ring import IDLE_S, SPIN_S, Ring, StageRunner, rest
 from shardwire.worker.weights import FoundWeights
 
 from models import PROMPT, model_path
@@ -95,20 +96,64 @@ def test_the_next_stage_gets_the_hidden_states_the_stage_made(made):
             s.close()
 
 
-def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
+class Slow(Hidden):
+    """A stage that takes `seconds` over a step of more than one token, and notes which thread
+    ran each step, how many tokens it had, and in which order."""
+
+    def __init__(self, seconds: float):
+        super().__init__(torch.float32)
+        self.seconds, self.ran = seconds, []
+
+    def __call__(self, x, slots, starts, pages=None):
+        if len(x[0]) > 1:
+            time.sleep(self.seconds)
+        self.ran.append((threading.get_ident(), len(x[0])))
+        return super().__call__(x, slots, starts, pages)
+
+
+def test_a_decode_step_runs_on_the_reader_and_a_prompt_chunk_on_the_stages_thread():
+    """A worker's only stage takes a decode step on the thread that read it (no hand-over to the
+    stage's thread); a prompt chunk goes to the stage's thread, so that the reader keeps answering
+    while it runs, and a decode step behind a queued chunk waits its turn there."""
+    stage = Slow(0.5)
+    ring, to_next, next_side, to_coordinator, coordinator_side = first_stage_ring(stage)
+    coordinator = Connection(coordinator_side, "coordinator")
+    try:
+        for start, ids in ((0, [3, 4, 5]), (3, [6]), (4, [7])):
+            enqueue(ring, coordinator, Forward.of_rows("p", start, [Row(0, start, ids, pages=[0])]), [ids])
+        assert stage.ran == []  # the chunk sleeps on the stage's thread; the decode steps wait behind it
+        next_stage = Connection(next_side, "next")
+        assert [next_stage.recv().request for _ in range(3)] == [0, 3, 4]
+        time.sleep(0.2)  # the stage's thread has nothing left
+        enqueue(ring, coordinator, Forward.of_rows("p", 5, [Row(0, 5, [8], pages=[0])]), [[8]])
+        assert next_stage.recv().request == 5
+        stage_thread, here = ring.runners[0].thread.ident, threading.get_ident()
+        assert stage.ran == [(stage_thread, 3), (stage_thread, 1), (stage_thread, 1), (here, 1)]
+    finally:
+        ring.release()
+        for s in (next_side, coordinator_side, to_coordinator):
+            s.close()
+
+
+@pytest.mark.parametrize("tokens", [[3], [3, 4]])
+def test_release_does_not_wait_for_a_send_the_next_stage_never_reads(tokens):
+    """Whether the reader that ran the step (a decode step) or the stage's thread (a prompt chunk)
+    is the one blocked sending to it."""
     ring, to_next, next_side, to_coordinator, coordinator_side = first_stage_ring(LargeActivations())
-    step = Forward.of_rows("p", 1, [Row(0, 0, [3])])
-    enqueue(ring, Connection(coordinator_side, "coordinator"), step, [[3]])
+    step = Forward.of_rows("p", 1, [Row(0, 0, tokens)])
+    reader = threading.Thread(target=enqueue, args=(ring, Connection(coordinator_side, "c"), step, [tokens]))
+    reader.start()
     deadline = time.monotonic() + 10
     while not ring.runners[0].queue.empty():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(0.5)  # the stage thread is now blocked sending 16 MiB nobody reads
+    time.sleep(0.5)  # the step is now blocked sending 16 MiB nobody reads
     thread = ring.runners[0].thread
     started = time.monotonic()
     ring.release()
     assert time.monotonic() - started < 5
-    assert not thread.is_alive()
+    reader.join(5)
+    assert not thread.is_alive() and not reader.is_alive()
     deadline = time.monotonic() + 5
     while to_next.fileno() != -1:  # the link's watcher closes it as it ends
         assert time.monotonic() < deadline
@@ -120,7 +165,9 @@ def test_release_does_not_wait_for_a_send_the_next_stage_never_reads():
 @pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
 def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
     """A stage that has had no step for IDLE_S keeps its weights and cache, not the intermediates
-    of its graphs: the pages of its decode step's arena go back to the system."""
+    of its graphs: the pages of its decode step's arena go back to the system, from the reader
+    that ran the step once it has spun SPIN_S and slept IDLE_S without a frame (rest), and the
+    prompt chunk's from the stage's thread."""
     model = open_model(model_path("llama", "Q4_0"))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
     stage.allocate_cache(1, 32)
@@ -144,10 +191,12 @@ def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
             row = Row(0, start, tokens, GREEDY, pages=stage.own_pages(0, start + len(tokens)))
             enqueue(ring, coordinator, Forward.of_rows("p", start, [row]), [tokens])
             coordinator.recv()  # its result
-        (graph,) = stage.graph._built.values()
+        (graph,) = stage.graph._built.values()  # the decode step's, which ran on this thread
         arena = graph.arena
         assert resident_bytes(arena.memory.ctypes.data, arena.nbytes) > 0
-        time.sleep(IDLE_S + 0.5)
+        started = time.monotonic()
+        rest(ring.coordinator)
+        assert time.monotonic() - started >= SPIN_S + IDLE_S - 0.01
         assert resident_bytes(arena.memory.ctypes.data, arena.nbytes) == 0
         assert stage.cache is not None
     finally:

@@ -3,6 +3,7 @@
 import socket
 import struct
 import threading
+import time
 
 import msgpack
 import pytest
@@ -429,3 +430,22 @@ def test_assign_override_patterns_are_checked():
         StageSpec.parse(dict(stage, tensors=[], overrides=[override]))
     with pytest.raises(FrameError, match="'overrides' has more than 64"):
         StageSpec.parse(dict(stage, tensors=[], overrides=[dict(override, pattern="x")] * 65))
+
+
+def test_a_connection_says_whether_a_frame_is_waiting_asleep_or_spinning():
+    """readable(): False once `seconds` pass with nothing sent, whether it sleeps in poll or spins;
+    True as soon as a frame's bytes are there, which the next recv() reads whole."""
+    ours, theirs = socket.socketpair()
+    conn, peer = Connection(ours, "peer"), Connection(theirs, "us")
+    try:
+        for spin in (False, True):
+            started = time.monotonic()
+            assert not conn.readable(0.05, spin=spin)
+            assert time.monotonic() - started >= 0.04
+        threading.Timer(0.05, lambda: peer.send(Ping(1.5))).start()
+        assert conn.readable(5, spin=True)
+        assert conn.readable(0)
+        assert parse_message(conn.recv()) == Ping(1.5)
+    finally:
+        ours.close()
+        theirs.close()

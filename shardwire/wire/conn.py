@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import socket
 import ssl
 import threading
@@ -54,6 +56,24 @@ class Connection:
             err = Error.parse(frame.header)
             raise RemoteError(err.code, f"{self.peer}: {err.message}", frame.request)
         return frame
+
+    def readable(self, seconds: float, spin: bool = False) -> bool:
+        """Whether bytes of a frame are waiting, or arrive within `seconds`: asleep in poll, or
+        spinning (polling, yielding the core to whatever else is ready to run on it), which keeps
+        the CPU awake: a sleeping one takes tens to hundreds of microseconds to wake, most on VMs."""
+        pending = getattr(self.sock, "pending", None)  # bytes TLS has decrypted already
+        if pending is not None and pending():
+            return True
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        if not spin:
+            return bool(poller.poll(max(0, int(seconds * 1000))))
+        end = time.monotonic() + seconds
+        while not poller.poll(0):
+            if time.monotonic() >= end:
+                return False
+            os.sched_yield()
+        return True
 
     @contextmanager
     def _shut_down_as_closed(self):

@@ -33,6 +33,10 @@ from .weights import FoundWeights
 _HELD_AS = {"int32": np.int32, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 IDLE_S = 0.5  # a stage that has had no step for this long gives back its scratch memory
+# After a decode step a worker's reader spins this long for the next one before it sleeps: a
+# sleeping CPU takes tens to hundreds of microseconds to wake (most on VMs), once per hop of every
+# token; ring.py runs such a step on the reader itself, where the spin costs no stage a core.
+SPIN_S = 0.05
 
 log = logging.getLogger("shardwire.worker")
 
@@ -70,6 +74,8 @@ class Ring:
         self.n_pages = assign.kv_pages
         self.matchers = Matchers()  # grammar matchers, used when this worker's last stage samples
         self.released = threading.Event()
+        self._queued = self._done = 0  # steps put on the first stage's queue, and of those done (one writer each)
+        self._stepping = threading.Lock()  # held by a reader running a step itself
 
     @property
     def first_takes_ids(self) -> bool:
@@ -113,20 +119,30 @@ class Ring:
                 raise FrameError(f"FORWARD: bad sampling parameters: {e}") from None
         return np.empty(msg.shape, dtype=_HELD_AS[msg.dtype]), rows
 
-    def enqueue(self, conn: Connection, msg: Forward, x: np.ndarray, rows: list[Row] | None) -> None:
-        """Queue a step for the first stage, with what check_forward() gave: its payload goes in
-        as token ids (lists, which ggml's graph reads without a PyTorch call) or hidden states."""
+    def enqueue(self, conn: Connection, msg: Forward, x: np.ndarray, rows: list[Row] | None) -> bool:
+        """Take a step for the first stage, with what check_forward() gave: its payload goes in as
+        token ids (lists, which ggml's graph reads without a PyTorch call) or hidden states. A
+        decode step for a worker's only stage, which has nothing queued, runs here on the reader
+        (no hand-over to the stage's thread, a wake-up per hop); anything longer is queued, so
+        that the reader keeps answering pings. -> whether it ran here."""
         if msg.dtype == "int32":
-            ids = x.tolist()
-            if any(min(row) < 0 or max(row) >= self.config.vocab_size for row in ids):
+            payload = x.tolist()
+            if any(min(row) < 0 or max(row) >= self.config.vocab_size for row in payload):
                 # a well-formed frame with a bad request in it: refuse the step, keep the link
                 message = f"worker {self.worker_id}: token ids must be in [0, {self.config.vocab_size})"
                 conn.send_error("step", message, request=msg.step)
-                return
-            self.runners[0].queue.put((msg, ids, rows))
-            return
-        hidden = torch.from_numpy(x)
-        self.runners[0].queue.put((msg, hidden.view(torch.bfloat16) if msg.dtype == "bfloat16" else hidden, rows))
+                return False
+        else:
+            payload = torch.from_numpy(x)
+            payload = payload.view(torch.bfloat16) if msg.dtype == "bfloat16" else payload
+        if len(self.runners) == 1 and msg.shape[1] == 1 and self._queued == self._done:
+            with self._stepping:
+                if not self.released.is_set():
+                    self._step(0, msg, payload, rows)
+            return True
+        self._queued += 1
+        self.runners[0].queue.put((msg, payload, rows))
+        return False
 
     # -- stage threads -----------------------------------------------------------------------
 
@@ -140,23 +156,29 @@ class Ring:
                 item = runner.queue.get()
             if item is None:
                 return
-            msg, x, rows = item
-            try:
-                out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows], pages=msg.pages)
-                if index + 1 < len(self.runners):
-                    self.runners[index + 1].queue.put((msg, out, rows))
-                elif self.next_conn is not None:
-                    self._send_next(msg, out)
-                else:
-                    self._send_result(msg, out, rows)
-            except (RuntimeError, ValueError) as e:
-                log.error("step %d failed on stage %d: %s", msg.step, runner.spec.index, e)
-                self._report(msg.step, "step", f"stage {runner.spec.index}: {e}")
-            except OSError as e:
-                self._report(msg.step, "next_hop", f"cannot reach the next stage at {self.next_address}: {e}")
-            except Exception as e:  # a stage thread must outlive any one step
-                log.exception("step %d failed on stage %d", msg.step, runner.spec.index)
-                self._report(msg.step, "step", f"stage {runner.spec.index}: {type(e).__name__}: {e}")
+            self._step(index, *item)
+            if index == 0:
+                self._done += 1
+
+    def _step(self, index: int, msg: Forward, x, rows: list[Row] | None) -> None:
+        """Stage `index` on a step, its output handed on; a failure is reported, never raised."""
+        runner = self.runners[index]
+        try:
+            out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows], pages=msg.pages)
+            if index + 1 < len(self.runners):
+                self.runners[index + 1].queue.put((msg, out, rows))
+            elif self.next_conn is not None:
+                self._send_next(msg, out)
+            else:
+                self._send_result(msg, out, rows)
+        except (RuntimeError, ValueError) as e:
+            log.error("step %d failed on stage %d: %s", msg.step, runner.spec.index, e)
+            self._report(msg.step, "step", f"stage {runner.spec.index}: {e}")
+        except OSError as e:
+            self._report(msg.step, "next_hop", f"cannot reach the next stage at {self.next_address}: {e}")
+        except Exception as e:  # a stage's thread, and a reader, must outlive any one step
+            log.exception("step %d failed on stage %d", msg.step, runner.spec.index)
+            self._report(msg.step, "step", f"stage {runner.spec.index}: {type(e).__name__}: {e}")
 
     def _report(self, step: int, code: str, message: str) -> None:
         self.coordinator.send_error(code, f"worker {self.worker_id} {message}", request=step)
@@ -206,12 +228,15 @@ class Ring:
     # -- release ------------------------------------------------------------------------------
 
     def release(self) -> None:
-        """Stop the stage threads and free the plan's memory. The link to the next stage is closed
-        first, so a stage thread blocked sending to a next stage that stopped reading (frozen, or
-        behind a dead route) wakes at once instead of holding the stages."""
+        """Stop the stage threads and free the plan's memory, once a step a reader runs is done.
+        The link to the next stage is closed first, so a stage blocked sending to a next stage
+        that stopped reading (frozen, or behind a dead route) wakes at once instead of holding
+        the stages."""
         self.released.set()
         if self.next_conn is not None:
             self.next_conn.close()
+        with self._stepping:
+            pass
         for runner in self.runners:
             runner.queue.put(None)
         for runner in self.runners:
@@ -225,6 +250,14 @@ class Ring:
         release_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def rest(conn: Connection) -> None:
+    """What a reader that ran a step itself (Ring.enqueue) does before it reads again: spin
+    SPIN_S for the next frame, then sleep up to IDLE_S; no frame by then, it gives back the
+    scratch memory of its steps, as an idle stage's thread does."""
+    if not conn.readable(SPIN_S, spin=True) and not conn.readable(IDLE_S):
+        release_scratch()
 
 
 def _rows_to_sample(msg: Forward) -> list[Row]:

@@ -45,7 +45,7 @@ from ..wire.messages import (
 from ..wire.tls import ClientTLS, ServerTLS
 from .admission import Admission, Pending
 from .assign import PlanRejected, build_ring, check_assign
-from .ring import Ring
+from .ring import Ring, rest
 from .weights import WeightSources
 
 log = logging.getLogger("shardwire.worker")
@@ -287,13 +287,17 @@ class Worker:
             pending["forward"] = (ring, msg, payload, rows)
             return payload.view(np.uint8).reshape(-1)
 
+        stepped = False  # this reader ran the last step itself
         while True:
+            if stepped:
+                rest(conn)
+                stepped = False
             frame = conn.recv(payload_into)
             if frame.type == MessageType.FORWARD:
                 ring, msg, payload, rows = pending.pop("forward", (None, None, None, None))
                 if msg is None:
                     raise FrameError("FORWARD without its payload")
-                ring.enqueue(conn, msg, payload, rows)
+                stepped = ring.enqueue(conn, msg, payload, rows)
                 continue
             msg = parse_message(frame)
             if isinstance(msg, Ping):
