@@ -201,3 +201,17 @@ def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
         assert stage.cache is not None
     finally:
         ring.release()
+
+
+def test_a_reader_told_not_to_poll_sleeps_at_once():
+    """`shardwire worker --poll-ms 0`: after a step the reader sleeps in poll straight away (and
+    still gives back its scratch after IDLE_S without a frame)."""
+    ours, theirs = socket.socketpair()
+    try:
+        used, started = time.process_time(), time.monotonic()
+        rest(Connection(ours, "coordinator"), 0)
+        assert IDLE_S - 0.01 <= time.monotonic() - started < IDLE_S + 0.8 * SPIN_S
+        assert time.process_time() - used < 0.8 * SPIN_S
+    finally:
+        ours.close()
+        theirs.close()

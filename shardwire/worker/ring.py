@@ -252,11 +252,11 @@ class Ring:
             torch.cuda.empty_cache()
 
 
-def rest(conn: Connection) -> None:
+def rest(conn: Connection, spin: float = SPIN_S) -> None:
     """What a reader that ran a step itself (Ring.enqueue) does before it reads again: spin
-    SPIN_S for the next frame, then sleep up to IDLE_S; no frame by then, it gives back the
-    scratch memory of its steps, as an idle stage's thread does."""
-    if not conn.readable(SPIN_S, spin=True) and not conn.readable(IDLE_S):
+    `spin` seconds for the next frame, then sleep up to IDLE_S; no frame by then, it gives back
+    the scratch memory of its steps, as an idle stage's thread does."""
+    if not conn.readable(spin, spin=True) and not conn.readable(IDLE_S):
         release_scratch()
 
 

@@ -45,7 +45,7 @@ from ..wire.messages import (
 from ..wire.tls import ClientTLS, ServerTLS
 from .admission import Admission, Pending
 from .assign import PlanRejected, build_ring, check_assign
-from .ring import Ring, rest
+from .ring import SPIN_S, Ring, rest
 from .weights import WeightSources
 
 log = logging.getLogger("shardwire.worker")
@@ -108,6 +108,7 @@ class Worker:
         max_pending_per_address: int = 8,
         handshake_timeout: float = 5.0,
         idle_timeout: float = 300.0,
+        poll: float = SPIN_S,
         tls: ServerTLS | None = None,
         insecure: bool = False,
     ):
@@ -129,6 +130,7 @@ class Worker:
         # Reaching the next stage: present our certificate; trust the fingerprint the plan names.
         self.peer_tls = ClientTLS(ca=tls.client_ca, cert=tls.cert, key=tls.key) if tls is not None else ClientTLS()
         self.idle_timeout = idle_timeout
+        self.poll = poll  # seconds a reader polls its link after a decode step it ran (ring.rest)
         self._backoff = AuthBackoff()
         self.devices = [check_device(d) for d in (devices or default_devices())]
         if len(set(self.devices)) != len(self.devices):
@@ -290,7 +292,7 @@ class Worker:
         stepped = False  # this reader ran the last step itself
         while True:
             if stepped:
-                rest(conn)
+                rest(conn, self.poll)
                 stepped = False
             frame = conn.recv(payload_into)
             if frame.type == MessageType.FORWARD:
