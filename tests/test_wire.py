@@ -449,3 +449,17 @@ def test_a_connection_says_whether_a_frame_is_waiting_asleep_or_spinning():
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_closed_connection_is_readable_so_that_recv_reports_it():
+    """A link closed under a reader waiting in readable() (another coordinator took the worker
+    over) ends the wait at once; the recv() after it raises, as a reader's recv always did."""
+    ours, theirs = socket.socketpair()
+    conn = Connection(ours, "peer")
+    conn.close()
+    started = time.monotonic()
+    assert conn.readable(5, spin=True)
+    assert time.monotonic() - started < 1
+    with pytest.raises((OSError, ConnectionError)):
+        conn.recv()
+    theirs.close()

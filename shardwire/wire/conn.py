@@ -62,7 +62,10 @@ class Connection:
         spinning (polling, yielding the core to whatever else is ready to run on it), which keeps
         the CPU awake: a sleeping one takes tens to hundreds of microseconds to wake, most on VMs."""
         pending = getattr(self.sock, "pending", None)  # bytes TLS has decrypted already
-        if pending is not None and pending():
+        try:
+            if self.sock.fileno() < 0 or (pending is not None and pending()):
+                return True  # bytes to read, or a closed link, which the next recv() reports
+        except (OSError, ValueError):
             return True
         poller = select.poll()
         poller.register(self.sock, select.POLLIN)

@@ -33,9 +33,9 @@ from .weights import FoundWeights
 _HELD_AS = {"int32": np.int32, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 IDLE_S = 0.5  # a stage that has had no step for this long gives back its scratch memory
-# After a decode step a worker's reader spins this long for the next one before it sleeps: a
-# sleeping CPU takes tens to hundreds of microseconds to wake (most on VMs), once per hop of every
-# token; ring.py runs such a step on the reader itself, where the spin costs no stage a core.
+# After a decode step it ran itself (Ring.enqueue) a worker's reader spins this long for the next
+# one before it sleeps: a sleeping CPU takes tens to hundreds of microseconds to wake (most on
+# VMs), once per hop of every token.
 SPIN_S = 0.05
 
 log = logging.getLogger("shardwire.worker")
