@@ -24,6 +24,7 @@ from typing import Iterator
 
 from .constrain import Grammar, RowConstraint, vocabulary_of
 from .kvcache import PAGE, pages_for
+from .model import IDLE_S
 from .pages import PagePool, prefix_hashes
 from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams
@@ -213,8 +214,15 @@ class Engine:
     # -- engine thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
+        busy = False
         while True:
-            handler, item = self._inbox.get()
+            try:
+                handler, item = self._inbox.get(timeout=IDLE_S) if busy else self._inbox.get()
+            except queue.Empty:  # no step for IDLE_S
+                busy = False
+                self._guarded(self.pipeline.idle)
+                continue
+            busy = True
             while True:
                 if handler is None:  # close()
                     self._fail_all("the engine is shutting down", "cancelled")

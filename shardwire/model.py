@@ -396,9 +396,14 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+IDLE_S = 0.5  # a thread that has run no step for this long gives back its scratch memory
+
+
 def release_scratch() -> None:
-    """This thread's graph intermediates and the heap's free pages go back to the system: after a
-    prompt chunk on a CPU, and when a worker's stage falls idle."""
+    """This thread's graph intermediates and the heap's free pages go back to the system, once its
+    stages have run no step for IDLE_S. Not after each prompt chunk: the next chunk or prompt would
+    map and zero every page of them again (~700 page faults a 64-token prompt of the small F32
+    model); llama.cpp keeps its compute buffer for good."""
     release_graph_memory()
     release_memory()
 
@@ -572,7 +577,6 @@ class Stage(nn.Module):
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])
         last_only = self.last and not all_logits  # the head reads the last position alone
-        chunk = x.shape[1] > 1
         if self.graph is not None and self.graph.takes(x, self.cache):
             x = self.graph(x, self.cache, ctx)
             if self.graph.logits:
@@ -584,8 +588,6 @@ class Stage(nn.Module):
             x = self._through_blocks(x, ctx, last_only)
         if in_scratch(x):  # the last block's output, which the next block to run overwrites
             x = x.clone()
-        if chunk and self.device.type == "cpu":  # what a prompt chunk's activations took goes back
-            release_scratch()
         if recurrent is not None:
             recurrent.end()
         if not self.last:

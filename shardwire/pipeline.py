@@ -19,7 +19,7 @@ import torch
 from .constrain import Matchers, RowConstraint, Vocabulary
 from .devices import free_memory
 from .kvcache import pool_pages
-from .model import Stage
+from .model import Stage, release_scratch
 from .sampling import Sampled, SamplingParams, sample
 
 
@@ -79,6 +79,10 @@ class Pipeline(Protocol):
     def free(self, slot: int) -> None: ...
 
     def status(self) -> dict: ...
+
+    def idle(self) -> None:
+        """No step has run for model.IDLE_S: give back what only a running step needs. Called on
+        the thread that submits steps."""
 
     def close(self) -> None: ...
 
@@ -167,6 +171,9 @@ class LocalPipeline:
 
     def free(self, slot: int) -> None:
         pass  # a slot's cache is simply overwritten by its next sequence
+
+    def idle(self) -> None:
+        release_scratch()  # the stages ran on this thread, in its scratch
 
     def status(self) -> dict:
         """The shape of Cluster.status(), for stages that all run in this process."""

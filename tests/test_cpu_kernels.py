@@ -3,6 +3,8 @@ block's rows run as ggml graphs (a decode step of a dense stage as one graph) wi
 the modules they replace, and the compute dtype keeps every weight at its stored precision unless
 the user asks otherwise."""
 
+import time
+
 import pytest
 import torch
 from test_quant import matrix
@@ -339,7 +341,7 @@ def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded(piece
 
 @needs_repack
 @pytest.mark.parametrize("graphs", [True, False])
-def test_the_last_block_finishes_only_the_position_the_head_reads(graphs, monkeypatch):
+def test_the_last_block_finishes_only_the_position_the_head_reads(graphs):
     """A prompt's logits are the last position's: the last block computes every position's keys
     and values (later tokens attend to them) but its attention output and feed-forward only for
     that position, as llama.cpp skips the rows it outputs nothing for. The logits and the cache
@@ -363,11 +365,8 @@ def test_the_last_block_finishes_only_the_position_the_head_reads(graphs, monkey
     every = stages[0](tokens, [0], [0], all_logits=True)
     assert sum(finished) == 100
     finished.clear()
-    released = []
-    monkeypatch.setattr(model_module, "release_scratch", lambda: released.append(1))
     read = stages[1](tokens, [0], [0])
     assert finished == ([1] * 7 if graphs else [1])  # one row of each 16-row piece, or of the chunk
-    assert released == [1]  # a prompt chunk's scratch goes back, whatever the rows that come out
     if graphs:  # ggml's repacked rows and one-row attention: each row's arithmetic is its own
         assert torch.equal(read, every[:, -1:])
     else:
@@ -433,10 +432,33 @@ def test_graph_intermediates_take_memory_only_while_they_are_read():
 
 
 @needs_repack
+def test_a_local_engine_keeps_its_scratch_between_steps_and_gives_it_back_when_idle():
+    """The graphs' intermediates stay resident while requests run (the next prompt writes the same
+    pages without the OS mapping and zeroing them again) and go back IDLE_S after the last step."""
+    from shardwire.engine import Engine, Request
+    from shardwire.pipeline import LocalPipeline
+    from shardwire.sampling import GREEDY
+
+    model = open_model(model_path("llama", "Q4_0"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
+    engine = Engine(LocalPipeline([stage], n_slots=1, ctx=64), None)
+    try:
+        for _ in range(2):
+            engine.submit(Request(PROMPT[:12], GREEDY, max_tokens=3, ignore_eos=True)).result()
+            arenas = {g.arena for b in stage.blocks for kept in b.graphs._built.values() for g in kept.values()}
+            arenas |= {g.arena for g in stage.graph._built.values()}  # the decode steps'
+            assert arenas and all(resident_bytes(a.memory.ctypes.data, a.nbytes) > 0 for a in arenas)
+            time.sleep(model_module.IDLE_S + 0.5)
+            assert all(resident_bytes(a.memory.ctypes.data, a.nbytes) == 0 for a in arenas)
+    finally:
+        engine.close()
+
+
+@needs_repack
 def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_pages():
     """Each block of a prompt chunk takes the thread's scratch for what passes between its graphs
-    (not fresh allocations, which the OS maps and zeroes page by page each time); after the chunk
-    none of it stays resident."""
+    (not fresh allocations, which the OS maps and zeroes page by page each time); it stays
+    resident for the next chunk, until release_scratch (which an idle thread calls)."""
     from shardwire.quant import ggml_graph
 
     model = open_model(model_path("llama", "Q4_0"))
@@ -460,6 +482,8 @@ def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_
     assert torch.equal(hidden, kept)  # the stage's output is its own, not the next chunk's scratch
     buffers = ggml_graph._local.scratch
     assert {"queries", "attention"} <= buffers.keys()
+    assert all(resident_bytes(b.memory.ctypes.data, b.nbytes) > 0 for b in buffers.values())
+    model_module.release_scratch()
     for buffer in buffers.values():
         assert resident_bytes(buffer.memory.ctypes.data, buffer.nbytes) == 0
     a = ggml_graph.scratch("attention", 2, 8)

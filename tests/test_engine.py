@@ -15,6 +15,7 @@ import pytest
 
 from shardwire.engine import Engine, Request
 from shardwire.kvcache import pool_pages
+from shardwire.model import IDLE_S
 from shardwire.pipeline import PipelineError, Step, StepResult
 from shardwire.sampling import GREEDY, Sampled, SamplingParams
 
@@ -65,11 +66,15 @@ class FakePipeline:
         self.steps: list[Step] = []  # every step submitted, in order
         self.pending: list[Step] = []  # held steps, not answered yet
         self.freed: list[int] = []
+        self.idled: list[tuple[float, int]] = []  # (when, on which thread) idle() was called
         self.cache: dict[int, list[int]] = {s: [] for s in range(n_slots)}
         self.problems: list[str] = []  # rows the fake model could not run
         self.submit_error: PipelineError | None = None
 
     # -- the interface -----------------------------------------------------------------
+    def idle(self) -> None:
+        self.idled.append((time.monotonic(), threading.get_ident()))
+
     def submit(self, step: Step) -> None:
         if self.submit_error is not None:
             raise self.submit_error
@@ -215,6 +220,25 @@ def test_a_request_generates_max_tokens_and_ends_with_length(make_engine):
     assert [r.tokens for s in pipe.steps for r in s.rows] == [[5, 6, 7], [8], [9], [10]]
     assert [r.start for s in pipe.steps for r in s.rows] == [0, 3, 4, 5]
     assert pipe.problems == []
+
+
+def test_the_engine_tells_its_pipeline_once_when_no_step_has_run_for_a_while(make_engine):
+    """IDLE_S after the last step the engine calls the pipeline's idle() (a local pipeline gives
+    back its stages' scratch there), on the thread that submitted the steps, and once: an idle
+    engine then sleeps until the next request."""
+    pipe = FakePipeline()
+    engine = make_engine(pipe)
+    submitted = []
+    submit = pipe.submit
+    pipe.submit = lambda step: submitted.append((time.monotonic(), threading.get_ident())) or submit(step)
+    finished(engine.submit(req([5, 6, 7], max_tokens=4)))
+    wait_until(lambda: pipe.idled, timeout=IDLE_S + TIMEOUT, what="idle()")
+    (at, thread), (last_step, stepper) = pipe.idled[0], submitted[-1]
+    assert at - last_step >= IDLE_S - 0.01 and thread == stepper
+    time.sleep(2 * IDLE_S)
+    assert len(pipe.idled) == 1
+    finished(engine.submit(req([1], max_tokens=2)))
+    wait_until(lambda: len(pipe.idled) == 2, timeout=IDLE_S + TIMEOUT, what="idle() again")
 
 
 def result_within(handle, timeout: float = TIMEOUT) -> str:

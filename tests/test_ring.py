@@ -15,12 +15,13 @@ import torch
 
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
+from shardwire.model import IDLE_S
 from shardwire.pipeline import Row
 from shardwire.quant import ggml_cpu
 from shardwire.sampling import GREEDY
 from shardwire.wire.conn import Connection
 from shardwire.wire.messages import Forward, NextHop
-from shardwire.worker.ring import IDLE_S, SPIN_S, Ring, StageRunner, rest
+from shardwire.worker.ring import SPIN_S, Ring, StageRunner, rest
 from shardwire.worker.weights import FoundWeights
 
 from models import PROMPT, model_path

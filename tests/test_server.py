@@ -474,6 +474,9 @@ class _GonePipeline:
     def free(self, slot):
         pass
 
+    def idle(self):
+        pass
+
     def status(self):
         return {"plan": "p", "ready": True, "broken": None, "workers": []}
 

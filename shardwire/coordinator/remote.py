@@ -99,6 +99,9 @@ class RemotePipeline:
                 except OSError:
                     pass
 
+    def idle(self) -> None:
+        pass  # each worker gives back its own scratch when it has had no step for IDLE_S
+
     def recover(self) -> dict:
         """Bring the pipeline back on whatever capacity answers, or raise PipelineError."""
         return self._recover(self.broken or "rebalancing onto a worker that is back")

@@ -21,7 +21,7 @@ import torch
 from ..config import ModelConfig
 from ..constrain import Matchers
 from ..devices import release_memory
-from ..model import Stage, release_scratch
+from ..model import IDLE_S, Stage, release_scratch
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
 from ..wire.conn import Connection, RemoteError
@@ -32,7 +32,6 @@ from .weights import FoundWeights
 # how a payload is held as it is read: NumPy has no bfloat16, whose bits it holds as uint16
 _HELD_AS = {"int32": np.int32, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
-IDLE_S = 0.5  # a stage that has had no step for this long gives back its scratch memory
 # After a decode step it ran itself (Ring.enqueue) a worker's reader spins this long for the next
 # one before it sleeps: a sleeping CPU takes tens to hundreds of microseconds to wake (most on
 # VMs), once per hop of every token.
