@@ -72,6 +72,21 @@ def _cell_stats(runs: list[dict]) -> dict:
     return st
 
 
+def _pair_ratios(llama: list[dict], ours: list[dict]) -> dict:
+    """shardwire / llama.cpp for each interleaved pair of invocations (the two systems' runs of
+    the same alternation, rep), prompt and decode: the spread says whether a cell's ratio is the
+    machine's drift or a difference that holds in every pair."""
+    theirs = {r["rep"]: r for r in llama if r.get("ok")}
+    out: dict[str, list] = {"pp": [], "tg": []}
+    for r in sorted((r for r in ours if r.get("ok") and r["rep"] in theirs), key=lambda r: r["rep"]):
+        t = theirs[r["rep"]]
+        for k in out:
+            a, b = _median(t[f"{k}_ns"]), _median(r[f"{k}_ns"])
+            if a and b:
+                out[k].append(a / b)  # times: llama.cpp's over shardwire's is shardwire's speed over llama.cpp's
+    return out
+
+
 def _ratio(a, b):
     return a / b if a and b else None
 
@@ -98,6 +113,7 @@ def summarize(results: dict) -> dict:
                 "bytes_per_token": _ratio(b.get("tg_bytes_per_token"), a.get("tg_bytes_per_token")),
                 "memory": _ratio(b["total_rss"], a["total_rss"]),
             }
+            entry["pair_ratios"] = _pair_ratios(by[(key, "llama.cpp")], by[(key, "shardwire")])
         out["cells"][key] = entry
     workloads = list(dict.fromkeys(c["workload"] for c in cells.values()))
 
@@ -298,6 +314,21 @@ def markdown(results: dict) -> str:
                 f"{v(a, 'tg_bytes_per_token', '{:.0f}')} | {v(b, 'tg_bytes_per_token', '{:.0f}')} | "
                 f"{mem(a)} | {mem(b)} |"
             )
+        pairs = {_link_label(e["cell"]): e["pair_ratios"] for e in cells if any((e.get("pair_ratios") or {}).values())}
+        if pairs:
+
+            def spread(xs):
+                return f"{min(xs):.2f}-{max(xs):.2f}x" if xs else "–"
+
+            lines += [
+                "",
+                "Each interleaved pair of invocations, shardwire / llama.cpp (prompt; decode): "
+                + "; ".join(
+                    f"{setup}: {spread(r['pp'])}; {spread(r['tg'])} ({max(len(r['pp']), len(r['tg']))} pairs)"
+                    for setup, r in pairs.items()
+                )
+                + ".",
+            ]
         kernels = {
             _link_label(e["cell"]): "; ".join(e["systems"]["shardwire"]["formats"])
             for e in cells

@@ -1,4 +1,5 @@
-"""`shardwire bench` and the benchmark's link relay (benchmarks/relay.py)."""
+"""`shardwire bench`, the benchmark's link relay (benchmarks/relay.py) and its report
+(benchmarks/report.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from models import model_path
 pytestmark = pytest.mark.slow  # worker processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import report  # noqa: E402
 from relay import Relay, Shaping  # noqa: E402
 
 
@@ -84,3 +86,33 @@ def test_bench_single_process(capsys):
     assert set(tests) == {"pp16", "tg4", "tg4x2"}
     assert all(len(t["samples_ns"]) == 2 and t["avg_ts"] > 0 for t in tests.values())
     assert report["peak_rss"] > 0 and report["workers"] == []
+
+
+def test_the_report_gives_the_ratio_of_each_interleaved_pair_of_invocations():
+    """A cell's ratio is of the medians over every invocation; beside it, each invocation of
+    shardwire against llama.cpp's of the same alternation (rep), so that drift across the run shows
+    as a spread and a difference that holds shows in every pair. A failed invocation pairs with none."""
+
+    def run(system, rep, pp_ms, tg_ms, ok=True):
+        return {
+            "system": system,
+            "cell": "m/w0/local",
+            "rep": rep,
+            "ok": ok,
+            "n_prompt": 64,
+            "n_gen": 32,
+            "pp_ns": [int(x * 1e6) for x in pp_ms],
+            "tg_ns": [int(x * 1e6) for x in tg_ms],
+        }
+
+    runs = [
+        run("llama.cpp", 0, [100, 110, 90], [200, 200]),
+        run("shardwire", 0, [50, 50, 60], [250, 250]),
+        run("shardwire", 1, [90, 90, 90], [100, 100]),
+        run("llama.cpp", 1, [90, 99, 80], [100, 100]),
+        run("llama.cpp", 2, [10, 10, 10], [10, 10], ok=False),
+        run("shardwire", 2, [10, 10, 10], [10, 10]),
+    ]
+    cell = {"key": "m/w0/local", "workload": "m", "workers": 0, "link": "local"}
+    entry = report.summarize({"cells": [cell], "runs": runs})["cells"]["m/w0/local"]
+    assert entry["pair_ratios"] == {"pp": [2.0, 1.0], "tg": [0.8, 1.0]}
