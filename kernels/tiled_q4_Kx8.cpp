@@ -106,7 +106,8 @@ static void tiled_q4_Kx8_quants(const uint8_t * qs, uint8_t * q, int qk_stride) 
 #endif
 }
 
-// tiled_unpack_src0 for block_q4_K, reading the window's rows a group of 8 at a time;
+// tiled_unpack_src0 for block_q4_K, reading the window's rows a group of 8 at a time (fetching the
+// group 16 rows on while it unpacks one, as build_backend.py's patch has the stored blocks' do);
 // `row_stride`: stored blocks a row (so a group of 8 rows is row_stride groups)
 static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_stride, int n_rows,
                               tiled_tile_src0 * tile, int num_k) {
@@ -117,6 +118,7 @@ static void tiled_unpack_src0(const block_q4_Kx8_tiled * groups, int64_t row_str
     for (int slab = 0; slab < num_k; slab++) {
         for (int g = 0; g < n_rows / 8; g++) {
             const block_q4_Kx8_tiled & x = groups[g * row_stride + slab];
+            tiled_prefetch_ahead(groups, row_stride, g, slab, n_rows / 8, TILED_AHEAD / 4);
             uint64_t scales[8], mins[8];
             tiled_q4_Kx8_scales(x.scales, scales, mins);
             for (int lane = 0; lane < 8; lane++) {
