@@ -331,6 +331,22 @@ def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
     assert float((by_ggml - by_gemm).abs().max()) <= 1e-2 * float(by_gemm.abs().max())
 
 
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.parametrize("out_features,rows", [(96, 16), (96, 37), (2048, 64), (72, 64)])
+def test_a_q8_0_prompt_chunk_gives_each_row_what_its_one_row_product_gives(out_features, rows):
+    """A chunk of 16 rows or more on Q8_0 weights goes to ./kernels' 16-weight-row VNNI product
+    where the CPU has AVX-512 VNNI (72 rows of weights, not a whole number of its tiles, and other
+    CPUs: tinyBLAS); one row goes to ggml's dot products. Both take the same 8-bit activations and
+    sum exact integer products of blocks, each scaled by its two blocks' scales: they differ by
+    float rounding only, whatever the tile a weight row or activation row falls in."""
+    w, raw, _ = matrix("Q8_0", rows=out_features, cols=512, seed=3)
+    module = ggml_cpu.GGMLLinear(raw, "Q8_0", w.shape[1], torch.float32)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((rows, w.shape[1])).astype(np.float32))
+    chunk = module(x)
+    one_at_a_time = torch.cat([module(x[i : i + 1]) for i in range(rows)])
+    assert float((chunk - one_at_a_time).abs().max()) <= 1e-5 * float(one_at_a_time.abs().max())
+
+
 def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path))
     monkeypatch.setattr(measure, "SHAPE", (128, 256))
