@@ -332,15 +332,19 @@ def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
 
 
 @pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.parametrize("layout", ["Q8_0 stored", "Q4_0 repacked"])
 @pytest.mark.parametrize("out_features,rows", [(96, 16), (96, 37), (2048, 64), (72, 64)])
-def test_a_q8_0_prompt_chunk_gives_each_row_what_its_one_row_product_gives(out_features, rows):
-    """A chunk of 16 rows or more on Q8_0 weights goes to ./kernels' 16-weight-row VNNI product
-    where the CPU has AVX-512 VNNI (72 rows of weights, not a whole number of its tiles, and other
-    CPUs: tinyBLAS); one row goes to ggml's dot products. Both take the same 8-bit activations and
-    sum exact integer products of blocks, each scaled by its two blocks' scales: they differ by
-    float rounding only, whatever the tile a weight row or activation row falls in."""
-    w, raw, _ = matrix("Q8_0", rows=out_features, cols=512, seed=3)
-    module = ggml_cpu.GGMLLinear(raw, "Q8_0", w.shape[1], torch.float32)
+def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, out_features, rows):
+    """A chunk of 16 rows or more on Q8_0 weights, or on Q4_0 held repacked, goes to ./kernels'
+    16-weight-row VNNI product where the CPU has AVX-512 VNNI (72 rows of weights, not a whole
+    number of its tiles, and other CPUs: tinyBLAS, the repacked GEMM); one row goes to ggml's dot
+    products (the repacked GEMV). All take the same 8-bit activations and sum exact integer
+    products of blocks, each scaled by its two blocks' scales: they differ by float rounding only,
+    whatever the tile a weight row or activation row falls in."""
+    stored, how = layout.split()
+    w, raw, _ = matrix(stored, rows=out_features, cols=512, seed=3)
+    kind = ggml_cpu.GGMLLinear if how == "stored" else ggml_cpu.RepackedLinear
+    module = kind(raw, stored, w.shape[1], torch.float32)
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((rows, w.shape[1])).astype(np.float32))
     chunk = module(x)
     one_at_a_time = torch.cat([module(x[i : i + 1]) for i in range(rows)])
