@@ -83,6 +83,14 @@ class Fields:
         self.memory[self.at] = self.scale * np.array(values, dtype=np.int64)[self.which] + self.offset
 
 
+# ggml's CPU backend computes some nodes together with the next (RMS_NORM and the MUL that scales
+# it, in one pass over each row): the first's inputs are still read, on every thread at once, while
+# the second's output is written. So what a node reads stays where it is through the next node;
+# placed over it, the output of the MUL overwrote rows of the norm's input that another thread had
+# not read yet (prompts on 2 threads gave garbage).
+FUSED = 1
+
+
 class Graph(ggml_cpu._Built):
     """A graph whose call takes the values `names` lists, its intermediates in the thread's arena
     `arena` (a decode step's row count, or PROMPT). `build(graph)` makes its tensors (with
@@ -127,8 +135,8 @@ class Graph(ggml_cpu._Built):
 
     def _place(self, key: int | str) -> None:
         """Give each intermediate memory in this thread's arena `key` from the node that first
-        computes into it to the last node that reads it (through views too), as ggml's graph
-        allocator does: memory freed by then is reused. What is kept is where each tensor's data
+        computes into it to the node after the last that reads it (through views too; FUSED), as
+        ggml's graph allocator does: memory freed by then is reused. What is kept is where each tensor's data
         pointer lies in the context and its offset in the arena."""
         nodes = [ggml.ggml_graph_node(self.graph, i) for i in range(ggml.ggml_graph_n_nodes(self.graph))]
         inside = {_address(t): (host, offset) for t, host, offset in self._inside}
@@ -158,7 +166,7 @@ class Graph(ggml_cpu._Built):
             root = located[a][1]
             if root is not None:
                 first.setdefault(root, i)
-                last[root] = i
+                last[root] = i + FUSED
 
         for i, t in enumerate(nodes):
             use(t, i)
