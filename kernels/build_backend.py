@@ -4,20 +4,21 @@ kernels llama.cpp computes with today (its tiled K-quant products read a prompt 
 Q4_K-Q6_K weights about twice as fast as the older ggml's). Both sources are the sdists on PyPI,
 checked against the hashes below; the build itself is ggml-python's (scikit-build-core, cmake).
 
-Four changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp). Its tiled
-K-quant products also read Q4_K weights held in the repacked layout, which the repack buffer's
-products of a prompt chunk (and its MUL_MAT_ID experts with 8 rows or more) then take, so that a
-repacked Q4_K weight reads prompts as fast as stored blocks do (on x86 the repacked GEMM reads a
-64-row chunk 1.6x slower) and still decodes on the repacked GEMV. And the repack buffer's
-MUL_MAT_ID, which read an expert once per row (the one-row GEMV), takes an expert's rows four at a
-time through the repacked GEMM, as its MUL_MAT does a matrix's, to the GEMV's bits (Q4_0) or within
-their rounding (Q4_K): a 64-token prompt of the Qwen3-MoE benchmark layout in Q4_0 1.17x faster.
-And the tiles fetch the weight blocks they unpack next into the cache ahead of use
-(tiled_prefetch_ahead). And on CPUs with AVX-512 VNNI, a prompt chunk's product (16 rows or more)
-on Q8_0 weights, or on Q4_0 weights held repacked, goes to vnni_gemm.cpp instead of llamafile's
-tinyBLAS or the repack buffer's GEMM: 2.8x and 1.8x faster at 64 rows on the EPYC.
+Four changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp,
+float_gemm.cpp). Its tiled K-quant products also read Q4_K weights held in the repacked layout,
+which the repack buffer's products of a prompt chunk (and its MUL_MAT_ID experts with 8 rows or
+more) then take, so that a repacked Q4_K weight reads prompts as fast as stored blocks do (on x86
+the repacked GEMM reads a 64-row chunk 1.6x slower) and still decodes on the repacked GEMV. And the
+repack buffer's MUL_MAT_ID, which read an expert once per row (the one-row GEMV), takes an expert's
+rows four at a time through the repacked GEMM, as its MUL_MAT does a matrix's, to the GEMV's bits
+(Q4_0) or within their rounding (Q4_K): a 64-token prompt of the Qwen3-MoE benchmark layout in Q4_0
+1.17x faster. And the tiles fetch the weight blocks they unpack next into the cache ahead of use
+(tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for the quantized types) a prompt chunk's
+product (16 rows or more) on Q8_0, F32 or F16 weights, or on Q4_0 weights held repacked, goes to
+vnni_gemm.cpp or float_gemm.cpp instead of llamafile's tinyBLAS or the repack buffer's GEMM: at 64
+rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.3x, F16 1.05x.
 
-The wheel is ggml-python 0.0.45+llamacpp.0.3.36.shardwire.6, so it satisfies
+The wheel is ggml-python 0.0.45+llamacpp.0.3.36.shardwire.7, so it satisfies
 `ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.
 """
 
@@ -35,7 +36,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.6"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.7"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 
@@ -229,14 +230,31 @@ PATCHES += [
     )
     for t in "q2_K q3_K q4_K q5_K q6_K iq1_s iq1_m iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s iq4_xs".split()
 ]
-PATCHES += [  # a prompt chunk on Q8_0 weights, or on Q4_0 held repacked, goes to vnni_gemm.cpp's kernel first
+PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacked, goes to shardwire's kernels first
     (
         "llamafile/sgemm.cpp",
         "#include <type_traits>\n",
         "#include <type_traits>\n\n"
-        "// shardwire: a prompt chunk's product on Q8_0 weights with AVX-512 VNNI (vnni_gemm.cpp, in repack.cpp)\n"
-        'extern "C" bool shardwire_q8_0_gemm(const struct ggml_compute_params *, int64_t, int64_t, int64_t, '
-        "const void *, int64_t, const void *, int64_t, float *, int64_t);\n",
+        "// shardwire: a prompt chunk's product on Q8_0 (vnni_gemm.cpp), F32 and F16 weights (float_gemm.cpp)\n"
+        + "".join(
+            f'extern "C" bool shardwire_{t}_gemm(const struct ggml_compute_params *, int64_t, int64_t, int64_t, '
+            "const void *, int64_t, const void *, int64_t, float *, int64_t);\n"
+            for t in ("q8_0", "f32", "f16")
+        ),
+    ),
+    (
+        "llamafile/sgemm.cpp",
+        "    case GGML_TYPE_F32: {\n        if (Btype != GGML_TYPE_F32)\n            return false;\n",
+        "    case GGML_TYPE_F32: {\n        if (Btype != GGML_TYPE_F32)\n            return false;\n"
+        "        if (shardwire_f32_gemm(params, m, n, k, A, lda, B, ldb, (float *) C, ldc))\n"
+        "            return true;\n",
+    ),
+    (
+        "llamafile/sgemm.cpp",
+        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n        if (Btype == GGML_TYPE_F16) {\n",
+        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n        if (Btype == GGML_TYPE_F16) {\n"
+        "            if (shardwire_f16_gemm(params, m, n, k, A, lda, B, ldb, (float *) C, ldc))\n"
+        "                return true;\n",
     ),
     (
         "llamafile/sgemm.cpp",
@@ -255,6 +273,7 @@ PATCHES += [  # a prompt chunk on Q8_0 weights, or on Q4_0 held repacked, goes t
 APPENDED = [  # (file, this folder's source added at its end)
     ("tiled/tiled.cpp", "tiled_q4_Kx8.cpp"),
     ("repack.cpp", "vnni_gemm.cpp"),
+    ("repack.cpp", "float_gemm.cpp"),
 ]
 
 

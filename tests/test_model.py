@@ -106,7 +106,9 @@ def test_incremental_decode_equals_full_forward():
     parts = [stage(torch.tensor([PROMPT[:5]]), [2], [0], all_logits=True)[0]]
     for i in range(5, len(PROMPT)):
         parts.append(stage(torch.tensor([[PROMPT[i]]]), [2], [i], all_logits=True)[0])
-    assert torch.allclose(torch.cat(parts), full, atol=1e-5, rtol=1e-4)
+    # 16 rows, 5 and 1 go through three kernels (a tile product, tinyBLAS, dot products) that sum
+    # each product's terms in their own order: equal to float rounding over the blocks
+    assert torch.allclose(torch.cat(parts), full, atol=5e-5, rtol=1e-4)
 
 
 def test_batch_of_sequences_at_different_positions():
