@@ -140,14 +140,11 @@ inline void vnni_tile_rows(const __m512i * wt, const __m512 * wd, int64_t kb, co
 template <typename Tiles>
 void vnni_gemm(const Tiles & tiles, int ith, int nth, int64_t m, int64_t n, int64_t k, const block_q8_0 * B,
                int64_t ldb, float * C, int64_t ldc) {
-    thread_local std::vector<int32_t> bsum;
-    thread_local std::vector<float> bd;
-    thread_local std::vector<__m512i> wt;
-    thread_local std::vector<__m512> wd;
-    bsum.resize(n * k);
-    bd.resize(n * k);
-    wt.resize(k * VNNI_GROUPS);
-    wd.resize(k);
+    // this call's scratch, as float_gemm.cpp's: nothing stays allocated between products
+    std::vector<int32_t> bsum(n * k);
+    std::vector<float> bd(n * k);
+    std::vector<__m512i> wt(k * VNNI_GROUPS);
+    std::vector<__m512> wd(k);
     for (int64_t j = 0; j < n; j++) {
         for (int64_t b = 0; b < k; b++) {
             const block_q8_0 & x = B[j * ldb + b];
