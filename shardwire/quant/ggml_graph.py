@@ -136,8 +136,8 @@ class Graph(ggml_cpu._Built):
     def _place(self, key: int | str) -> None:
         """Give each intermediate memory in this thread's arena `key` from the node that first
         computes into it to the node after the last that reads it (through views too; FUSED), as
-        ggml's graph allocator does: memory freed by then is reused. What is kept is where each tensor's data
-        pointer lies in the context and its offset in the arena."""
+        ggml's graph allocator does: memory freed by then is reused. What is kept is where each
+        tensor's data pointer lies in the context and its offset in the arena."""
         nodes = [ggml.ggml_graph_node(self.graph, i) for i in range(ggml.ggml_graph_n_nodes(self.graph))]
         inside = {_address(t): (host, offset) for t, host, offset in self._inside}
         placed = self.fields.placed
