@@ -36,7 +36,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.8"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.9"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 
@@ -250,10 +250,24 @@ PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacke
     ),
     (
         "llamafile/sgemm.cpp",
-        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n        if (Btype == GGML_TYPE_F16) {\n",
-        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n        if (Btype == GGML_TYPE_F16) {\n"
-        "            if (shardwire_f16_gemm(params, m, n, k, A, lda, B, ldb, (float *) C, ldc))\n"
-        "                return true;\n",
+        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n",
+        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n"
+        "        if (Btype == GGML_TYPE_F32 && shardwire_f16_gemm(params, m, n, k, A, lda, B, ldb, (float *) C, ldc))\n"
+        "            return true;\n",
+    ),
+    (  # the work buffer holds float_gemm.cpp's interleaved rows, in place of ggml's F16 copy of them
+        "ggml-cpu.c",
+        '#include "tiled/tiled.h"\n',
+        '#include "tiled/tiled.h"\n\n'
+        "bool shardwire_float_gemm_work_size(const struct ggml_tensor *, size_t *);  // shardwire: float_gemm.cpp\n",
+    ),
+    (
+        "ggml-cpu.c",
+        "                case GGML_OP_MUL_MAT:\n                    {\n",
+        "                case GGML_OP_MUL_MAT:\n                    {\n"
+        "                        if (shardwire_float_gemm_work_size(node, &cur)) {\n"
+        "                            break;\n"
+        "                        }\n",
     ),
     (
         "llamafile/sgemm.cpp",

@@ -265,7 +265,8 @@ def test_a_prompt_on_two_threads_gives_what_one_thread_gives():
     """ggml computes RMS_NORM and the MUL after it in one pass on each thread: the graph's layout
     keeps the norm's input where it is until the MUL is done. Placed over it, the MUL's rows on
     one thread overwrote input rows another had not read yet, and a prompt on 2 threads gave
-    other logits each time."""
+    other logits each time. 16 positions: the F32 products are ./kernels' tiles, whose activation
+    rows both threads pack into one buffer before either reads them."""
     model = open_model(model_path("qwen3", "F32"))
     logits = []
     for threads in (1, 2, 2):
@@ -273,7 +274,7 @@ def test_a_prompt_on_two_threads_gives_what_one_thread_gives():
         try:
             stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
             stage.allocate_cache(1, 64)
-            logits.append(stage(torch.tensor([PROMPT[:5]]), [0], [0], all_logits=True)[0])
+            logits.append(stage(torch.tensor([PROMPT]), [0], [0], all_logits=True)[0])
         finally:
             torch.set_num_threads(1)
     assert all(torch.allclose(other, logits[0], atol=1e-5, rtol=1e-5) for other in logits[1:])
