@@ -333,9 +333,11 @@ def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
 
 @pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
 @pytest.mark.parametrize("layout", ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored"])
-@pytest.mark.parametrize("out_features,rows", [(96, 16), (96, 37), (2048, 64), (64, 23), (72, 64)])
+@pytest.mark.parametrize(
+    "out_features,rows,cols", [(96, 16, 512), (96, 37, 512), (2048, 64, 512), (64, 23, 1056), (72, 64, 512)]
+)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, out_features, rows, threads):
+def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, out_features, rows, cols, threads):
     """A chunk of 16 rows or more on Q8_0, F32 or F16 weights, or on Q4_0 held repacked, goes to
     ./kernels' products of 16 weight rows a vector where the CPU has AVX-512 (VNNI for the
     quantized ones; 72 rows of weights, not a whole number of its tiles, and other CPUs:
@@ -343,9 +345,10 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
     take the same activations (8-bit, or F16 for F16 weights, as ggml converts them), and the
     quantized ones sum exact integer products of blocks, each scaled by its two blocks' scales:
     they differ by float rounding only, whatever the tile, group of tiles or thread a weight row
-    or activation row falls in (on 2 threads, the threads pack the activation rows together)."""
+    or activation row falls in (on 2 threads, the threads pack the activation rows together), and
+    however many blocks of K the float products pack the rows in (512 values a block)."""
     stored, how = layout.split()
-    w, raw, _ = matrix(stored, rows=out_features, cols=512, seed=3)
+    w, raw, _ = matrix(stored, rows=out_features, cols=cols, seed=3)
     kind = ggml_cpu.GGMLLinear if how == "stored" else ggml_cpu.RepackedLinear
     module = kind(raw, stored, w.shape[1], torch.float32)
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((rows, w.shape[1])).astype(np.float32))
