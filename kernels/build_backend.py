@@ -16,9 +16,9 @@ rows four at a time through the repacked GEMM, as its MUL_MAT does a matrix's, t
 (tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for the quantized types) a prompt chunk's
 product (16 rows or more) on Q8_0, F32 or F16 weights, or on Q4_0 weights held repacked, goes to
 vnni_gemm.cpp or float_gemm.cpp instead of llamafile's tinyBLAS or the repack buffer's GEMM: at 64
-rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.3x, F16 1.05x.
+rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.4-1.9x, F16 1.0-1.1x.
 
-The wheel is ggml-python 0.0.45+llamacpp.0.3.36.shardwire.8, so it satisfies
+The wheel's version is LOCAL_VERSION (ggml-python's with a local part), so it satisfies
 `ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.
 """
 

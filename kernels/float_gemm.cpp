@@ -159,7 +159,8 @@ void float_group(const T * rows, int64_t lda, int64_t k, const T * after, const 
             }
         }
         // the next span's weights are on their way while this one's products run, a share before
-        // each pass: a span reads 48 rows a row apart, a stride the hardware prefetchers do not follow
+        // each pass: a span reads the group's rows a row apart, a stride the hardware prefetchers do
+        // not follow
         const T * ahead = k0 + FLOAT_SPAN < k ? rows + k0 + FLOAT_SPAN : after;
         const int64_t passes = (n + FLOAT_ROWS - 1) / FLOAT_ROWS;
         for (int64_t first = 0; first < n; first += FLOAT_ROWS) {

@@ -140,7 +140,8 @@ inline void vnni_tile_rows(const __m512i * wt, const __m512 * wd, int64_t kb, co
 template <typename Tiles>
 void vnni_gemm(const Tiles & tiles, int ith, int nth, int64_t m, int64_t n, int64_t k, const block_q8_0 * B,
                int64_t ldb, float * C, int64_t ldc) {
-    // this call's scratch, as float_gemm.cpp's: nothing stays allocated between products
+    // this call's scratch: nothing stays allocated between products (float_gemm.cpp's lives in
+    // ggml's work buffer instead, as this could)
     std::vector<int32_t> bsum(n * k);
     std::vector<float> bd(n * k);
     std::vector<__m512i> wt(k * VNNI_GROUPS);
