@@ -16,7 +16,7 @@
 //
 // kernels/build_backend.py appends this file to ggml-cpu/repack.cpp; llamafile_sgemm's F32 case
 // and its F16 case with F32 activations call shardwire_f32_gemm and shardwire_f16_gemm before
-// tinyBLAS.
+// tinyBLAS, which take the product where products.cpp has them switched on.
 
 #if defined(__AVX512F__)
 namespace {
@@ -216,9 +216,10 @@ bool float_gemm(const struct ggml_compute_params * params, int64_t m, int64_t n,
 
 }  // namespace
 
-// ggml_graph_plan's work size for a MUL_MAT that these products take: the room for the
-// interleaved rows (ggml's F16 copy of the activations is not made: the rows are rounded as
-// they are packed); false: ggml's own size
+// ggml_graph_plan's work size for a MUL_MAT that these products may take: the room for the
+// interleaved rows, or for ggml's F16 copy of the activations where that is larger (these
+// products round the rows as they pack them and make no such copy, but a product switched off
+// after the plan leaves the MUL_MAT to ggml, which makes it); false: ggml's own size
 extern "C" bool shardwire_float_gemm_work_size(const struct ggml_tensor * node, size_t * size) {
     const struct ggml_tensor * w = node->src[0];
     const struct ggml_tensor * x = node->src[1];
@@ -230,18 +231,21 @@ extern "C" bool shardwire_float_gemm_work_size(const struct ggml_tensor * node, 
     if (scratch == 0) {
         return false;
     }
-    *size = scratch;
+    const size_t copy = w->type == GGML_TYPE_F16 ? ggml_row_size(GGML_TYPE_F16, ggml_nelements(x)) : 0;
+    *size = std::max(scratch, copy);
     return true;
 }
 
 extern "C" bool shardwire_f32_gemm(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,
                                    const void * A, int64_t lda, const void * B, int64_t ldb, float * C, int64_t ldc) {
-    return float_gemm(params, m, n, k, (const float *) A, lda, (const float *) B, ldb, C, ldc);
+    return shardwire_product_on(SHARDWIRE_F32) &&
+           float_gemm(params, m, n, k, (const float *) A, lda, (const float *) B, ldb, C, ldc);
 }
 
 extern "C" bool shardwire_f16_gemm(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,
                                    const void * A, int64_t lda, const void * B, int64_t ldb, float * C, int64_t ldc) {
-    return float_gemm(params, m, n, k, (const ggml_fp16_t *) A, lda, (const float *) B, ldb, C, ldc);
+    return shardwire_product_on(SHARDWIRE_F16) &&
+           float_gemm(params, m, n, k, (const ggml_fp16_t *) A, lda, (const float *) B, ldb, C, ldc);
 }
 #else
 extern "C" bool shardwire_float_gemm_work_size(const struct ggml_tensor *, size_t *) {

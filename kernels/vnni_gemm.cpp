@@ -10,7 +10,8 @@
 //
 // kernels/build_backend.py appends this file to ggml-cpu/repack.cpp; llamafile_sgemm's Q8_0 case
 // calls shardwire_q8_0_gemm before tinyBLAS, and the repack buffer's Q4_0 8x8 MUL_MAT calls
-// shardwire_q4_0x8_mul_mat before its own GEMM.
+// shardwire_q4_0x8_mul_mat before its own GEMM, which take the product where products.cpp has
+// them switched on.
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <vector>
@@ -191,7 +192,7 @@ void vnni_gemm(const Tiles & tiles, int ith, int nth, int64_t m, int64_t n, int6
 extern "C" bool shardwire_q8_0_gemm(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k,
                                     const void * A, int64_t lda, const void * B, int64_t ldb, float * C,
                                     int64_t ldc) {
-    if (m % VNNI_TILE != 0 || n < VNNI_MIN_ROWS) {
+    if (!shardwire_product_on(SHARDWIRE_Q8_0) || m % VNNI_TILE != 0 || n < VNNI_MIN_ROWS) {
         return false;
     }
     vnni_gemm(q8_0_tiles{(const block_q8_0 *) A, lda}, params->ith, params->nth, m, n, k, (const block_q8_0 *) B,
@@ -206,7 +207,8 @@ extern "C" bool shardwire_q4_0x8_mul_mat(const struct ggml_compute_params * para
     const struct ggml_tensor * src1 = dst->src[1];
     const int64_t K = src0->ne[0], M = src0->ne[1], N = src1->ne[1];
     const size_t row = ggml_row_size(GGML_TYPE_Q8_0, K);
-    if (params->use_ref || src1->type != GGML_TYPE_F32 || src1->nb[0] != sizeof(float) || src1->ne[2] != 1 ||
+    if (!shardwire_product_on(SHARDWIRE_Q4_0X8) || params->use_ref || src1->type != GGML_TYPE_F32 ||
+        src1->nb[0] != sizeof(float) || src1->ne[2] != 1 ||
         src1->ne[3] != 1 || M % VNNI_TILE != 0 || N < VNNI_MIN_ROWS || K % QK8_0 != 0 ||
         params->wsize < row * N) {
         return false;

@@ -165,14 +165,15 @@ def weight_formats(pipeline, cluster) -> list[str]:
     """Per stage, how its weights are held (which kernels run them), so figures from different
     machines or choices are never mixed up."""
     if cluster is not None:
-        return [
-            f"{s.weights} ({' '.join(f'{t}:{f}' for t, f in sorted(s.formats.items()))})" for s in cluster.plan.stages
-        ]
+        return [f"{s.weights} ({s.device.held(s.formats)})" for s in cluster.plan.stages]
     from .model import Linear
+    from .quant import ggml_cpu
 
+    used = ggml_cpu.own_products_used()
+    products = {t: "shardwire" if t in used else "ggml" for t in ggml_cpu.own_products()}
     out = []
     for stage in pipeline.stages:
-        held = sorted({_held(m) for m in stage.modules() if isinstance(m, Linear) or hasattr(m, "fmt")})
+        held = sorted({_held(m, products) for m in stage.modules() if isinstance(m, Linear) or hasattr(m, "fmt")})
         out.append(f"{_name(stage.dtype)} activations ({' '.join(held)})")
     return out
 
@@ -181,13 +182,17 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _held(module) -> str:
-    """How one weight module is held: its stored type and kernel ("Q4_0:repacked"; a block's experts
-    as one: "Q4_K/Q4_K/Q6_K experts:ggml"), or the dtype of a dense matrix ("float32:dense")."""
+def _held(module, products: dict[str, str]) -> str:
+    """How one weight module is held: its stored type and kernel ("Q4_0:repacked"; with whose
+    product takes its prompt chunks: "F16:ggml/shardwire-gemm"; a block's experts as one:
+    "Q4_K/Q4_K/Q6_K experts:ggml"), or the dtype of a dense matrix ("float32:dense")."""
+    from .quant.policy import held_label
+
     if not hasattr(module, "stored"):
         return f"{_name(module.weight.dtype)}:dense"
-    stored = module.stored
-    return f"{stored if isinstance(stored, str) else '/'.join(stored) + ' experts'}:{module.fmt}"
+    if isinstance(module.stored, str):
+        return held_label(module.stored, module.fmt, products)
+    return f"{'/'.join(module.stored)} experts:{module.fmt}"
 
 
 def markdown(report: dict) -> str:

@@ -17,6 +17,10 @@ STAGE_WEIGHT_MODES = ("fast", "dequant", "packed", "compact")
 # or those blocks in ggml's repacked layout for the CPU.
 WEIGHT_FORMATS = ("dense", "int4", "int8x2", "int8", "gguf", "ggml", "repacked")
 
+# Whose product multiplies a prompt chunk where shardwire's ggml has one of its own for a stored
+# type (quant/measure.py prompt_products): shardwire's, or ggml's own kernel.
+PRODUCT_SOURCES = ("shardwire", "ggml")
+
 # Tensor types as GGUF stores them.
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

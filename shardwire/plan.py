@@ -22,7 +22,7 @@ from .kvcache import PAGE, pool_pages, stage_cache_nbytes
 from .model import ffn_piece_rows
 from .quant.codecs import stored_nbytes
 from .quant.packed import CHUNK_ELEMENTS
-from .quant.policy import EMBEDDING, WeightModeError, modes_for, weight_formats, weight_nbytes
+from .quant.policy import EMBEDDING, WeightModeError, held_label, modes_for, weight_formats, weight_nbytes
 
 
 class PlanError(ValueError):
@@ -37,10 +37,16 @@ class PlanDevice:
     dtype: str = "float32"
     kernels: bool = False  # whether PyTorch's packed int4/int8 kernels run there, as its worker found
     fastest: tuple[tuple[str, str], ...] = ()  # (stored type, format) that decodes fastest, as measured there
+    products: tuple[tuple[str, str], ...] = ()  # (stored type, whose product takes its prompt chunks), as measured
 
     def __post_init__(self):
-        # given as a map or as pairs; kept as sorted pairs so the device stays hashable
+        # given as maps or as pairs; kept as sorted pairs so the device stays hashable
         object.__setattr__(self, "fastest", tuple(sorted(dict(self.fastest).items())))
+        object.__setattr__(self, "products", tuple(sorted(dict(self.products).items())))
+
+    def held(self, formats: dict[str, str]) -> str:
+        """A stage's formats on this device as the plan shows them (policy.held_label)."""
+        return " ".join(held_label(t, f, dict(self.products)) for t, f in sorted(formats.items()))
 
     @property
     def type(self) -> str:
@@ -152,7 +158,7 @@ class Plan:
         for i, s in enumerate(self.stages):
             blocks = f"{s.start}-{s.end - 1}" if s.end > s.start else "-"
             extra = ("+embd" if s.first else "") + ("+head" if s.last else "")
-            formats = " ".join(f"{t}:{f}" for t, f in sorted(s.formats.items()))
+            formats = s.device.held(s.formats)
             rows.append(
                 (
                     str(i),

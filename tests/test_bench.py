@@ -86,6 +86,11 @@ def test_bench_single_process(capsys):
     assert set(tests) == {"pp16", "tg4", "tg4x2"}
     assert all(len(t["samples_ns"]) == 2 and t["avg_ts"] > 0 for t in tests.values())
     assert report["peak_rss"] > 0 and report["workers"] == []
+    from shardwire.quant import ggml_cpu
+
+    if ggml_cpu.own_products():  # whose product took the F32 prompt chunks, as measured here
+        whose = "shardwire" if "F32" in ggml_cpu.own_products_used() else "ggml"
+        assert report["formats"] == [f"float32 activations (F32:ggml/{whose}-gemm)"]
 
 
 def test_the_report_gives_the_ratio_of_each_interleaved_pair_of_invocations():

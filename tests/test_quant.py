@@ -179,6 +179,19 @@ def test_plan_auto_packs_and_falls_back_to_compact():
     assert "fast (Q6_K:int8+gguf)" in table  # the matrices' format, and the embedding's
 
 
+def test_the_plan_shows_whose_product_takes_a_prompt_chunk_where_one_was_measured():
+    model = open_model(model_path("llama", "Q8_0"))
+    device = PlanDevice("w:1", "cpu", 1 << 40, "bfloat16", True, {"Q8_0": "ggml"}, {"Q8_0": "shardwire", "F16": "ggml"})
+    plan = make_plan(model, [device], ctx=64, prefill_chunk=16, weights="fast")
+    assert plan.stages[0].formats == {"Q8_0": "ggml+gguf"}
+    assert "fast (Q8_0:ggml+gguf/shardwire-gemm)" in plan.table()
+    assert policy.held_label("F16", "ggml", {"F16": "ggml"}) == "F16:ggml/ggml-gemm"
+    # own products multiply Q4_0 held repacked only, and no type they were not measured for
+    assert policy.held_label("Q4_0", "gguf", {"Q4_0": "shardwire"}) == "Q4_0:gguf"
+    assert policy.held_label("Q4_0", "repacked", {"Q4_0": "shardwire"}) == "Q4_0:repacked/shardwire-gemm"
+    assert policy.held_label("Q4_K", "repacked", {"Q4_0": "shardwire"}) == "Q4_K:repacked"
+
+
 def test_fast_takes_what_the_device_measured_and_auto_falls_back_when_it_does_not_fit():
     """fast holds each type as the device measured fastest for decode (dense Q8_0 here, as on a CPU
     whose bf16 product wins); when that does not fit, auto packs it (compact here: on a model this
@@ -268,10 +281,17 @@ def test_the_fastest_format_serves_a_request_soonest(monkeypatch, one_row, chunk
     assert timed[1:] == ([] if chunk is None else [set(chunk)])  # those within NEAR
 
 
-def test_fastest_formats_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+@pytest.fixture
+def quick_measurements(tmp_path, monkeypatch):
+    """Kernel measurements on small matrices in short turns, kept in tmp_path."""
     monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path))
     monkeypatch.setattr(measure, "SHAPE", (256, 256))
     monkeypatch.setattr(measure, "SECONDS", 0.002)
+    return tmp_path
+
+
+def test_fastest_formats_are_measured_once_per_machine_and_kept(quick_measurements):
+    tmp_path = quick_measurements
     measure.fastest_formats.cache_clear()
     try:
         first = measure.fastest_formats("cpu", "float32")
@@ -279,7 +299,7 @@ def test_fastest_formats_are_measured_once_per_machine_and_kept(tmp_path, monkey
         assert all(f in ("dense", "ggml", "repacked", policy.FAST.get(t)) for t, f in first.items())
         assert measure._eviction_buffer.cache_info().currsize == 0  # its memory back once measured
         saved = json.loads((tmp_path / "kernels.json").read_text())
-        ((key, entry),) = saved.items()
+        ((key, entry),) = [(k, v) for k, v in saved.items() if "prompt products" not in k]
         assert measure.cpu_model() in key and "float32" in key
         for timings in entry.values():
             one_row = timings["seconds"]
@@ -359,6 +379,59 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
     finally:
         torch.set_num_threads(1)
     assert float((chunk - one_at_a_time).abs().max()) <= 1e-5 * float(one_at_a_time.abs().max())
+
+
+@pytest.mark.skipif(not ggml_cpu.own_products(), reason="no ggml with shardwire's own products here")
+@pytest.mark.parametrize("layout", ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored"])
+def test_a_product_switched_off_leaves_the_chunk_to_ggml_on_the_same_plan(layout):
+    """Switched off after a graph was planned (as measuring them does), an own product leaves the
+    chunk to ggml's kernel on that same kept graph: the plan's work buffer holds what that kernel
+    needs too (ggml's F16 copy of the activations, which the F16 product makes no room for)."""
+    stored, how = layout.split()
+    w, raw, _ = matrix(stored, rows=64, cols=2048, seed=5)
+    kind = ggml_cpu.GGMLLinear if how == "stored" else ggml_cpu.RepackedLinear
+    module = kind(raw, stored, w.shape[1], torch.float32)
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((64, w.shape[1])).astype(np.float32))
+    try:
+        ggml_cpu.use_own_products([stored])
+        assert stored in ggml_cpu.own_products_used()
+        own = module(x)
+        ggml_cpu.use_own_products([])
+        assert ggml_cpu.own_products_used() == ()
+        theirs = module(x)
+    finally:
+        ggml_cpu.use_own_products(ggml_cpu.own_products())
+    if stored == "F16":
+        assert module._graph("mul_mat", 64, 64).plan.work_size >= 64 * 2048 * 2
+    if stored != "Q4_0":  # the repack buffer's Q4_0 GEMM adds the same block products in the same order
+        assert not torch.equal(own, theirs)  # another kernel: its sums in another order
+    assert float((own - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+
+def test_prompt_products_are_measured_once_per_machine_kept_and_switched(quick_measurements):
+    tmp_path = quick_measurements
+    measure.prompt_products.cache_clear()
+    try:
+        chosen = measure.prompt_products("cpu", "float32")
+        assert set(chosen) == set(ggml_cpu.own_products())
+        assert measure.prompt_products("cuda:0", "float32") == {}
+        if not chosen:
+            return  # nothing to choose between with this ggml
+        saved = json.loads((tmp_path / "kernels.json").read_text())
+        ((key, entry),) = [(k, v) for k, v in saved.items() if "prompt products" in k]
+        assert measure.cpu_model() in key
+        for stored, timed in entry.items():
+            assert set(timed["seconds"]) == {"shardwire", "ggml"}
+            assert timed["fastest"] == chosen[stored] == min(timed["seconds"], key=timed["seconds"].get)
+        assert set(ggml_cpu.own_products_used()) == {t for t, whose in chosen.items() if whose == "shardwire"}
+        entry["F32"]["fastest"], entry["Q8_0"]["fastest"] = "ggml", "shardwire"  # a new process uses the file's
+        (tmp_path / "kernels.json").write_text(json.dumps(saved))
+        measure.prompt_products.cache_clear()
+        assert measure.prompt_products("cpu", "float32")["F32"] == "ggml"
+        assert "F32" not in ggml_cpu.own_products_used() and "Q8_0" in ggml_cpu.own_products_used()
+    finally:
+        measure.prompt_products.cache_clear()
+        ggml_cpu.use_own_products(ggml_cpu.own_products())
 
 
 def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeypatch):

@@ -243,7 +243,7 @@ EXAMPLES = [
         "host/1234",
         "0.1.0",
         [
-            DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True, {"Q4_K": "ggml", "F16": "dense"}),
+            DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True, {"Q4_K": "ggml", "F16": "dense"}, {"F16": "ggml"}),
             DeviceInfo("cuda:0", 5, 9, "float16", False, {}),
         ],
     ),
@@ -407,7 +407,12 @@ def test_devices_carry_the_compute_dtype_and_kernels_each_device_does_best():
         ],
     }
     assert Devices.parse(base).devices[0] == DeviceInfo("cpu", 1, 2, "bfloat16", True, {"Q8_0": "ggml"})
+    measured = dict(base["devices"][0], products={"Q8_0": "shardwire", "F16": "ggml"})
+    assert Devices.parse(dict(base, devices=[measured])).devices[0].products == {"Q8_0": "shardwire", "F16": "ggml"}
     bad_fields = [
+        ("products", {"Q8_0": "tinyblas"}),
+        ("products", {"Q9": "ggml"}),
+        ("products", ["Q8_0"]),
         ("dtype", "int4"),
         ("kernels", "yes"),
         ("dtype", None),

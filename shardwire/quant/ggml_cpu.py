@@ -273,6 +273,42 @@ def tiled_reads_repacked() -> bool:
     return True
 
 
+# shardwire's own products of a prompt chunk (16 rows or more) in the ggml ./kernels builds
+# (kernels/products.cpp), by the stored type they multiply (held as policy.PRODUCT_FORMATS says):
+# each one's switch. Each stands in for ggml's kernel (tinyBLAS, the repack buffer's GEMM for Q4_0).
+OWN_PRODUCTS = {"Q8_0": 1 << 0, "Q4_0": 1 << 1, "F32": 1 << 2, "F16": 1 << 3}
+
+
+@lru_cache(maxsize=None)
+def own_products() -> tuple[str, ...]:
+    """The stored types this ggml has shardwire's own prompt products for: none in ggml-python as
+    published, nor where ./kernels was built for a CPU without AVX-512."""
+    if not available():
+        return ()
+    try:
+        built = ggml.lib.shardwire_products_built
+    except AttributeError:
+        return ()
+    built.restype = ctypes.c_uint
+    return tuple(t for t, switch in OWN_PRODUCTS.items() if built() & switch)
+
+
+def use_own_products(types) -> None:
+    """shardwire's own products for the stored `types`, ggml's kernels for the others, from the
+    next graph computed on (every thread of this process)."""
+    if own_products():
+        ggml.lib.shardwire_products_use(ctypes.c_uint(sum(OWN_PRODUCTS[t] for t in set(types))))
+
+
+def own_products_used() -> tuple[str, ...]:
+    """The stored types whose prompt chunks shardwire's own products multiply now."""
+    if not own_products():
+        return ()
+    used = ggml.lib.shardwire_products_used
+    used.restype = ctypes.c_uint
+    return tuple(t for t in own_products() if used() & OWN_PRODUCTS[t])
+
+
 class RepackError(ValueError):
     pass
 

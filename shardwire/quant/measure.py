@@ -7,6 +7,10 @@ one and slow on another), so it is timed, never inferred from a CPU vendor or fe
 The candidates: the dense matrix in the compute dtype, PyTorch's packed kernel for the type,
 ggml's kernel on the stored blocks, and ggml's on its repacked layout where it has one here.
 Values do not change these kernels' speed, so the matrices hold zero blocks.
+
+Where the ggml of ./kernels has shardwire's own products of a prompt chunk (kernels/products.cpp),
+each is timed on a chunk against the ggml kernel it stands in for, and only the faster runs
+(prompt_products), before the formats are timed.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from . import ggml_cpu
 from .codecs import stored_nbytes
 from .kernels import kernels_on
 from .packed import pack_matrix
-from .policy import FAST
+from .policy import FAST, PRODUCT_FORMATS
 
 MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
@@ -108,6 +112,17 @@ def _fastest_of(calls: dict, rounds: int = ROUNDS) -> dict[str, float]:
     return best
 
 
+def _settled(calls: dict) -> dict[str, float]:
+    """Each call's fastest seconds over ROUNDS turns, and CLOSE_ROUNDS more for those within CLOSE
+    of the fastest."""
+    times = _fastest_of(calls)
+    close = [name for name, t in times.items() if t <= CLOSE * min(times.values())]
+    if len(close) > 1:
+        again = _fastest_of({name: calls[name] for name in close}, CLOSE_ROUNDS)
+        times.update({name: min(times[name], again[name]) for name in close})
+    return times
+
+
 def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     raw = torch.zeros(SHAPE[0], stored_nbytes(stored, SHAPE) // SHAPE[0], dtype=torch.uint8)
     out = {"dense": Linear(torch.zeros(SHAPE, dtype=dtype))}
@@ -154,11 +169,7 @@ def measure(dtype: str) -> dict[str, dict]:
     for stored in MEASURED_TYPES:
         candidates = _candidates(stored, torch_dtype)
         one_row = {fmt: _rows(m, 1, torch_dtype) for fmt, m in candidates.items()}
-        times = _fastest_of(one_row)
-        close = [f for f, t in times.items() if t <= CLOSE * min(times.values())]
-        if len(close) > 1:
-            again = _fastest_of({f: one_row[f] for f in close}, CLOSE_ROUNDS)
-            times.update({f: min(times[f], again[f]) for f in close})
+        times = _settled(one_row)
         fastest = min(times, key=times.get)
         near = [f for f, t in times.items() if t <= NEAR * times[fastest]]
         entry = {"seconds": times, "fastest": fastest}
@@ -209,12 +220,62 @@ NO_GGML = (
 @lru_cache(maxsize=None)
 def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     """Stored type -> the format that decodes fastest on `device` computing in `dtype`. Measured on
-    CPUs (a few seconds the first time on a machine, then read from the cache); other devices
-    have no measurement and get {}: the policy's defaults apply there."""
+    CPUs (a few seconds the first time on a machine, then read from the cache), with the prompt
+    products prompt_products chose; other devices have no measurement and get {}: the policy's
+    defaults apply there."""
     if not device.startswith("cpu"):
         return {}
+    prompt_products(device, dtype)
     measured = _remembered(_key(dtype), lambda: measure(dtype))
     return {stored: entry["fastest"] for stored, entry in measured.items()}
+
+
+def _prompt_products(dtype: torch.dtype) -> dict[str, dict]:
+    """For each stored type this ggml has one of shardwire's own prompt products for: a
+    PROMPT_ROWS-row chunk's fastest seconds through it and through ggml's kernel, timed in turns,
+    and the faster."""
+    out = {}
+    try:
+        for stored in ggml_cpu.own_products():
+            raw = torch.zeros(SHAPE[0], stored_nbytes(stored, SHAPE) // SHAPE[0], dtype=torch.uint8)
+            if PRODUCT_FORMATS[stored] == "repacked":
+                try:
+                    module = ggml_cpu.RepackedLinear(raw, stored, SHAPE[1], dtype)
+                except ggml_cpu.RepackError:  # the product reads a layout this CPU does not repack into
+                    continue
+            else:
+                module = ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype)
+            chunk = _rows(module, PROMPT_ROWS, dtype)
+
+            def through(types, chunk=chunk):
+                def call():
+                    ggml_cpu.use_own_products(types)
+                    chunk()
+
+                return call
+
+            times = _settled({"shardwire": through([stored]), "ggml": through([])})
+            out[stored] = {"seconds": times, "fastest": min(times, key=times.get)}
+    finally:
+        ggml_cpu.use_own_products(ggml_cpu.own_products())
+    return out
+
+
+@lru_cache(maxsize=None)
+def prompt_products(device: str, dtype: str) -> dict[str, str]:
+    """Stored type -> whose product multiplies a prompt chunk on `device`, "shardwire" (its own,
+    kernels/products.cpp) or "ggml" (tinyBLAS, the repack buffer's GEMM), for the types this ggml
+    has an own product for: measured on CPUs (then read from the cache), and switched so in this
+    process. {} on other devices and without own products."""
+    if not device.startswith("cpu") or not ggml_cpu.own_products():
+        return {}
+    measured = _remembered(
+        f"{_key(dtype)} | prompt products of {PROMPT_ROWS} rows (v1)",
+        lambda: _prompt_products(TORCH_DTYPES[dtype]),
+    )
+    chosen = {stored: entry["fastest"] for stored, entry in measured.items()}
+    ggml_cpu.use_own_products([stored for stored, whose in chosen.items() if whose == "shardwire"])
+    return chosen
 
 
 GEMM_ROWS = (16, 64, 256)  # the row counts at which ggml and dequantize-then-GEMM are compared

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..constrain import MAX_VOCAB, RowConstraint
-from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, STAGE_WEIGHT_MODES, STORED_TYPES, WEIGHT_FORMATS
+from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, PRODUCT_SOURCES, STAGE_WEIGHT_MODES, STORED_TYPES, WEIGHT_FORMATS
 from ..kvcache import pages_for
 from ..sampling import Sampled
 from .frames import Frame, FrameError, MessageType
@@ -254,10 +254,15 @@ class DeviceInfo:
     dtype: str  # the compute dtype the worker's own hardware does best
     kernels: bool  # whether PyTorch's packed int4/int8 kernels run on it
     fastest: dict[str, str]  # stored type -> the format that decodes fastest there, as measured
+    # stored type -> whose product multiplies a prompt chunk there ("shardwire" or "ggml"), as measured
+    products: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
         d = _map(d, what)
+        products = _get(d, "products", dict, what) if "products" in d else {}  # absent: none measured
+        if not all(k in STORED_TYPES and v in PRODUCT_SOURCES for k, v in products.items()):
+            raise FrameError(f"{what}: products must map stored types to one of {', '.join(PRODUCT_SOURCES)}")
         return cls(
             _str(d, "name", what, 64),
             _int(d, "free", what),
@@ -265,6 +270,7 @@ class DeviceInfo:
             _str(d, "dtype", what, 16, COMPUTE_DTYPES),
             _get(d, "kernels", bool, what),
             _formats(d, "fastest", what),
+            products,
         )
 
 
