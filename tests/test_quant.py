@@ -10,6 +10,7 @@ import torch
 
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
+from shardwire.enums import WEIGHT_FORMATS
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
@@ -430,6 +431,35 @@ def test_prompt_products_are_measured_once_per_machine_kept_and_switched(quick_m
         assert measure.prompt_products("cpu", "float32")["F32"] == "ggml"
         assert "F32" not in ggml_cpu.own_products_used() and "Q8_0" in ggml_cpu.own_products_used()
     finally:
+        measure.prompt_products.cache_clear()
+        ggml_cpu.use_own_products(ggml_cpu.own_products())
+
+
+def test_a_kept_measurement_this_version_cannot_use_is_measured_again(quick_measurements, caplog):
+    """A kernels.json entry edited by hand, or written by another version, would reach the
+    coordinator in the worker's DEVICES and be refused there: it is measured again instead."""
+    path = quick_measurements / "kernels.json"
+    measure.fastest_formats.cache_clear()
+    measure.prompt_products.cache_clear()
+    try:
+        measure.fastest_formats("cpu", "float32")
+        saved = json.loads(path.read_text())
+        for key, entry in saved.items():
+            (stored, first), *_ = entry.items()
+            first["fastest"] = "pickle"  # neither a weight format nor a product's source
+        path.write_text(json.dumps(saved))
+        measure.fastest_formats.cache_clear()
+        measure.prompt_products.cache_clear()
+        formats = measure.fastest_formats("cpu", "float32")
+        assert all(f in WEIGHT_FORMATS for f in formats.values())
+        assert all(whose in ("shardwire", "ggml") for whose in measure.prompt_products("cpu", "float32").values())
+        assert "measuring again" in caplog.text
+        assert "pickle" not in path.read_text()
+        path.write_text("[1, 2]")  # not a map at all: measured afresh
+        measure.fastest_formats.cache_clear()
+        assert set(measure.fastest_formats("cpu", "float32")) == set(measure.MEASURED_TYPES)
+    finally:
+        measure.fastest_formats.cache_clear()
         measure.prompt_products.cache_clear()
         ggml_cpu.use_own_products(ggml_cpu.own_products())
 

@@ -16,6 +16,7 @@ each is timed on a chunk against the ggml kernel it stands in for, and only the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -25,13 +26,15 @@ from pathlib import Path
 import torch
 
 from ..devices import TORCH_DTYPES, large_allocations_unmapped
-from ..enums import QUANT_TYPES
+from ..enums import PRODUCT_SOURCES, QUANT_TYPES, STORED_TYPES, WEIGHT_FORMATS
 from ..model import Linear
 from . import ggml_cpu
 from .codecs import stored_nbytes
 from .kernels import kernels_on
 from .packed import pack_matrix
 from .policy import FAST, PRODUCT_FORMATS
+
+log = logging.getLogger("shardwire.measure")
 
 MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
@@ -191,13 +194,20 @@ def _cache_file() -> Path:
     return default_cache_dir() / "kernels.json"
 
 
-def _remembered(key: str, compute) -> dict:
-    """known[key] from the cache file, computed and written there when missing."""
+def _remembered(key: str, compute, valid=lambda entry: True) -> dict:
+    """known[key] from the cache file, computed and written there when missing or not `valid` (a
+    file edited by hand or by another version: what it says travels to coordinators, which refuse
+    what they cannot read)."""
     path = _cache_file()
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if key in known and not valid(known[key]):
+        log.warning("%s: the entry for %r is not one this version wrote; measuring again", path, key)
+        del known[key]
     if key not in known:
         try:
             known[key] = compute()
@@ -217,6 +227,14 @@ NO_GGML = (
 )
 
 
+def _chooses(measured, choices) -> bool:
+    """Whether `measured` maps stored types to entries whose "fastest" is one of `choices`."""
+    return isinstance(measured, dict) and all(
+        stored in STORED_TYPES and isinstance(entry, dict) and entry.get("fastest") in choices
+        for stored, entry in measured.items()
+    )
+
+
 @lru_cache(maxsize=None)
 def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     """Stored type -> the format that decodes fastest on `device` computing in `dtype`. Measured on
@@ -226,7 +244,7 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     if not device.startswith("cpu"):
         return {}
     prompt_products(device, dtype)
-    measured = _remembered(_key(dtype), lambda: measure(dtype))
+    measured = _remembered(_key(dtype), lambda: measure(dtype), lambda m: _chooses(m, WEIGHT_FORMATS))
     return {stored: entry["fastest"] for stored, entry in measured.items()}
 
 
@@ -272,6 +290,7 @@ def prompt_products(device: str, dtype: str) -> dict[str, str]:
     measured = _remembered(
         f"{_key(dtype)} | prompt products of {PROMPT_ROWS} rows (v1)",
         lambda: _prompt_products(TORCH_DTYPES[dtype]),
+        lambda m: _chooses(m, PRODUCT_SOURCES) and set(m) <= set(ggml_cpu.own_products()),
     )
     chosen = {stored: entry["fastest"] for stored, entry in measured.items()}
     ggml_cpu.use_own_products([stored for stored, whose in chosen.items() if whose == "shardwire"])
@@ -304,5 +323,7 @@ def gemm_rows(stored: str, dtype: torch.dtype) -> int | None:
     type, then read from the cache."""
     name = str(dtype).removeprefix("torch.")
     return _remembered(
-        f"{_key(name)} | gemm rows {stored} (ggml dequantizes into scratch, v3)", lambda: _gemm_rows(stored, dtype)
+        f"{_key(name)} | gemm rows {stored} (ggml dequantizes into scratch, v3)",
+        lambda: _gemm_rows(stored, dtype),
+        lambda e: isinstance(e, dict) and e.get("rows") in (None, *GEMM_ROWS),
     )["rows"]
