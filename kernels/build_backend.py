@@ -5,20 +5,20 @@ Q4_K-Q6_K weights about twice as fast as the older ggml's). Both sources are the
 checked against the hashes below; the build itself is ggml-python's (scikit-build-core, cmake).
 
 Four changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp,
-float_gemm.cpp, products.cpp). Its tiled K-quant products also read Q4_K weights held in the repacked layout,
-which the repack buffer's products of a prompt chunk (and its MUL_MAT_ID experts with 8 rows or
-more) then take, so that a repacked Q4_K weight reads prompts as fast as stored blocks do (on x86
-the repacked GEMM reads a 64-row chunk 1.6x slower) and still decodes on the repacked GEMV. And the
-repack buffer's MUL_MAT_ID, which read an expert once per row (the one-row GEMV), takes an expert's
-rows four at a time through the repacked GEMM, as its MUL_MAT does a matrix's, to the GEMV's bits
-(Q4_0) or within their rounding (Q4_K): a 64-token prompt of the Qwen3-MoE benchmark layout in Q4_0
-1.17x faster. And the tiles fetch the weight blocks they unpack next into the cache ahead of use
-(tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for the quantized types) a prompt chunk's
-product (16 rows or more) on Q8_0, F32 or F16 weights, or on Q4_0 weights held repacked, goes to
-vnni_gemm.cpp or float_gemm.cpp instead of llamafile's tinyBLAS or the repack buffer's GEMM: at 64
-rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.4-1.9x, F16 1.0-1.1x. Each of those can be
-switched off at run time (products.cpp): shardwire times each against the kernel it stands in
-for and keeps only the faster.
+float_gemm.cpp, products.cpp). Its tiled K-quant products also read Q4_K weights held in the
+repacked layout, which the repack buffer's products of a prompt chunk (and its MUL_MAT_ID experts
+with 8 rows or more) then take, so that a repacked Q4_K weight reads prompts as fast as stored
+blocks do (on x86 the repacked GEMM reads a 64-row chunk 1.6x slower) and still decodes on the
+repacked GEMV. And the repack buffer's MUL_MAT_ID, which read an expert once per row (the one-row
+GEMV), takes an expert's rows four at a time through the repacked GEMM, as its MUL_MAT does a
+matrix's, to the GEMV's bits (Q4_0) or within their rounding (Q4_K): a 64-token prompt of the
+Qwen3-MoE benchmark layout in Q4_0 1.17x faster. And the tiles fetch the weight blocks they unpack
+next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for the
+quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32 or F16 weights, or on Q4_0
+weights held repacked, goes to vnni_gemm.cpp or float_gemm.cpp instead of llamafile's tinyBLAS or
+the repack buffer's GEMM: at 64 rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.4-1.9x, F16
+1.0-1.1x. Each of those can be switched off at run time (products.cpp): shardwire times each
+against the kernel it stands in for and keeps only the faster.
 
 The wheel's version is LOCAL_VERSION (ggml-python's with a local part), so it satisfies
 `ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.

@@ -88,11 +88,11 @@ def _hash(h: dict, key: str, what: str) -> str:
     return digest
 
 
-def _formats(h: dict, key: str, what: str) -> dict[str, str]:
-    """A map of stored type -> weight format."""
+def _formats(h: dict, key: str, what: str, choices=WEIGHT_FORMATS) -> dict[str, str]:
+    """A map of stored type -> one of `choices` (a weight format)."""
     d = _map(_get(h, key, dict, what), what)
-    if not all(k in STORED_TYPES and v in WEIGHT_FORMATS for k, v in d.items()):
-        raise FrameError(f"{what}: {key} must map stored types to weight formats")
+    if not all(k in STORED_TYPES and v in choices for k, v in d.items()):
+        raise FrameError(f"{what}: {key} must map stored types to one of {', '.join(choices)}")
     return d
 
 
@@ -260,9 +260,6 @@ class DeviceInfo:
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
         d = _map(d, what)
-        products = _get(d, "products", dict, what) if "products" in d else {}  # absent: none measured
-        if not all(k in STORED_TYPES and v in PRODUCT_SOURCES for k, v in products.items()):
-            raise FrameError(f"{what}: products must map stored types to one of {', '.join(PRODUCT_SOURCES)}")
         return cls(
             _str(d, "name", what, 64),
             _int(d, "free", what),
@@ -270,7 +267,7 @@ class DeviceInfo:
             _str(d, "dtype", what, 16, COMPUTE_DTYPES),
             _get(d, "kernels", bool, what),
             _formats(d, "fastest", what),
-            products,
+            _formats(d, "products", what, PRODUCT_SOURCES) if "products" in d else {},  # absent: none measured
         )
 
 
