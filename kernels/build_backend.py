@@ -4,8 +4,8 @@ kernels llama.cpp computes with today (its tiled K-quant products read a prompt 
 Q4_K-Q6_K weights about twice as fast as the older ggml's). Both sources are the sdists on PyPI,
 checked against the hashes below; the build itself is ggml-python's (scikit-build-core, cmake).
 
-Four changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp,
-float_gemm.cpp, products.cpp). Its tiled K-quant products also read Q4_K weights held in the
+Five changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp,
+float_gemm.cpp, gemv.cpp, products.cpp). Its tiled K-quant products also read Q4_K weights held in the
 repacked layout, which the repack buffer's products of a prompt chunk (and its MUL_MAT_ID experts
 with 8 rows or more) then take, so that a repacked Q4_K weight reads prompts as fast as stored
 blocks do (on x86 the repacked GEMM reads a 64-row chunk 1.6x slower) and still decodes on the
@@ -17,7 +17,10 @@ next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with AVX-51
 quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32 or F16 weights, or on Q4_0
 weights held repacked, goes to vnni_gemm.cpp or float_gemm.cpp instead of llamafile's tinyBLAS or
 the repack buffer's GEMM: at 64 rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.4-1.9x, F16
-1.0-1.1x. Each of those can be switched off at run time (products.cpp): shardwire times each
+1.0-1.1x. And there one row of activations on Q8_0 or F16 weights (a decode step), which
+llamafile declines, goes to gemv.cpp before ggml's dot products: the same arithmetic (F16 to the
+bit), with the weights fetched 8 KiB ahead, streaming Q8_0 1.3-1.7x and F16 1.1x faster on the
+EPYC. Each of those can be switched off at run time (products.cpp): shardwire times each
 against the kernel it stands in for and keeps only the faster.
 
 The wheel's version is LOCAL_VERSION (ggml-python's with a local part), so it satisfies
@@ -38,7 +41,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.10"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.11"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 
@@ -241,7 +244,16 @@ PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacke
             f'extern "C" bool shardwire_{t}_gemm(const struct ggml_compute_params *, int64_t, int64_t, int64_t, '
             "const void *, int64_t, const void *, int64_t, float *, int64_t);\n"
             for t in ("q8_0", "f32", "f16")
-        ),
+        )
+        + 'extern "C" bool shardwire_gemv(const struct ggml_compute_params *, int64_t, int64_t, const void *, int64_t, '
+        "const void *, float *, int, int);  // shardwire: gemv.cpp\n",
+    ),
+    (  # one row of activations, which tinyBLAS declines, goes to gemv.cpp before ggml's dot products
+        "llamafile/sgemm.cpp",
+        "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endif\n",
+        "#if !defined(__MMA__)\n    if (n < 2)\n"
+        "        return Ctype == GGML_TYPE_F32 && shardwire_gemv(params, m, k, A, lda, B, (float *) C, Atype, Btype);\n"
+        "#endif\n",
     ),
     (
         "llamafile/sgemm.cpp",
@@ -290,6 +302,7 @@ APPENDED = [  # (file, this folder's source added at its end)
     ("repack.cpp", "products.cpp"),
     ("repack.cpp", "vnni_gemm.cpp"),
     ("repack.cpp", "float_gemm.cpp"),
+    ("repack.cpp", "gemv.cpp"),
 ]
 
 

@@ -1,18 +1,21 @@
-// shardwire: which of shardwire's prompt products (vnni_gemm.cpp, float_gemm.cpp) this build has,
-// and which of them run. Each is taken only where it was timed faster than the kernel it stands in
-// for on this CPU (shardwire/quant/measure.py switches them with shardwire_products_use); a build
-// for a CPU without AVX-512 has none. Switching one off gives its products back to tinyBLAS or
-// the repack buffer's GEMM on the next graph computed: the work sizes planned cover either.
+// shardwire: which of shardwire's products (a prompt chunk's: vnni_gemm.cpp, float_gemm.cpp; one
+// row's: gemv.cpp) this build has, and which of them run. Each is taken only where it was timed
+// faster than the kernel it stands in for on this CPU (shardwire/quant/measure.py switches them
+// with shardwire_products_use); a build for a CPU without AVX-512 has none. Switching one off
+// gives its products back to tinyBLAS, the repack buffer's GEMM or ggml's dot products on the
+// next graph computed: the work sizes planned cover either.
 //
 // kernels/build_backend.py appends this file to ggml-cpu/repack.cpp, before the products.
 
 #include <atomic>
 
-enum : unsigned {  // one bit a product; shardwire/quant/ggml_cpu.py names them by stored type
+enum : unsigned {  // one bit a product; shardwire/quant/ggml_cpu.py names them by rows and stored type
     SHARDWIRE_Q8_0 = 1u << 0,
     SHARDWIRE_Q4_0X8 = 1u << 1,  // Q4_0 held repacked
     SHARDWIRE_F32 = 1u << 2,
     SHARDWIRE_F16 = 1u << 3,
+    SHARDWIRE_Q8_0_GEMV = 1u << 4,  // one row
+    SHARDWIRE_F16_GEMV = 1u << 5,
 };
 
 static std::atomic<unsigned> shardwire_products_on{~0u};
@@ -25,6 +28,9 @@ extern "C" unsigned shardwire_products_built(void) {
     unsigned built = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     built |= SHARDWIRE_Q8_0 | SHARDWIRE_Q4_0X8;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    built |= SHARDWIRE_Q8_0_GEMV | SHARDWIRE_F16_GEMV;
 #endif
 #if defined(__AVX512F__)
     built |= SHARDWIRE_F32 | SHARDWIRE_F16;

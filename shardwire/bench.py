@@ -169,8 +169,10 @@ def weight_formats(pipeline, cluster) -> list[str]:
     from .model import Linear
     from .quant import ggml_cpu
 
-    used = ggml_cpu.own_products_used()
-    products = {t: "shardwire" if t in used else "ggml" for t in ggml_cpu.own_products()}
+    products = {
+        kind: {t: "shardwire" if t in ggml_cpu.own_products_used(kind) else "ggml" for t in ggml_cpu.own_products(kind)}
+        for kind in ggml_cpu.OWN_PRODUCTS
+    }
     out = []
     for stage in pipeline.stages:
         held = sorted({_held(m, products) for m in stage.modules() if isinstance(m, Linear) or hasattr(m, "fmt")})
@@ -182,16 +184,16 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _held(module, products: dict[str, str]) -> str:
+def _held(module, products: dict[str, dict[str, str]]) -> str:
     """How one weight module is held: its stored type and kernel ("Q4_0:repacked"; with whose
-    product takes its prompt chunks: "F16:ggml/shardwire-gemm"; a block's experts as one:
+    products take one row and its prompt chunks: "F16:ggml/shardwire-gemv/shardwire-gemm"; a block's experts as one:
     "Q4_K/Q4_K/Q6_K experts:ggml"), or the dtype of a dense matrix ("float32:dense")."""
     from .quant.policy import held_label
 
     if not hasattr(module, "stored"):
         return f"{_name(module.weight.dtype)}:dense"
     if isinstance(module.stored, str):
-        return held_label(module.stored, module.fmt, products)
+        return held_label(module.stored, module.fmt, products["gemm"], products["gemv"])
     return f"{'/'.join(module.stored)} experts:{module.fmt}"
 
 

@@ -17,8 +17,8 @@ STAGE_WEIGHT_MODES = ("fast", "dequant", "packed", "compact")
 # or those blocks in ggml's repacked layout for the CPU.
 WEIGHT_FORMATS = ("dense", "int4", "int8x2", "int8", "gguf", "ggml", "repacked")
 
-# Whose product multiplies a prompt chunk where shardwire's ggml has one of its own for a stored
-# type (quant/measure.py prompt_products): shardwire's, or ggml's own kernel.
+# Whose product multiplies a prompt chunk (or one row) where shardwire's ggml has one of its own for
+# a stored type (quant/measure.py own_products): shardwire's, or ggml's own kernel.
 PRODUCT_SOURCES = ("shardwire", "ggml")
 
 # Tensor types as GGUF stores them.

@@ -38,15 +38,19 @@ class PlanDevice:
     kernels: bool = False  # whether PyTorch's packed int4/int8 kernels run there, as its worker found
     fastest: tuple[tuple[str, str], ...] = ()  # (stored type, format) that decodes fastest, as measured there
     products: tuple[tuple[str, str], ...] = ()  # (stored type, whose product takes its prompt chunks), as measured
+    row_products: tuple[tuple[str, str], ...] = ()  # (stored type, whose product takes one row), as measured
 
     def __post_init__(self):
         # given as maps or as pairs; kept as sorted pairs so the device stays hashable
         object.__setattr__(self, "fastest", tuple(sorted(dict(self.fastest).items())))
         object.__setattr__(self, "products", tuple(sorted(dict(self.products).items())))
+        object.__setattr__(self, "row_products", tuple(sorted(dict(self.row_products).items())))
 
     def held(self, formats: dict[str, str]) -> str:
         """A stage's formats on this device as the plan shows them (policy.held_label)."""
-        return " ".join(held_label(t, f, dict(self.products)) for t, f in sorted(formats.items()))
+        return " ".join(
+            held_label(t, f, dict(self.products), dict(self.row_products)) for t, f in sorted(formats.items())
+        )
 
     @property
     def type(self) -> str:

@@ -88,7 +88,7 @@ def test_bench_single_process(capsys):
     assert report["peak_rss"] > 0 and report["workers"] == []
     from shardwire.quant import ggml_cpu
 
-    if ggml_cpu.own_products():  # whose product took the F32 prompt chunks, as measured here
+    if ggml_cpu.own_products():  # whose product took the F32 prompt chunks, as measured here (none takes one F32 row)
         whose = "shardwire" if "F32" in ggml_cpu.own_products_used() else "ggml"
         assert report["formats"] == [f"float32 activations (F32:ggml/{whose}-gemm)"]
 

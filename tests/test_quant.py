@@ -180,13 +180,17 @@ def test_plan_auto_packs_and_falls_back_to_compact():
     assert "fast (Q6_K:int8+gguf)" in table  # the matrices' format, and the embedding's
 
 
-def test_the_plan_shows_whose_product_takes_a_prompt_chunk_where_one_was_measured():
+def test_the_plan_shows_whose_products_take_one_row_and_a_prompt_chunk_where_they_were_measured():
     model = open_model(model_path("llama", "Q8_0"))
-    device = PlanDevice("w:1", "cpu", 1 << 40, "bfloat16", True, {"Q8_0": "ggml"}, {"Q8_0": "shardwire", "F16": "ggml"})
+    products, row_products = {"Q8_0": "shardwire", "F16": "ggml"}, {"Q8_0": "ggml"}
+    device = PlanDevice("w:1", "cpu", 1 << 40, "bfloat16", True, {"Q8_0": "ggml"}, products, row_products)
     plan = make_plan(model, [device], ctx=64, prefill_chunk=16, weights="fast")
     assert plan.stages[0].formats == {"Q8_0": "ggml+gguf"}
-    assert "fast (Q8_0:ggml+gguf/shardwire-gemm)" in plan.table()
+    assert "fast (Q8_0:ggml+gguf/ggml-gemv/shardwire-gemm)" in plan.table()
     assert policy.held_label("F16", "ggml", {"F16": "ggml"}) == "F16:ggml/ggml-gemm"
+    assert (
+        policy.held_label("F16", "ggml", {"F16": "ggml"}, {"F16": "shardwire"}) == "F16:ggml/shardwire-gemv/ggml-gemm"
+    )
     # own products multiply Q4_0 held repacked only, and no type they were not measured for
     assert policy.held_label("Q4_0", "gguf", {"Q4_0": "shardwire"}) == "Q4_0:gguf"
     assert policy.held_label("Q4_0", "repacked", {"Q4_0": "shardwire"}) == "Q4_0:repacked/shardwire-gemm"
@@ -288,6 +292,7 @@ def quick_measurements(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path))
     monkeypatch.setattr(measure, "SHAPE", (256, 256))
     monkeypatch.setattr(measure, "SECONDS", 0.002)
+    monkeypatch.setattr(measure, "STREAMED", 1 << 20)
     return tmp_path
 
 
@@ -300,7 +305,7 @@ def test_fastest_formats_are_measured_once_per_machine_and_kept(quick_measuremen
         assert all(f in ("dense", "ggml", "repacked", policy.FAST.get(t)) for t, f in first.items())
         assert measure._eviction_buffer.cache_info().currsize == 0  # its memory back once measured
         saved = json.loads((tmp_path / "kernels.json").read_text())
-        ((key, entry),) = [(k, v) for k, v in saved.items() if "prompt products" not in k]
+        ((key, entry),) = [(k, v) for k, v in saved.items() if "products" not in k]
         assert measure.cpu_model() in key and "float32" in key
         for timings in entry.values():
             one_row = timings["seconds"]
@@ -362,7 +367,8 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
     """A chunk of 16 rows or more on Q8_0, F32 or F16 weights, or on Q4_0 held repacked, goes to
     ./kernels' products of 16 weight rows a vector where the CPU has AVX-512 (VNNI for the
     quantized ones; 72 rows of weights, not a whole number of its tiles, and other CPUs:
-    tinyBLAS, the repacked GEMM); one row goes to ggml's dot products (the repacked GEMV). Both
+    tinyBLAS, the repacked GEMM); one row goes to ./kernels' one-row products (Q8_0, F16; ggml's
+    dot products where those are off or absent, and for F32) or the repacked GEMV. Both
     take the same activations (8-bit, or F16 for F16 weights, as ggml converts them), and the
     quantized ones sum exact integer products of blocks, each scaled by its two blocks' scales:
     they differ by float rounding only, whatever the tile, group of tiles or thread a weight row
@@ -382,57 +388,100 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
     assert float((chunk - one_at_a_time).abs().max()) <= 1e-5 * float(one_at_a_time.abs().max())
 
 
-@pytest.mark.skipif(not ggml_cpu.own_products(), reason="no ggml with shardwire's own products here")
-@pytest.mark.parametrize("layout", ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored"])
-def test_a_product_switched_off_leaves_the_chunk_to_ggml_on_the_same_plan(layout):
-    """Switched off after a graph was planned (as measuring them does), an own product leaves the
-    chunk to ggml's kernel on that same kept graph: the plan's work buffer holds what that kernel
-    needs too (ggml's F16 copy of the activations, which the F16 product makes no room for)."""
-    stored, how = layout.split()
-    w, raw, _ = matrix(stored, rows=64, cols=2048, seed=5)
-    kind = ggml_cpu.GGMLLinear if how == "stored" else ggml_cpu.RepackedLinear
-    module = kind(raw, stored, w.shape[1], torch.float32)
-    x = torch.from_numpy(np.random.default_rng(6).standard_normal((64, w.shape[1])).astype(np.float32))
+@pytest.mark.skipif(not ggml_cpu.own_products("gemv"), reason="no ggml with shardwire's own one-row products here")
+@pytest.mark.parametrize("stored", ["Q8_0", "F16"])
+@pytest.mark.parametrize("out_features,cols", [(97, 1056), (64, 96), (33, None), (2048, 512)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_features, cols, threads):
+    """./kernels' one-row products against ggml's dot products on the same graph, for K in whole
+    steps of theirs and not (Q8_0: 4 blocks a step, here 33, 3 or 35 blocks; F16: 64 values, here
+    1056, 96 and 1048), and weight rows that split unevenly between threads, with the same
+    activations (8-bit, or rounded to F16, as ggml converts them). Q8_0 sums exact integer products
+    of blocks, each scaled by its two blocks' scales: float rounding apart. F16 adds its products
+    in the order ggml does: its bits."""
+    cols = cols or {"Q8_0": 1120, "F16": 1048}[stored]
+    w, raw, _ = matrix(stored, rows=out_features, cols=cols, seed=7)
+    module = ggml_cpu.GGMLLinear(raw, stored, w.shape[1], torch.float32)
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal((1, w.shape[1])).astype(np.float32))
+    torch.set_num_threads(threads)
     try:
-        ggml_cpu.use_own_products([stored])
-        assert stored in ggml_cpu.own_products_used()
+        ggml_cpu.use_own_products([stored], "gemv")
         own = module(x)
-        ggml_cpu.use_own_products([])
-        assert ggml_cpu.own_products_used() == ()
+        ggml_cpu.use_own_products([], "gemv")
         theirs = module(x)
     finally:
-        ggml_cpu.use_own_products(ggml_cpu.own_products())
+        ggml_cpu.use_own_products(ggml_cpu.own_products("gemv"), "gemv")
+        torch.set_num_threads(1)
+    if stored == "F16":  # its sums in ggml's order
+        assert torch.equal(own, theirs)
+    else:  # its sums in another order
+        assert not torch.equal(own, theirs)
+        assert float((own - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+
+@pytest.mark.skipif(not ggml_cpu.own_products(), reason="no ggml with shardwire's own products here")
+@pytest.mark.parametrize(
+    "layout,kind",
+    [("Q8_0 stored", "gemm"), ("Q4_0 repacked", "gemm"), ("F32 stored", "gemm"), ("F16 stored", "gemm")]
+    + [("Q8_0 stored", "gemv"), ("F16 stored", "gemv")],
+)
+def test_a_product_switched_off_leaves_its_rows_to_ggml_on_the_same_plan(layout, kind):
+    """Switched off after a graph was planned (as measuring them does), an own product leaves its
+    rows (a chunk, or one row) to ggml's kernel on that same kept graph, and the other kind's
+    switches stay as they were: the plan's work buffer holds what that kernel needs too (ggml's F16
+    copy of the activations, which the F16 products make no room for)."""
+    stored, how = layout.split()
+    rows = measure.PRODUCT_ROWS[kind]
+    w, raw, _ = matrix(stored, rows=64, cols=2048, seed=5)
+    module = (ggml_cpu.GGMLLinear if how == "stored" else ggml_cpu.RepackedLinear)(
+        raw, stored, w.shape[1], torch.float32
+    )
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((rows, w.shape[1])).astype(np.float32))
+    other = "gemm" if kind == "gemv" else "gemv"
+    others = ggml_cpu.own_products_used(other)
+    try:
+        ggml_cpu.use_own_products([stored], kind)
+        assert stored in ggml_cpu.own_products_used(kind)
+        own = module(x)
+        ggml_cpu.use_own_products([], kind)
+        assert ggml_cpu.own_products_used(kind) == () and ggml_cpu.own_products_used(other) == others
+        theirs = module(x)
+    finally:
+        ggml_cpu.use_own_products(ggml_cpu.own_products(kind), kind)
     if stored == "F16":
-        assert module._graph("mul_mat", 64, 64).plan.work_size >= 64 * 2048 * 2
-    if stored != "Q4_0":  # the repack buffer's Q4_0 GEMM adds the same block products in the same order
+        assert module._graph("mul_mat", 64, rows).plan.work_size >= rows * 2048 * 2
+    if (stored, kind) == ("F16", "gemv"):  # its sums in ggml's order
+        assert torch.equal(own, theirs)
+    elif stored != "Q4_0":  # the repack buffer's Q4_0 GEMM adds the same block products in the same order
         assert not torch.equal(own, theirs)  # another kernel: its sums in another order
     assert float((own - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
 
 
-def test_prompt_products_are_measured_once_per_machine_kept_and_switched(quick_measurements):
+@pytest.mark.parametrize("kind,named", [("gemm", "prompt products of 64 rows"), ("gemv", "one-row products")])
+def test_own_products_are_measured_once_per_machine_kept_and_switched(quick_measurements, kind, named):
     tmp_path = quick_measurements
-    measure.prompt_products.cache_clear()
+    measure.own_products.cache_clear()
     try:
-        chosen = measure.prompt_products("cpu", "float32")
-        assert set(chosen) == set(ggml_cpu.own_products())
-        assert measure.prompt_products("cuda:0", "float32") == {}
+        chosen = measure.own_products("cpu", "float32", kind)
+        assert set(chosen) == set(ggml_cpu.own_products(kind))
+        assert measure.own_products("cuda:0", "float32", kind) == {}
         if not chosen:
             return  # nothing to choose between with this ggml
         saved = json.loads((tmp_path / "kernels.json").read_text())
-        ((key, entry),) = [(k, v) for k, v in saved.items() if "prompt products" in k]
+        ((key, entry),) = [(k, v) for k, v in saved.items() if named in k]
         assert measure.cpu_model() in key
         for stored, timed in entry.items():
             assert set(timed["seconds"]) == {"shardwire", "ggml"}
             assert timed["fastest"] == chosen[stored] == min(timed["seconds"], key=timed["seconds"].get)
-        assert set(ggml_cpu.own_products_used()) == {t for t, whose in chosen.items() if whose == "shardwire"}
-        entry["F32"]["fastest"], entry["Q8_0"]["fastest"] = "ggml", "shardwire"  # a new process uses the file's
+        assert set(ggml_cpu.own_products_used(kind)) == {t for t, whose in chosen.items() if whose == "shardwire"}
+        entry["F16"]["fastest"], entry["Q8_0"]["fastest"] = "ggml", "shardwire"  # a new process uses the file's
         (tmp_path / "kernels.json").write_text(json.dumps(saved))
-        measure.prompt_products.cache_clear()
-        assert measure.prompt_products("cpu", "float32")["F32"] == "ggml"
-        assert "F32" not in ggml_cpu.own_products_used() and "Q8_0" in ggml_cpu.own_products_used()
+        measure.own_products.cache_clear()
+        assert measure.own_products("cpu", "float32", kind)["F16"] == "ggml"
+        assert "F16" not in ggml_cpu.own_products_used(kind) and "Q8_0" in ggml_cpu.own_products_used(kind)
     finally:
-        measure.prompt_products.cache_clear()
-        ggml_cpu.use_own_products(ggml_cpu.own_products())
+        measure.own_products.cache_clear()
+        ggml_cpu.use_own_products(ggml_cpu.own_products(kind), kind)
 
 
 def test_a_kept_measurement_this_version_cannot_use_is_measured_again(quick_measurements, caplog):
@@ -440,7 +489,7 @@ def test_a_kept_measurement_this_version_cannot_use_is_measured_again(quick_meas
     coordinator in the worker's DEVICES and be refused there: it is measured again instead."""
     path = quick_measurements / "kernels.json"
     measure.fastest_formats.cache_clear()
-    measure.prompt_products.cache_clear()
+    measure.own_products.cache_clear()
     try:
         measure.fastest_formats("cpu", "float32")
         saved = json.loads(path.read_text())
@@ -449,10 +498,13 @@ def test_a_kept_measurement_this_version_cannot_use_is_measured_again(quick_meas
             first["fastest"] = "pickle"  # neither a weight format nor a product's source
         path.write_text(json.dumps(saved))
         measure.fastest_formats.cache_clear()
-        measure.prompt_products.cache_clear()
+        measure.own_products.cache_clear()
         formats = measure.fastest_formats("cpu", "float32")
         assert all(f in WEIGHT_FORMATS for f in formats.values())
-        assert all(whose in ("shardwire", "ggml") for whose in measure.prompt_products("cpu", "float32").values())
+        for kind in ggml_cpu.OWN_PRODUCTS:
+            assert all(
+                whose in ("shardwire", "ggml") for whose in measure.own_products("cpu", "float32", kind).values()
+            )
         assert "measuring again" in caplog.text
         assert "pickle" not in path.read_text()
         path.write_text("[1, 2]")  # not a map at all: measured afresh
@@ -460,8 +512,9 @@ def test_a_kept_measurement_this_version_cannot_use_is_measured_again(quick_meas
         assert set(measure.fastest_formats("cpu", "float32")) == set(measure.MEASURED_TYPES)
     finally:
         measure.fastest_formats.cache_clear()
-        measure.prompt_products.cache_clear()
-        ggml_cpu.use_own_products(ggml_cpu.own_products())
+        measure.own_products.cache_clear()
+        for kind in ggml_cpu.OWN_PRODUCTS:
+            ggml_cpu.use_own_products(ggml_cpu.own_products(kind), kind)
 
 
 def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeypatch):

@@ -407,9 +407,14 @@ def test_devices_carry_the_compute_dtype_and_kernels_each_device_does_best():
         ],
     }
     assert Devices.parse(base).devices[0] == DeviceInfo("cpu", 1, 2, "bfloat16", True, {"Q8_0": "ggml"})
-    measured = dict(base["devices"][0], products={"Q8_0": "shardwire", "F16": "ggml"})
-    assert Devices.parse(dict(base, devices=[measured])).devices[0].products == {"Q8_0": "shardwire", "F16": "ggml"}
+    measured = dict(
+        base["devices"][0], products={"Q8_0": "shardwire", "F16": "ggml"}, row_products={"F16": "shardwire"}
+    )
+    parsed = Devices.parse(dict(base, devices=[measured])).devices[0]
+    assert parsed.products == {"Q8_0": "shardwire", "F16": "ggml"} and parsed.row_products == {"F16": "shardwire"}
     bad_fields = [
+        ("row_products", {"F16": "avx"}),
+        ("row_products", "shardwire"),
         ("products", {"Q8_0": "tinyblas"}),
         ("products", {"Q9": "ggml"}),
         ("products", ["Q8_0"]),

@@ -145,7 +145,9 @@ class Cluster:
         for link in self.links if links is None else links:
             for d in link.devices:
                 own = stored_precision_dtype(d.dtype, d.name, self.model and self.model.matrix_type)
-                pd = PlanDevice(link.name, d.name, d.free, dtype or own, d.kernels, d.fastest, d.products)
+                pd = PlanDevice(
+                    link.name, d.name, d.free, dtype or own, d.kernels, d.fastest, d.products, d.row_products
+                )
                 if link.name == "local:cpu":
                     cpu = pd
                 else:

@@ -23,7 +23,7 @@ from ..pipeline import LocalPipeline, Pipeline
 from ..plan import PlanDevice, make_plan, parse_overrides
 from ..quant import ggml_cpu
 from ..quant.kernels import kernels_on
-from ..quant.measure import NO_GGML, fastest_formats, prompt_products
+from ..quant.measure import NO_GGML, fastest_formats, prompt_products, row_products
 from ..security import add_client_tls_args, client_tls, resolve_token
 from .cluster import Cluster
 
@@ -112,7 +112,8 @@ def local_pipeline(
     kernels, fastest = kernels_on(torch_device(device)), fastest_formats(device, dtype)
     if device.startswith("cpu") and not ggml_cpu.available():
         log.warning("%s", NO_GGML)
-    planned = PlanDevice("local", device, free_memory(device), dtype, kernels, fastest, prompt_products(device, dtype))
+    products = prompt_products(device, dtype), row_products(device, dtype)
+    planned = PlanDevice("local", device, free_memory(device), dtype, kernels, fastest, *products)
     plan = make_plan(
         model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights, kv_tokens=kv_tokens
     )

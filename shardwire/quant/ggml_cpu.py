@@ -273,40 +273,50 @@ def tiled_reads_repacked() -> bool:
     return True
 
 
-# shardwire's own products of a prompt chunk (16 rows or more) in the ggml ./kernels builds
-# (kernels/products.cpp), by the stored type they multiply (held as policy.PRODUCT_FORMATS says):
-# each one's switch. Each stands in for ggml's kernel (tinyBLAS, the repack buffer's GEMM for Q4_0).
-OWN_PRODUCTS = {"Q8_0": 1 << 0, "Q4_0": 1 << 1, "F32": 1 << 2, "F16": 1 << 3}
+# shardwire's own products in the ggml ./kernels builds (kernels/products.cpp), by the rows they
+# take ("gemm": a prompt chunk, 16 rows or more; "gemv": one row) and the stored type they multiply
+# (held as policy.PRODUCT_FORMATS says): each one's switch. Each stands in for ggml's kernel
+# (tinyBLAS or the repack buffer's GEMM for Q4_0; ggml's dot products for one row).
+OWN_PRODUCTS = {
+    "gemm": {"Q8_0": 1 << 0, "Q4_0": 1 << 1, "F32": 1 << 2, "F16": 1 << 3},
+    "gemv": {"Q8_0": 1 << 4, "F16": 1 << 5},
+}
+
+
+def _switches(name: str) -> int:
+    function = getattr(ggml.lib, name)
+    function.restype = ctypes.c_uint
+    return function()
 
 
 @lru_cache(maxsize=None)
-def own_products() -> tuple[str, ...]:
-    """The stored types this ggml has shardwire's own prompt products for: none in ggml-python as
-    published, nor where ./kernels was built for a CPU without AVX-512."""
+def own_products(kind: str = "gemm") -> tuple[str, ...]:
+    """The stored types this ggml has shardwire's own products of `kind` for: none in ggml-python
+    as published, nor where ./kernels was built for a CPU without AVX-512."""
     if not available():
         return ()
     try:
-        built = ggml.lib.shardwire_products_built
+        built = _switches("shardwire_products_built")
     except AttributeError:
         return ()
-    built.restype = ctypes.c_uint
-    return tuple(t for t, switch in OWN_PRODUCTS.items() if built() & switch)
+    return tuple(t for t, switch in OWN_PRODUCTS[kind].items() if built & switch)
 
 
-def use_own_products(types) -> None:
-    """shardwire's own products for the stored `types`, ggml's kernels for the others, from the
-    next graph computed on (every thread of this process)."""
-    if own_products():
-        ggml.lib.shardwire_products_use(ctypes.c_uint(sum(OWN_PRODUCTS[t] for t in set(types))))
+def use_own_products(types, kind: str = "gemm") -> None:
+    """shardwire's own products of `kind` for the stored `types`, ggml's kernels for the others
+    (the other kind's stay as they are), from the next graph computed on (every thread of this
+    process)."""
+    if own_products(kind):
+        others = _switches("shardwire_products_used") & ~sum(OWN_PRODUCTS[kind].values())
+        ggml.lib.shardwire_products_use(ctypes.c_uint(others | sum(OWN_PRODUCTS[kind][t] for t in set(types))))
 
 
-def own_products_used() -> tuple[str, ...]:
-    """The stored types whose prompt chunks shardwire's own products multiply now."""
-    if not own_products():
+def own_products_used(kind: str = "gemm") -> tuple[str, ...]:
+    """The stored types whose products of `kind` shardwire's own kernels take now."""
+    if not own_products(kind):
         return ()
-    used = ggml.lib.shardwire_products_used
-    used.restype = ctypes.c_uint
-    return tuple(t for t in own_products() if used() & OWN_PRODUCTS[t])
+    used = _switches("shardwire_products_used")
+    return tuple(t for t in own_products(kind) if used & OWN_PRODUCTS[kind][t])
 
 
 class RepackError(ValueError):

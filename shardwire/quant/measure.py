@@ -8,9 +8,9 @@ The candidates: the dense matrix in the compute dtype, PyTorch's packed kernel f
 ggml's kernel on the stored blocks, and ggml's on its repacked layout where it has one here.
 Values do not change these kernels' speed, so the matrices hold zero blocks.
 
-Where the ggml of ./kernels has shardwire's own products of a prompt chunk (kernels/products.cpp),
-each is timed on a chunk against the ggml kernel it stands in for, and only the faster runs
-(prompt_products), before the formats are timed.
+Where the ggml of ./kernels has shardwire's own products (kernels/products.cpp) of a prompt chunk
+or of one row, each is timed on those rows against the ggml kernel it stands in for, and only the
+faster runs (own_products), before the formats are timed.
 """
 
 from __future__ import annotations
@@ -238,63 +238,87 @@ def _chooses(measured, choices) -> bool:
 @lru_cache(maxsize=None)
 def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     """Stored type -> the format that decodes fastest on `device` computing in `dtype`. Measured on
-    CPUs (a few seconds the first time on a machine, then read from the cache), with the prompt
-    products prompt_products chose; other devices have no measurement and get {}: the policy's
+    CPUs (a few seconds the first time on a machine, then read from the cache), with the products
+    own_products chose; other devices have no measurement and get {}: the policy's
     defaults apply there."""
     if not device.startswith("cpu"):
         return {}
     prompt_products(device, dtype)
+    row_products(device, dtype)
     measured = _remembered(_key(dtype), lambda: measure(dtype), lambda m: _chooses(m, WEIGHT_FORMATS))
     return {stored: entry["fastest"] for stored, entry in measured.items()}
 
 
-def _prompt_products(dtype: torch.dtype) -> dict[str, dict]:
-    """For each stored type this ggml has one of shardwire's own prompt products for: a
-    PROMPT_ROWS-row chunk's fastest seconds through it and through ggml's kernel, timed in turns,
-    and the faster."""
+PRODUCT_ROWS = {"gemm": PROMPT_ROWS, "gemv": 1}  # the rows a product of each kind (ggml_cpu.OWN_PRODUCTS) is timed on
+STREAMED = 64 << 20  # bytes of weights a one-row product is timed on
+
+
+def _own_products(kind: str, dtype: torch.dtype) -> dict[str, dict]:
+    """For each stored type this ggml has one of shardwire's own products of `kind` for: its
+    PRODUCT_ROWS rows' fastest seconds through it and through ggml's kernel, timed in turns, and
+    the faster. One row goes through STREAMED bytes of matrices, one after another, as a decode
+    step streams its weights: how fast one product starts on a matrix fresh from memory varies by
+    half from run to run, and a step's speed is in the streaming."""
     out = {}
     try:
-        for stored in ggml_cpu.own_products():
-            raw = torch.zeros(SHAPE[0], stored_nbytes(stored, SHAPE) // SHAPE[0], dtype=torch.uint8)
+        for stored in ggml_cpu.own_products(kind):
+            nbytes = stored_nbytes(stored, SHAPE)
+            count = -(-STREAMED // nbytes) if PRODUCT_ROWS[kind] == 1 else 1
+            raws = [torch.zeros(SHAPE[0], nbytes // SHAPE[0], dtype=torch.uint8) for _ in range(count)]
             if PRODUCT_FORMATS[stored] == "repacked":
                 try:
-                    module = ggml_cpu.RepackedLinear(raw, stored, SHAPE[1], dtype)
+                    modules = [ggml_cpu.RepackedLinear(raw, stored, SHAPE[1], dtype) for raw in raws]
                 except ggml_cpu.RepackError:  # the product reads a layout this CPU does not repack into
                     continue
             else:
-                module = ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype)
-            chunk = _rows(module, PROMPT_ROWS, dtype)
+                modules = [ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype) for raw in raws]
+            x = torch.zeros(PRODUCT_ROWS[kind], SHAPE[1], dtype=dtype)
 
-            def through(types, chunk=chunk):
+            def rows(modules=modules, x=x):
+                for module in modules:
+                    module(x)
+
+            def through(types, rows=rows):
                 def call():
-                    ggml_cpu.use_own_products(types)
-                    chunk()
+                    ggml_cpu.use_own_products(types, kind)
+                    rows()
 
                 return call
 
             times = _settled({"shardwire": through([stored]), "ggml": through([])})
             out[stored] = {"seconds": times, "fastest": min(times, key=times.get)}
     finally:
-        ggml_cpu.use_own_products(ggml_cpu.own_products())
+        ggml_cpu.use_own_products(ggml_cpu.own_products(kind), kind)
     return out
 
 
 @lru_cache(maxsize=None)
-def prompt_products(device: str, dtype: str) -> dict[str, str]:
-    """Stored type -> whose product multiplies a prompt chunk on `device`, "shardwire" (its own,
-    kernels/products.cpp) or "ggml" (tinyBLAS, the repack buffer's GEMM), for the types this ggml
-    has an own product for: measured on CPUs (then read from the cache), and switched so in this
-    process. {} on other devices and without own products."""
-    if not device.startswith("cpu") or not ggml_cpu.own_products():
+def own_products(device: str, dtype: str, kind: str) -> dict[str, str]:
+    """Stored type -> whose product of `kind` (ggml_cpu.OWN_PRODUCTS) multiplies its weights on
+    `device`: "shardwire" (its own, kernels/products.cpp) or "ggml" (the kernel it stands in for),
+    for the types this ggml has an own product of that kind for: measured on CPUs (then read from
+    the cache), and switched so in this process. {} on other devices and without own products."""
+    if not device.startswith("cpu") or not ggml_cpu.own_products(kind):
         return {}
+    rows = PRODUCT_ROWS[kind]
     measured = _remembered(
-        f"{_key(dtype)} | prompt products of {PROMPT_ROWS} rows (v1)",
-        lambda: _prompt_products(TORCH_DTYPES[dtype]),
-        lambda m: _chooses(m, PRODUCT_SOURCES) and set(m) <= set(ggml_cpu.own_products()),
+        f"{_key(dtype)} | {f'prompt products of {rows} rows' if rows > 1 else 'one-row products'} (v1)",
+        lambda: _own_products(kind, TORCH_DTYPES[dtype]),
+        lambda m: _chooses(m, PRODUCT_SOURCES) and set(m) <= set(ggml_cpu.own_products(kind)),
     )
     chosen = {stored: entry["fastest"] for stored, entry in measured.items()}
-    ggml_cpu.use_own_products([stored for stored, whose in chosen.items() if whose == "shardwire"])
+    ggml_cpu.use_own_products([stored for stored, whose in chosen.items() if whose == "shardwire"], kind)
     return chosen
+
+
+def prompt_products(device: str, dtype: str) -> dict[str, str]:
+    """own_products of a prompt chunk."""
+    return own_products(device, dtype, "gemm")
+
+
+def row_products(device: str, dtype: str) -> dict[str, str]:
+    """own_products of one row: a decode step of one sequence."""
+    return own_products(device, dtype, "gemv")
 
 
 GEMM_ROWS = (16, 64, 256)  # the row counts at which ggml and dequantize-then-GEMM are compared

@@ -32,17 +32,20 @@ FAST = {
 }
 COMPACT = {t: f if f in ("int4", "int8x2") and t not in ("Q2_K", "Q3_K") else "gguf" for t, f in FAST.items()}
 
-# The format whose matrices shardwire's own prompt products multiply, by stored type (the others
-# are multiplied by ggml's kernels alone)
+# The format whose matrices shardwire's own products (of a prompt chunk, and of one row for Q8_0 and
+# F16) multiply, by stored type (the others are multiplied by ggml's kernels alone)
 PRODUCT_FORMATS = {"Q8_0": "ggml", "Q4_0": "repacked", "F32": "ggml", "F16": "ggml"}
 
 
-def held_label(stored: str, fmt: str, products: dict[str, str]) -> str:
+def held_label(stored: str, fmt: str, products: dict[str, str], row_products: dict[str, str] | None = None) -> str:
     """How a stored type is held and multiplied, as the plan and the benchmark show it: "Q4_K:repacked",
-    and with whose product takes its prompt chunks where that was measured: "F16:ggml/shardwire-gemm"."""
+    and with whose products take one row and its prompt chunks where that was measured:
+    "F16:ggml/shardwire-gemv/shardwire-gemm"."""
     label = f"{stored}:{fmt}"
-    if stored in products and PRODUCT_FORMATS.get(stored) in fmt.split("+"):
-        label += f"/{products[stored]}-gemm"
+    if PRODUCT_FORMATS.get(stored) in fmt.split("+"):
+        for kind, chosen in (("gemv", row_products or {}), ("gemm", products)):
+            if stored in chosen:
+                label += f"/{chosen[stored]}-{kind}"
     return label
 
 

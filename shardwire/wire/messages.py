@@ -256,6 +256,7 @@ class DeviceInfo:
     fastest: dict[str, str]  # stored type -> the format that decodes fastest there, as measured
     # stored type -> whose product multiplies a prompt chunk there ("shardwire" or "ggml"), as measured
     products: dict[str, str] = field(default_factory=dict)
+    row_products: dict[str, str] = field(default_factory=dict)  # the same for one row
 
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
@@ -268,6 +269,7 @@ class DeviceInfo:
             _get(d, "kernels", bool, what),
             _formats(d, "fastest", what),
             _formats(d, "products", what, PRODUCT_SOURCES) if "products" in d else {},  # absent: none measured
+            _formats(d, "row_products", what, PRODUCT_SOURCES) if "row_products" in d else {},
         )
 
 

@@ -23,7 +23,7 @@ from ..config import ConfigError, ModelConfig
 from ..constrain import Vocabulary
 from ..devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
 from ..quant.kernels import kernels_on
-from ..quant.measure import fastest_formats, prompt_products
+from ..quant.measure import fastest_formats, prompt_products, row_products
 from ..wire.conn import AuthError, Connection, RemoteError, server_handshake, tune
 from ..wire.frames import FrameError, Limits, MessageType
 from ..wire.messages import (
@@ -214,6 +214,7 @@ class Worker:
                     kernels_on(torch_device(d)),
                     fastest_formats(d, dtype),
                     prompt_products(d, dtype),
+                    row_products(d, dtype),
                 )
             )
         return Devices(self.worker_id, __version__, devices)

@@ -1,0 +1,161 @@
+// shardwire: one row of activations (a decode step of one sequence) by Q8_0 or F16 weights, with
+// AVX-512. ggml's one-row products (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_f16) do a weight row's
+// arithmetic in the order its bytes arrive and leave the fetching to the hardware prefetchers;
+// on a core that streams ~33 GB/s they read Q8_0 at ~22 and F16 at ~26. These products ask for
+// the weights GEMV_PREFETCH bytes ahead of the row they multiply and read ~30 and ~32 there.
+//
+// Q8_0: each activation block's values sit contiguous, two blocks to a vector, and one VNNI
+// instruction multiplies them with two weight blocks, whose values are made unsigned (plus 128);
+// the accumulator starts at -128 times the activation block's sum, so each block's integer dot
+// product is exact. It is scaled by the two blocks' scales in float, as ggml scales it.
+// Its results differ from ggml's only in the order of float additions.
+// F16: the activations rounded through F16 (as ggml converts them for its F16 dot product), the
+// weights widened to float, products summed in ggml's order: ggml's bits.
+//
+// kernels/build_backend.py appends this file to ggml-cpu/repack.cpp, after products.cpp;
+// llamafile_sgemm, which takes no single row, calls shardwire_gemv instead of declining one.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <vector>
+
+namespace {
+
+constexpr int GEMV_PREFETCH = 8192;  // bytes ahead of the weights being multiplied
+
+inline void gemv_fetch(const void * at) {
+    _mm_prefetch((const char *) at + GEMV_PREFETCH, _MM_HINT_T0);
+}
+
+// the rows this thread takes: [first, end)
+inline void gemv_rows(const struct ggml_compute_params * params, int64_t m, int64_t * first, int64_t * end) {
+    *first = m * params->ith / params->nth;
+    *end = m * (params->ith + 1) / params->nth;
+}
+
+// one activation row of k blocks, laid out for q8_0_row
+struct q8_0_activations {
+    std::vector<int8_t> values;     // the blocks' values, contiguous
+    std::vector<int32_t> offsets;   // 8 lanes a block: -16 times its sum (the lanes add to -128 times)
+    std::vector<float> scales;
+
+    void take(const block_q8_0 * x, int64_t k) {
+        values.resize(k * QK8_0);
+        offsets.resize(k * 8);
+        scales.resize(k);
+        for (int64_t b = 0; b < k; b++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *) x[b].qs);
+            _mm256_storeu_si256((__m256i *) &values[b * QK8_0], q);
+            const __m512i wide = _mm512_cvtepi8_epi16(q);
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_madd_epi16(wide, _mm512_set1_epi16(1)));
+            _mm256_storeu_si256((__m256i *) &offsets[b * 8], _mm256_set1_epi32(-16 * sum));
+            scales[b] = GGML_CPU_FP16_TO_FP32(x[b].d);
+        }
+    }
+};
+
+// two consecutive weight blocks' values, plus 128
+inline __m512i q8_0_pair(const block_q8_0 * w) {
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) w[0].qs)),
+                                            _mm256_loadu_si256((const __m256i *) w[1].qs), 1);
+    return _mm512_xor_si512(both, _mm512_set1_epi8((char) 0x80));
+}
+
+float q8_0_row(const block_q8_0 * w, int64_t k, const q8_0_activations & x) {
+    const __m512i first_two = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i last_two = _mm512_add_epi32(first_two, _mm512_set1_epi32(2));
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 4 <= k; b += 4) {
+        for (int line = 0; line < 3; line++) {  // 136 bytes of blocks: three lines ahead cover them
+            gemv_fetch((const char *) (w + b) + 64 * line);
+        }
+        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(&x.offsets[b * 8]), q8_0_pair(w + b),
+                                               _mm512_loadu_si512(&x.values[b * QK8_0]));
+        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(&x.offsets[b * 8 + 16]), q8_0_pair(w + b + 2),
+                                               _mm512_loadu_si512(&x.values[b * QK8_0 + 64]));
+        __m128i d = _mm_cvtsi32_si128(w[b].d);
+        d = _mm_insert_epi16(d, w[b + 1].d, 1);
+        d = _mm_insert_epi16(d, w[b + 2].d, 2);
+        d = _mm_insert_epi16(d, w[b + 3].d, 3);
+        const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(d), _mm_loadu_ps(&x.scales[b])));
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(first_two, s), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(last_two, s), acc1);
+    }
+    __m256 tail = _mm256_setzero_ps();
+    for (; b < k; b++) {
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) w[b].qs), _mm256_set1_epi8((char) 0x80));
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *) &x.offsets[b * 8]), q,
+                                                _mm256_loadu_si256((const __m256i *) &x.values[b * QK8_0]));
+        tail = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(w[b].d) * x.scales[b]), tail);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(tail));
+}
+
+// the activations as ggml's F16 dot product reads them: rounded to F16
+void f16_activations(const float * x, int64_t k, std::vector<float> & out) {
+    out.resize(k);
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm512_storeu_ps(&out[i], _mm512_cvtph_ps(h));
+    }
+    for (; i < k; i++) {
+        out[i] = GGML_CPU_FP16_TO_FP32(GGML_CPU_FP32_TO_FP16(x[i]));
+    }
+}
+
+// in ggml_vec_dot_f16's order (4 sums of 16 lanes a step of 64 values, added as it adds them, the
+// values past the last step in double), so that one row gives its bits
+float f16_row(const ggml_fp16_t * w, int64_t k, const float * x) {
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t steps = k & ~int64_t(63);
+    for (int64_t i = 0; i < steps; i += 64) {
+        gemv_fetch(w + i);
+        gemv_fetch(w + i + 32);
+        for (int j = 0; j < 4; j++) {
+            const __m512 wj = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (w + i + 16 * j)));
+            sum[j] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(x + i + 16 * j), sum[j]);
+        }
+    }
+    sum[0] = _mm512_add_ps(sum[0], sum[2]);
+    sum[1] = _mm512_add_ps(sum[1], sum[3]);
+    sum[0] = _mm512_add_ps(sum[0], sum[1]);
+    double total = _mm512_reduce_add_ps(sum[0]);
+    for (int64_t i = steps; i < k; i++) {
+        total += (double) (GGML_CPU_FP16_TO_FP32(w[i]) * x[i]);
+    }
+    return (float) total;
+}
+
+}  // namespace
+
+// C[r] = row r of A (m rows, lda apart) . B, for this thread's rows; k: values of K (F16) or blocks
+// (Q8_0). False: not a product these take, or switched off.
+extern "C" bool shardwire_gemv(const struct ggml_compute_params * params, int64_t m, int64_t k, const void * A,
+                               int64_t lda, const void * B, float * C, int Atype, int Btype) {
+    int64_t first, end;
+    gemv_rows(params, m, &first, &end);
+    if (Atype == GGML_TYPE_Q8_0 && Btype == GGML_TYPE_Q8_0 && shardwire_product_on(SHARDWIRE_Q8_0_GEMV)) {
+        thread_local q8_0_activations x;
+        x.take((const block_q8_0 *) B, k);
+        for (int64_t r = first; r < end; r++) {
+            C[r] = q8_0_row((const block_q8_0 *) A + r * lda, k, x);
+        }
+        return true;
+    }
+    if (Atype == GGML_TYPE_F16 && Btype == GGML_TYPE_F32 && shardwire_product_on(SHARDWIRE_F16_GEMV)) {
+        thread_local std::vector<float> x;
+        f16_activations((const float *) B, k, x);
+        for (int64_t r = first; r < end; r++) {
+            C[r] = f16_row((const ggml_fp16_t *) A + r * lda, k, x.data());
+        }
+        return true;
+    }
+    return false;
+}
+#else
+extern "C" bool shardwire_gemv(const struct ggml_compute_params *, int64_t, int64_t, const void *, int64_t,
+                               const void *, float *, int, int) {
+    return false;
+}
+#endif
