@@ -83,7 +83,7 @@ def run_bench(args: argparse.Namespace) -> int:
     pipeline, cluster = build_pipeline(model, args, n_slots=max(1, streams), quiet=True)
     formats = weight_formats(pipeline, cluster)
     load_s = time.perf_counter() - t0
-    engine = Engine(pipeline, None)  # 512-token prefill chunks, as llama-bench's -ub 512
+    engine = Engine(pipeline, None)  # 512-token prefill chunks, as llama-bench's -ub 512 (pieces of them on workers)
     wire_total = cluster.wire_bytes if cluster is not None else (lambda: 0)
     rng = random.Random(args.seed)
     workers = [a for a in (args.rpc or "").split(",") if a.strip()]

@@ -70,6 +70,7 @@ class Pipeline(Protocol):
     kv_pages: int  # pages in each stage's KV pool (kvcache.pool_pages)
     vocab_size: int
     n_stages: int
+    stages_overlap: bool  # its stages work on different steps at once (on workers), not one after another
     recurrent: bool  # some block keeps a recurrent state: a sequence cannot start past position 0
     on_result: Callable[[StepResult], None]
     on_wake: Callable[[], None]  # the pipeline broke, or wants rebalancing
@@ -137,6 +138,8 @@ def sample_rows(logits: torch.Tensor, rows: list[Row], matchers: Matchers | None
 
 class LocalPipeline:
     """Stages that all live in this process, run one after another."""
+
+    stages_overlap = False
 
     def __init__(self, stages: list[Stage], n_slots: int, ctx: int, kv_pages: int | None = None):
         self.stages, self.n_slots, self.ctx = stages, n_slots, ctx

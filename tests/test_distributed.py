@@ -19,12 +19,16 @@ pytestmark = pytest.mark.slow  # worker processes
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, logprobs=10)
 
 
-def generate(pipeline, n=24, sampling=GREEDY_LOGPROBS, prompt=PROMPT):
-    engine = Engine(pipeline, prefill_chunk=7)
+def generate(pipeline, n=24, sampling=GREEDY_LOGPROBS, prompt=PROMPT, prefill_chunk=7, steps=None):
+    """The tokens and top logprobs of a request; `steps`: a list to add the engine's prefill
+    steps' count to."""
+    engine = Engine(pipeline, prefill_chunk=prefill_chunk)
     try:
         handle = engine.submit(Request(prompt, sampling, max_tokens=n))
         events = [e for e in handle if e.token is not None]
         assert handle.error is None, handle.error
+        if steps is not None:
+            steps.append(engine.counters.steps - engine.counters.decode_steps)
         return [e.token for e in events], [e.top_logprobs for e in events]
     finally:
         engine.close()
@@ -94,6 +98,25 @@ def test_two_workers_gguf(worker_pool, tmp_path):
     got, plan, _ = distributed(path, [w.address for w in workers], tmp_path / "coord")
     assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4)]
     assert_same(single_process(path), got)
+
+
+def test_a_prompt_on_two_workers_goes_in_pieces_that_overlap_and_gives_the_single_process_tokens(worker_pool, tmp_path):
+    """With the default 512-token chunks, a 100-token prompt goes to 2 workers in 4 pieces (about 2
+    a stage, none under MIN_PIECE rows: 32, 32, 32, 4), each stage taking the next while the other
+    runs one; one process takes it whole, and gives the same tokens in 32-token chunks as they do
+    (a chunk reads the keys of those before it from the cache, as float16)."""
+    path = model_path("llama", "F32")
+    prompt = [(7 * i + 3) % 256 for i in range(100)]
+    steps = []
+    whole = single_process(path, prompt=prompt, prefill_chunk=512, steps=steps, n=8)
+    reference = single_process(path, prompt=prompt, prefill_chunk=32, steps=steps, n=8)
+    assert steps == [1, 4] and whole[0] == reference[0]
+    workers = worker_pool(2)
+    got, _, _ = distributed(
+        path, [w.address for w in workers], tmp_path / "coord", prompt=prompt, prefill_chunk=512, steps=steps, n=8
+    )
+    assert steps == [1, 4, 4]
+    assert_same(reference, got)
 
 
 def test_three_workers_uneven_split_safetensors(worker_pool, tmp_path):

@@ -464,6 +464,7 @@ class _GonePipeline:
     """A pipeline whose worker has gone: every step fails."""
 
     n_slots, ctx, kv_pages, n_stages, vocab_size, broken = 2, 64, 8, 1, 151936, None
+    stages_overlap = True
 
     def __init__(self):
         self.on_result = self.on_wake = lambda *args: None

@@ -24,6 +24,8 @@ log = logging.getLogger("shardwire.cluster")
 
 
 class RemotePipeline:
+    stages_overlap = True  # each stage's worker takes the next step while the next stage runs this one
+
     def __init__(self, *, recover: Callable[[str], dict], status: Callable[[], dict], close: Callable[[], None]):
         self._recover, self._status, self._close = recover, status, close
         self.on_result: Callable[[StepResult], None] = lambda result: None
