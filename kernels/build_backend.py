@@ -41,7 +41,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.11"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.12"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 
@@ -184,7 +184,7 @@ PATCHES = [
         "                    }\n"
         "                }\n"
         "                if constexpr (VNNI_Q4_0x8) {\n"
-        "                    if (shardwire_q4_0x8_mul_mat(params, op)) {\n"
+        "                    if (shardwire_q4_0x8_gemv(params, op) || shardwire_q4_0x8_mul_mat(params, op)) {\n"
         "                        return true;\n"
         "                    }\n"
         "                }\n"
@@ -294,7 +294,8 @@ PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacke
         "repack.cpp",
         '#include "repack.h"\n',
         '#include "repack.h"\n\n'
-        'extern "C" bool shardwire_q4_0x8_mul_mat(const struct ggml_compute_params *, struct ggml_tensor *);\n',
+        'extern "C" bool shardwire_q4_0x8_mul_mat(const struct ggml_compute_params *, struct ggml_tensor *);\n'
+        'extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params *, struct ggml_tensor *);\n',
     ),
 ]
 APPENDED = [  # (file, this folder's source added at its end)

@@ -1,5 +1,5 @@
-// shardwire: one row of activations (a decode step of one sequence) by Q8_0 or F16 weights, with
-// AVX-512. ggml's one-row products (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_f16) do a weight row's
+// shardwire: one row of activations (a decode step of one sequence) by Q8_0 or F16 weights, or
+// Q4_0 held repacked, with AVX-512. ggml's one-row products (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_f16) do a weight row's
 // arithmetic in the order its bytes arrive and leave the fetching to the hardware prefetchers;
 // on a core that streams ~33 GB/s they read Q8_0 at ~22 and F16 at ~26. These products ask for
 // the weights GEMV_PREFETCH bytes ahead of the row they multiply and read ~30 and ~32 there.
@@ -127,7 +127,90 @@ float f16_row(const ggml_fp16_t * w, int64_t k, const float * x) {
     return (float) total;
 }
 
+// one Q8_0 activation row as q4_0x8_rows reads it: for each block, -8 times the sums of the
+// activation values each lane of a repacked Q4_0 block's products takes (lanes 2r and 2r + 1 take
+// row r's bytes 0-3 and 4-7 of each 8-byte chunk), and its scale
+struct q4_0x8_activations {
+    std::vector<int32_t> offsets;  // 16 lanes a block
+    std::vector<float> scales;
+
+    void take(const block_q8_0 * x, int64_t k) {
+        offsets.resize(k * 16);
+        scales.resize(k);
+        const __m512i eight = _mm512_set1_epi8(8);
+        for (int64_t b = 0; b < k; b++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int part = 0; part < 4; part++) {
+                sum = _mm512_dpbusd_epi32(sum, eight, _mm512_set1_epi64(*(const int64_t *) (x[b].qs + 8 * part)));
+            }
+            _mm512_storeu_si512(&offsets[b * 16], _mm512_sub_epi32(_mm512_setzero_si512(), sum));
+            scales[b] = GGML_CPU_FP16_TO_FP32(x[b].d);
+        }
+    }
+};
+
+// 8 rows of Q4_0 held repacked (block_q4_0x8: their 8 scales, then 8 bytes of each row in turn,
+// twice; nibbles stored minus 8 in two's complement) by one activation row -> out[0..7]. The
+// nibbles made unsigned again (the stored values, 0-15) multiply the activation's 8-byte chunk
+// that each byte's nibble takes, broadcast to every row; the lanes start at -8 times what they add.
+void q4_0x8_rows(const block_q4_0x8 * w, int64_t k, const block_q8_0 * x, const q4_0x8_activations & a, float * out) {
+    const __m512i low = _mm512_set1_epi8(0x0F), unsign = _mm512_set1_epi8((char) 0x88);
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k; b++) {
+        for (int line = 0; line < 3; line++) {  // 144 bytes a block: three lines ahead cover them
+            gemv_fetch((const char *) (w + b) + 64 * line);
+        }
+        const __m512i first = _mm512_xor_si512(_mm512_loadu_si512(w[b].qs), unsign);  // bytes 0-7 of each row
+        const __m512i second = _mm512_xor_si512(_mm512_loadu_si512(w[b].qs + 64), unsign);  // bytes 8-15
+        const int8_t * q = x[b].qs;
+        __m512i dot = _mm512_loadu_si512(&a.offsets[b * 16]);
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(first, low), _mm512_set1_epi64(*(const int64_t *) q));
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(second, low), _mm512_set1_epi64(*(const int64_t *) (q + 8)));
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(first, 4), low),
+                                  _mm512_set1_epi64(*(const int64_t *) (q + 16)));
+        dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(second, 4), low),
+                                  _mm512_set1_epi64(*(const int64_t *) (q + 24)));
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) w[b].d)),
+                                       _mm256_set1_ps(a.scales[b]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pairs, _mm512_zextps256_ps512(d)), acc);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc);
+    for (int r = 0; r < 8; r++) {
+        out[r] = lanes[2 * r] + lanes[2 * r + 1];
+    }
+}
+
 }  // namespace
+
+// the repack buffer's MUL_MAT on Q4_0 in the 8x8 layout with one row of activations: quantized to
+// Q8_0 (as ggml quantizes it for Q4_0) into the work buffer, then 8 weight rows at a time; false:
+// not taken, ggml's GEMV computes it
+extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+    const int64_t K = src0->ne[0], M = src0->ne[1];
+    if (!shardwire_product_on(SHARDWIRE_Q4_0X8_GEMV) || params->use_ref || src1->type != GGML_TYPE_F32 ||
+        src1->ne[1] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1 || M % 8 != 0 || K % QK8_0 != 0 ||
+        params->wsize < ggml_row_size(GGML_TYPE_Q8_0, K)) {
+        return false;
+    }
+    const block_q8_0 * x = (const block_q8_0 *) params->wdata;
+    if (params->ith == 0) {
+        ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float((const float *) src1->data, (void *) x, K);
+    }
+    ggml_barrier(params->threadpool);
+    thread_local q4_0x8_activations a;
+    a.take(x, K / QK8_0);
+    int64_t first, end;
+    gemv_rows(params, M / 8, &first, &end);
+    const block_q4_0x8 * w = (const block_q4_0x8 *) src0->data;
+    for (int64_t g = first; g < end; g++) {
+        q4_0x8_rows(w + g * (K / QK4_0), K / QK4_0, x, a, (float *) dst->data + 8 * g);
+    }
+    return true;
+}
 
 // C[r] = row r of A (m rows, lda apart) . B, for this thread's rows; k: values of K (F16) or blocks
 // (Q8_0). False: not a product these take, or switched off.
@@ -154,6 +237,10 @@ extern "C" bool shardwire_gemv(const struct ggml_compute_params * params, int64_
     return false;
 }
 #else
+extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params *, struct ggml_tensor *) {
+    return false;
+}
+
 extern "C" bool shardwire_gemv(const struct ggml_compute_params *, int64_t, int64_t, const void *, int64_t,
                                const void *, float *, int, int) {
     return false;

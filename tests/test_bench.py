@@ -1,5 +1,5 @@
-"""`shardwire bench`, the benchmark's link relay (benchmarks/relay.py) and its report
-(benchmarks/report.py)."""
+"""`shardwire bench`, the benchmark's link relay (benchmarks/relay.py), its report
+(benchmarks/report.py) and the one-row product benchmark (benchmarks/gemv.py)."""
 
 from __future__ import annotations
 
@@ -121,3 +121,19 @@ def test_the_report_gives_the_ratio_of_each_interleaved_pair_of_invocations():
     cell = {"key": "m/w0/local", "workload": "m", "workers": 0, "link": "local"}
     entry = report.summarize({"cells": [cell], "runs": runs})["cells"]["m/w0/local"]
     assert entry["pair_ratios"] == {"pp": [2.0, 1.0], "tg": [0.8, 1.0]}
+
+
+def test_the_one_row_product_benchmark_times_both_kernels_and_names_the_cpu(capsys, monkeypatch):
+    import gemv
+
+    from shardwire.quant import ggml_cpu
+
+    monkeypatch.setattr(sys, "argv", ["gemv.py", "--gbytes", "0.05", "--rounds", "2"])
+    assert gemv.main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cpu: ")
+    if ggml_cpu.own_products("gemv"):
+        for stored in ("Q8_0", "F16"):
+            assert f"{stored} shardwire (kernels/gemv.cpp): best" in out and f"{stored} ggml " in out
+            assert f"{stored} shardwire / ggml: " in out
+        assert ggml_cpu.own_products_used("gemv") == ggml_cpu.own_products("gemv")

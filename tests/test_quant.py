@@ -396,12 +396,16 @@ def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_featur
     """./kernels' one-row products against ggml's dot products on the same graph, for K in whole
     steps of theirs and not (Q8_0: 4 blocks a step, here 33, 3 or 35 blocks; F16: 64 values, here
     1056, 96 and 1048), and weight rows that split unevenly between threads, with the same
-    activations (8-bit, or rounded to F16, as ggml converts them). Q8_0 sums exact integer products
-    of blocks, each scaled by its two blocks' scales: float rounding apart. F16 adds its products
-    in the order ggml does: its bits."""
-    cols = cols or {"Q8_0": 1120, "F16": 1048}[stored]
+    activations (8-bit, or rounded to F16, as ggml converts them). Q8_0 and Q4_0 (held repacked, 8
+    rows at a time: 96, 64, 32 or 2048 of them) sum exact integer products of blocks, each scaled by
+    its two blocks' scales: float rounding apart. F16 adds its products in the order ggml does: its
+    bits."""
+    cols = cols or {"Q8_0": 1120, "F16": 1048, "Q4_0": 1120}[stored]
+    if stored == "Q4_0":
+        out_features -= out_features % 8
     w, raw, _ = matrix(stored, rows=out_features, cols=cols, seed=7)
-    module = ggml_cpu.GGMLLinear(raw, stored, w.shape[1], torch.float32)
+    kind = ggml_cpu.RepackedLinear if stored == "Q4_0" else ggml_cpu.GGMLLinear
+    module = kind(raw, stored, w.shape[1], torch.float32)
     x = torch.from_numpy(np.random.default_rng(8).standard_normal((1, w.shape[1])).astype(np.float32))
     torch.set_num_threads(threads)
     try:
@@ -423,7 +427,7 @@ def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_featur
 @pytest.mark.parametrize(
     "layout,kind",
     [("Q8_0 stored", "gemm"), ("Q4_0 repacked", "gemm"), ("F32 stored", "gemm"), ("F16 stored", "gemm")]
-    + [("Q8_0 stored", "gemv"), ("F16 stored", "gemv")],
+    + [("Q8_0 stored", "gemv"), ("F16 stored", "gemv"), ("Q4_0 repacked", "gemv")],
 )
 def test_a_product_switched_off_leaves_its_rows_to_ggml_on_the_same_plan(layout, kind):
     """Switched off after a graph was planned (as measuring them does), an own product leaves its
@@ -452,7 +456,7 @@ def test_a_product_switched_off_leaves_its_rows_to_ggml_on_the_same_plan(layout,
         assert module._graph("mul_mat", 64, rows).plan.work_size >= rows * 2048 * 2
     if (stored, kind) == ("F16", "gemv"):  # its sums in ggml's order
         assert torch.equal(own, theirs)
-    elif stored != "Q4_0":  # the repack buffer's Q4_0 GEMM adds the same block products in the same order
+    elif (stored, kind) != ("Q4_0", "gemm"):  # the repack buffer's Q4_0 GEMM adds them in the same order
         assert not torch.equal(own, theirs)  # another kernel: its sums in another order
     assert float((own - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
 

@@ -1,0 +1,90 @@
+"""One row of activations through ggml's graph on Q8_0 and F16 weights, with shardwire's one-row
+products (kernels/gemv.cpp) on and off, side by side: how many bytes of weights a second each reads
+as a decode step reads them (about 1 GB of matrices of the 1B layout's FFN shape, one after another).
+
+    python benchmarks/gemv.py [--types Q8_0,F16] [--rounds 7] [--gbytes 1.0] [-t 1]
+
+Prints the CPU, the ggml build and, per type and kernel, the best and median GB/s over the rounds
+(taken in turns) and the ratio of the medians. Needs the ggml of ./kernels on a CPU with AVX-512
+VNNI; elsewhere it says there is nothing to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from shardwire.quant import ggml_cpu
+from shardwire.quant.codecs import stored_nbytes
+from shardwire.quant.measure import cpu_model
+
+SHAPE = (5632, 2048)  # [out, in]: the 1B layout's gate and up projections
+
+
+def matrices(stored: str, gbytes: float) -> list:
+    """Random weights (F16 values, Q8_0 blocks with F16 scales in a sane range) as ggml layers."""
+    rng = np.random.default_rng(0)
+    nbytes = stored_nbytes(stored, SHAPE)
+    out = []
+    for _ in range(max(1, int(gbytes * 1e9 // nbytes))):
+        if stored == "F16":
+            raw = rng.standard_normal(SHAPE).astype(np.float16).view(np.uint8)
+        else:
+            blocks = np.empty((SHAPE[0], SHAPE[1] // 32), dtype=[("d", "<f2"), ("qs", "i1", 32)])
+            blocks["d"] = rng.uniform(1e-3, 1e-2, blocks.shape)
+            blocks["qs"] = rng.integers(-127, 128, blocks["qs"].shape)
+            raw = blocks.view(np.uint8).reshape(SHAPE[0], -1)
+        out.append(ggml_cpu.GGMLLinear(torch.from_numpy(raw.copy()), stored, SHAPE[1], torch.float32))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--types", default="Q8_0,F16")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--gbytes", type=float, default=1.0, help="weights streamed per timed pass")
+    p.add_argument("-t", "--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    built = ggml_cpu.own_products("gemv")
+    print(f"cpu: {cpu_model()}  ggml: {ggml_cpu.build() or 'none'}  threads: {args.threads}")
+    if not built:
+        print("this ggml has no one-row products of shardwire's (ggml-python as published, or no AVX-512 VNNI)")
+        return 0
+    x = torch.randn(1, SHAPE[1])
+    try:
+        for stored in args.types.split(","):
+            if stored not in built:
+                print(f"{stored}: no one-row product of shardwire's")
+                continue
+            layers = matrices(stored, args.gbytes)
+            nbytes = len(layers) * stored_nbytes(stored, SHAPE)
+            rates = {"shardwire": [], "ggml": []}
+            for _ in range(args.rounds):
+                for kernel, rate in rates.items():
+                    ggml_cpu.use_own_products([stored] if kernel == "shardwire" else [], "gemv")
+                    t = time.perf_counter()
+                    for layer in layers:
+                        layer(x)
+                    rate.append(nbytes / (time.perf_counter() - t) / 1e9)
+            for kernel, rate in rates.items():
+                label = "kernels/gemv.cpp" if kernel == "shardwire" else "ggml's dot product"
+                median, shape = statistics.median(rate), f"{len(layers)} x {SHAPE[0]}x{SHAPE[1]}"
+                print(
+                    f"{stored} {kernel:9s} ({label}): best {max(rate):5.1f} GB/s  median {median:5.1f} GB/s"
+                    f"  ({shape}, {nbytes / 1e9:.2f} GB)"
+                )
+            ratio = statistics.median(rates["shardwire"]) / statistics.median(rates["ggml"])
+            print(f"{stored} shardwire / ggml: {ratio:.2f}x (medians)")
+    finally:
+        ggml_cpu.use_own_products(built, "gemv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
