@@ -17,11 +17,12 @@ next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with AVX-51
 quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32 or F16 weights, or on Q4_0
 weights held repacked, goes to vnni_gemm.cpp or float_gemm.cpp instead of llamafile's tinyBLAS or
 the repack buffer's GEMM: at 64 rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.4-1.9x, F16
-1.0-1.1x. And there one row of activations on Q8_0 or F16 weights (a decode step), which
-llamafile declines, goes to gemv.cpp before ggml's dot products: the same arithmetic (F16 to the
-bit), with the weights fetched 8 KiB ahead, streaming Q8_0 1.3-1.7x and F16 1.1x faster on the
-EPYC. Each of those can be switched off at run time (products.cpp): shardwire times each
-against the kernel it stands in for and keeps only the faster.
+1.0-1.1x. And there one row of activations (a decode step) on Q8_0 or F16 weights, which
+llamafile declines, or on Q4_0 held repacked goes to gemv.cpp before ggml's dot products or the
+repack buffer's GEMV: the same arithmetic (F16 to the bit), with the weights fetched 8 KiB ahead,
+streaming Q8_0 1.3-1.7x, F16 1.1x and repacked Q4_0 1.5x faster on the EPYC. Each of those can
+be switched off at run time (products.cpp): shardwire times each against the kernel it stands in
+for and keeps only the faster.
 
 The wheel's version is LOCAL_VERSION (ggml-python's with a local part), so it satisfies
 `ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.
