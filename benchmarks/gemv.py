@@ -1,9 +1,9 @@
-"""One row of activations through ggml's graph on Q8_0 and F16 weights and on Q4_0 held repacked,
+"""One row of activations through ggml's graph on Q8_0 and F16 weights and on Q4_0 and Q4_K held repacked,
 with shardwire's one-row products (kernels/gemv.cpp) on and off, side by side: how many bytes of
 weights a second each reads as a decode step reads them (about 1 GB of matrices of the 1B layout's
 FFN shape, one after another).
 
-    python benchmarks/gemv.py [--types Q8_0,F16,Q4_0] [--rounds 7] [--gbytes 1.0] [-t 1]
+    python benchmarks/gemv.py [--types Q8_0,F16,Q4_0,Q4_K] [--rounds 7] [--gbytes 1.0] [-t 1]
 
 Prints the CPU, the ggml build and, per type and kernel, the best and median GB/s over the rounds
 (taken in turns) and the ratio of the medians. Needs the ggml of ./kernels on a CPU with AVX-512
@@ -25,31 +25,44 @@ from shardwire.quant.codecs import stored_nbytes
 from shardwire.quant.measure import cpu_model
 
 SHAPE = (5632, 2048)  # [out, in]: the 1B layout's gate and up projections
+THEIRS = {  # the ggml kernel each of shardwire's one-row products stands in for
+    "Q8_0": "ggml's dot product",
+    "F16": "ggml's dot product",
+    "Q4_0": "ggml's repacked GEMV",
+    "Q4_K": "ggml's repacked GEMV",
+}
 
 
 def matrices(stored: str, gbytes: float) -> list:
-    """Random weights (F16 values; Q8_0 or Q4_0 blocks with F16 scales in a sane range) as ggml
-    layers, Q4_0 in the repacked layout its one-row products read."""
+    """Random weights (F16 values; Q8_0, Q4_0 or Q4_K blocks with F16 scales in a sane range) as
+    ggml layers, Q4_0 and Q4_K in the repacked layout their one-row products read."""
     rng = np.random.default_rng(0)
     nbytes = stored_nbytes(stored, SHAPE)
     out = []
     for _ in range(max(1, int(gbytes * 1e9 // nbytes))):
         if stored == "F16":
             raw = rng.standard_normal(SHAPE).astype(np.float16).view(np.uint8)
+        elif stored == "Q4_K":
+            layout = [("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]
+            blocks = np.empty((SHAPE[0], SHAPE[1] // 256), dtype=layout)
+            blocks["d"], blocks["dmin"] = rng.uniform(1e-4, 1e-3, (2, *blocks.shape))
+            blocks["scales"] = rng.integers(0, 256, blocks["scales"].shape)
+            blocks["qs"] = rng.integers(0, 256, blocks["qs"].shape)
+            raw = blocks.view(np.uint8).reshape(SHAPE[0], -1)
         else:
             values = ("i1", 32) if stored == "Q8_0" else ("u1", 16)
             blocks = np.empty((SHAPE[0], SHAPE[1] // 32), dtype=[("d", "<f2"), ("qs", *values)])
             blocks["d"] = rng.uniform(1e-3, 1e-2, blocks.shape)
             blocks["qs"] = rng.integers(-127 if stored == "Q8_0" else 0, 128, blocks["qs"].shape)
             raw = blocks.view(np.uint8).reshape(SHAPE[0], -1)
-        kind = ggml_cpu.RepackedLinear if stored == "Q4_0" else ggml_cpu.GGMLLinear
+        kind = ggml_cpu.RepackedLinear if stored in ("Q4_0", "Q4_K") else ggml_cpu.GGMLLinear
         out.append(kind(torch.from_numpy(raw.copy()), stored, SHAPE[1], torch.float32))
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--types", default="Q8_0,F16,Q4_0")
+    p.add_argument("--types", default="Q8_0,F16,Q4_0,Q4_K")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--gbytes", type=float, default=1.0, help="weights streamed per timed pass")
     p.add_argument("-t", "--threads", type=int, default=1)
@@ -77,13 +90,7 @@ def main() -> int:
                         layer(x)
                     rate.append(nbytes / (time.perf_counter() - t) / 1e9)
             for kernel, rate in rates.items():
-                label = (
-                    "kernels/gemv.cpp"
-                    if kernel == "shardwire"
-                    else "ggml's GEMV"
-                    if stored == "Q4_0"
-                    else "ggml's dot product"
-                )
+                label = "kernels/gemv.cpp" if kernel == "shardwire" else THEIRS[stored]
                 median, shape = statistics.median(rate), f"{len(layers)} x {SHAPE[0]}x{SHAPE[1]}"
                 print(
                     f"{stored} {kernel:9s} ({label}): best {max(rate):5.1f} GB/s  median {median:5.1f} GB/s"

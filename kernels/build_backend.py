@@ -18,9 +18,10 @@ quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32 or F16 
 weights held repacked, goes to vnni_gemm.cpp or float_gemm.cpp instead of llamafile's tinyBLAS or
 the repack buffer's GEMM: at 64 rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.4-1.9x, F16
 1.0-1.1x. And there one row of activations (a decode step) on Q8_0 or F16 weights, which
-llamafile declines, or on Q4_0 held repacked goes to gemv.cpp before ggml's dot products or the
-repack buffer's GEMV: the same arithmetic (F16 to the bit), with the weights fetched 8 KiB ahead,
-streaming Q8_0 1.3-1.7x, F16 1.1x and repacked Q4_0 1.5x faster on the EPYC. Each of those can
+llamafile declines, or on Q4_0 or Q4_K held repacked goes to gemv.cpp before ggml's dot products
+or the repack buffer's GEMV: the same arithmetic (F16 to the bit), with the weights fetched 8 KiB
+ahead, streaming Q8_0 1.3-1.8x, F16 1.1x, repacked Q4_0 1.4-1.6x and Q4_K 1.3x faster on the
+EPYC. Each of those can
 be switched off at run time (products.cpp): shardwire times each against the kernel it stands in
 for and keeps only the faster.
 
@@ -42,7 +43,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.12"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.13"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 
@@ -180,7 +181,8 @@ PATCHES = [
         "            case GGML_OP_MUL_MAT:\n                forward_mul_mat(params, op);\n",
         "            case GGML_OP_MUL_MAT:\n"
         "                if constexpr (TILED_Q4_Kx8) {\n"
-        "                    if (ggml_compute_forward_mul_mat_tiled_q4_Kx8(params, op)) {\n"
+        "                    if (shardwire_q4_Kx8_gemv(params, op) ||\n"
+        "                        ggml_compute_forward_mul_mat_tiled_q4_Kx8(params, op)) {\n"
         "                        return true;\n"
         "                    }\n"
         "                }\n"
@@ -296,7 +298,8 @@ PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacke
         '#include "repack.h"\n',
         '#include "repack.h"\n\n'
         'extern "C" bool shardwire_q4_0x8_mul_mat(const struct ggml_compute_params *, struct ggml_tensor *);\n'
-        'extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params *, struct ggml_tensor *);\n',
+        'extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params *, struct ggml_tensor *);\n'
+        'extern "C" bool shardwire_q4_Kx8_gemv(const struct ggml_compute_params *, struct ggml_tensor *);\n',
     ),
 ]
 APPENDED = [  # (file, this folder's source added at its end)

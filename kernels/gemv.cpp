@@ -1,5 +1,5 @@
 // shardwire: one row of activations (a decode step of one sequence) by Q8_0 or F16 weights, or
-// Q4_0 held repacked, with AVX-512. ggml's one-row products (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_f16) do a weight row's
+// Q4_0 or Q4_K held repacked, with AVX-512. ggml's one-row products (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_f16) do a weight row's
 // arithmetic in the order its bytes arrive and leave the fetching to the hardware prefetchers;
 // on a core that streams ~33 GB/s they read Q8_0 at ~22 and F16 at ~26. These products ask for
 // the weights GEMV_PREFETCH bytes ahead of the row they multiply and read ~30 and ~32 there.
@@ -16,6 +16,7 @@
 // llamafile_sgemm, which takes no single row, calls shardwire_gemv instead of declining one.
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -182,7 +183,101 @@ void q4_0x8_rows(const block_q4_0x8 * w, int64_t k, const block_q8_0 * x, const 
     }
 }
 
+// a sub-block's 6-bit scales and mins of 8 rows of Q4_K held repacked (12 bytes, as
+// make_block_q4_Kx8 packs them: bytes 0-3 the scales of rows 0-3 and the top bits of rows 4-7's,
+// bytes 4-7 the same of the mins, bytes 8-11 the low 4 bits of rows 4-7's scale and min) -> 8
+// bytes each
+inline void q4_Kx8_scales(const uint8_t * packed, uint64_t * scales, uint64_t * mins) {
+    uint32_t lo, mid, hi;
+    memcpy(&lo, packed, 4);
+    memcpy(&mid, packed + 4, 4);
+    memcpy(&hi, packed + 8, 4);
+    const uint32_t s_high = (hi & 0x0F0F0F0F) | ((lo >> 2) & 0x30303030);
+    const uint32_t m_high = ((hi >> 4) & 0x0F0F0F0F) | ((mid >> 2) & 0x30303030);
+    *scales = (uint64_t) (lo & 0x3F3F3F3F) | ((uint64_t) s_high << 32);
+    *mins = (uint64_t) (mid & 0x3F3F3F3F) | ((uint64_t) m_high << 32);
+}
+
+// 8 rows of Q4_K held repacked (block_q4_Kx8: per 256 values their 8 scales and mins of scales,
+// the sub-blocks' 6-bit scales and mins, then 8 bytes of each row in turn, 16 times) by one Q8_K
+// activation row -> out[0..7]. Each 8-byte chunk's low nibbles are values of sub-block 2p, its
+// high ones of 2p + 1, and multiply the activation's 8 bytes at those positions, broadcast to
+// every row; a sub-block's exact integer sums are scaled by its 6-bit scales before the float
+// scales, and its mins times the activation sub-block's sum are taken off, as ggml does.
+void q4_Kx8_rows(const block_q4_Kx8 * w, int64_t k, const block_q8_K * x, float * out) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 taken = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k; b++) {
+        for (int line = 0; line < 18; line++) {  // 1152 bytes a block
+            gemv_fetch((const char *) (w + b) + 64 * line);
+        }
+        const int8_t * q = x[b].qs;
+        __m512i sums = _mm512_setzero_si512();
+        __m256i mins_sums = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int u = 0; u < 4; u++) {
+                const __m512i bytes = _mm512_loadu_si512(w[b].qs + 64 * (4 * p + u));
+                even = _mm512_dpbusd_epi32(even, _mm512_and_si512(bytes, low),
+                                           _mm512_set1_epi64(*(const int64_t *) (q + 64 * p + 8 * u)));
+                odd = _mm512_dpbusd_epi32(odd, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low),
+                                          _mm512_set1_epi64(*(const int64_t *) (q + 64 * p + 32 + 8 * u)));
+            }
+            for (int half = 0; half < 2; half++) {
+                const int j = 2 * p + half;  // the sub-block
+                uint64_t scales, mins;
+                q4_Kx8_scales(w[b].scales + (j < 4 ? 12 * j : 48 + 12 * (j - 4)), &scales, &mins);
+                const __m512i scale = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi64_si128((int64_t) scales), twice));
+                sums = _mm512_add_epi32(sums, _mm512_mullo_epi32(half ? odd : even, scale));
+                const int32_t activation_sum = x[b].bsums[2 * j] + x[b].bsums[2 * j + 1];
+                mins_sums = _mm256_add_epi32(mins_sums, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t) mins)),
+                                                                            _mm256_set1_epi32(activation_sum)));
+            }
+        }
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) w[b].d)), _mm256_set1_ps(x[b].d));
+        const __m256 dmin = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) w[b].dmin)), _mm256_set1_ps(x[b].d));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(pairs, _mm512_zextps256_ps512(d)), acc);
+        taken = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins_sums), dmin, taken);
+    }
+    alignas(64) float lanes[16];
+    alignas(32) float mins[8];
+    _mm512_store_ps(lanes, acc);
+    _mm256_store_ps(mins, taken);
+    for (int r = 0; r < 8; r++) {
+        out[r] = lanes[2 * r] + lanes[2 * r + 1] - mins[r];
+    }
+}
+
 }  // namespace
+
+// the repack buffer's MUL_MAT on Q4_K in the 8x8 layout with one row of activations: quantized to
+// Q8_K (as ggml quantizes it for Q4_K) into the work buffer, then 8 weight rows at a time; false:
+// not taken, ggml's GEMV computes it
+extern "C" bool shardwire_q4_Kx8_gemv(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+    const int64_t K = src0->ne[0], M = src0->ne[1];
+    if (!shardwire_product_on(SHARDWIRE_Q4_KX8_GEMV) || params->use_ref || src1->type != GGML_TYPE_F32 ||
+        src1->ne[1] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1 || M % 8 != 0 || K % QK_K != 0 ||
+        params->wsize < ggml_row_size(GGML_TYPE_Q8_K, K)) {
+        return false;
+    }
+    const block_q8_K * x = (const block_q8_K *) params->wdata;
+    if (params->ith == 0) {
+        ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float((const float *) src1->data, (void *) x, K);
+    }
+    ggml_barrier(params->threadpool);
+    int64_t first, end;
+    gemv_rows(params, M / 8, &first, &end);
+    const block_q4_Kx8 * w = (const block_q4_Kx8 *) src0->data;
+    for (int64_t g = first; g < end; g++) {
+        q4_Kx8_rows(w + g * (K / QK_K), K / QK_K, x, (float *) dst->data + 8 * g);
+    }
+    return true;
+}
 
 // the repack buffer's MUL_MAT on Q4_0 in the 8x8 layout with one row of activations: quantized to
 // Q8_0 (as ggml quantizes it for Q4_0) into the work buffer, then 8 weight rows at a time; false:
@@ -237,6 +332,10 @@ extern "C" bool shardwire_gemv(const struct ggml_compute_params * params, int64_
     return false;
 }
 #else
+extern "C" bool shardwire_q4_Kx8_gemv(const struct ggml_compute_params *, struct ggml_tensor *) {
+    return false;
+}
+
 extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params *, struct ggml_tensor *) {
     return false;
 }

@@ -17,6 +17,7 @@ enum : unsigned {  // one bit a product; shardwire/quant/ggml_cpu.py names them 
     SHARDWIRE_Q8_0_GEMV = 1u << 4,  // one row
     SHARDWIRE_F16_GEMV = 1u << 5,
     SHARDWIRE_Q4_0X8_GEMV = 1u << 6,
+    SHARDWIRE_Q4_KX8_GEMV = 1u << 7,
 };
 
 static std::atomic<unsigned> shardwire_products_on{~0u};
@@ -31,7 +32,7 @@ extern "C" unsigned shardwire_products_built(void) {
     built |= SHARDWIRE_Q8_0 | SHARDWIRE_Q4_0X8;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    built |= SHARDWIRE_Q8_0_GEMV | SHARDWIRE_F16_GEMV | SHARDWIRE_Q4_0X8_GEMV;
+    built |= SHARDWIRE_Q8_0_GEMV | SHARDWIRE_F16_GEMV | SHARDWIRE_Q4_0X8_GEMV | SHARDWIRE_Q4_KX8_GEMV;
 #endif
 #if defined(__AVX512F__)
     built |= SHARDWIRE_F32 | SHARDWIRE_F16;

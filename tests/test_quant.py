@@ -389,7 +389,7 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
 
 
 @pytest.mark.skipif(not ggml_cpu.own_products("gemv"), reason="no ggml with shardwire's own one-row products here")
-@pytest.mark.parametrize("stored", ["Q8_0", "F16"])
+@pytest.mark.parametrize("stored", ["Q8_0", "F16", "Q4_0", "Q4_K"])
 @pytest.mark.parametrize("out_features,cols", [(97, 1056), (64, 96), (33, None), (2048, 512)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_features, cols, threads):
@@ -398,13 +398,16 @@ def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_featur
     1056, 96 and 1048), and weight rows that split unevenly between threads, with the same
     activations (8-bit, or rounded to F16, as ggml converts them). Q8_0 and Q4_0 (held repacked, 8
     rows at a time: 96, 64, 32 or 2048 of them) sum exact integer products of blocks, each scaled by
-    its two blocks' scales: float rounding apart. F16 adds its products in the order ggml does: its
-    bits."""
-    cols = cols or {"Q8_0": 1120, "F16": 1048, "Q4_0": 1120}[stored]
-    if stored == "Q4_0":
+    its two blocks' scales, Q4_K (held repacked, 1024, 256, 1280 or 512 values a row) each
+    sub-block's by its 6-bit scale and takes its mins off: float rounding apart. F16 adds its
+    products in the order ggml does: its bits."""
+    cols = cols or {"Q8_0": 1120, "F16": 1048, "Q4_0": 1120, "Q4_K": 1280}[stored]
+    if stored in ("Q4_0", "Q4_K"):
         out_features -= out_features % 8
+    if stored == "Q4_K":
+        cols = max(256, cols - cols % 256)
     w, raw, _ = matrix(stored, rows=out_features, cols=cols, seed=7)
-    kind = ggml_cpu.RepackedLinear if stored == "Q4_0" else ggml_cpu.GGMLLinear
+    kind = ggml_cpu.RepackedLinear if stored in ("Q4_0", "Q4_K") else ggml_cpu.GGMLLinear
     module = kind(raw, stored, w.shape[1], torch.float32)
     x = torch.from_numpy(np.random.default_rng(8).standard_normal((1, w.shape[1])).astype(np.float32))
     torch.set_num_threads(threads)
@@ -427,7 +430,7 @@ def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_featur
 @pytest.mark.parametrize(
     "layout,kind",
     [("Q8_0 stored", "gemm"), ("Q4_0 repacked", "gemm"), ("F32 stored", "gemm"), ("F16 stored", "gemm")]
-    + [("Q8_0 stored", "gemv"), ("F16 stored", "gemv"), ("Q4_0 repacked", "gemv")],
+    + [("Q8_0 stored", "gemv"), ("F16 stored", "gemv"), ("Q4_0 repacked", "gemv"), ("Q4_K repacked", "gemv")],
 )
 def test_a_product_switched_off_leaves_its_rows_to_ggml_on_the_same_plan(layout, kind):
     """Switched off after a graph was planned (as measuring them does), an own product leaves its

@@ -279,7 +279,7 @@ def tiled_reads_repacked() -> bool:
 # (tinyBLAS or the repack buffer's GEMM for Q4_0; ggml's dot products for one row).
 OWN_PRODUCTS = {
     "gemm": {"Q8_0": 1 << 0, "Q4_0": 1 << 1, "F32": 1 << 2, "F16": 1 << 3},
-    "gemv": {"Q8_0": 1 << 4, "F16": 1 << 5, "Q4_0": 1 << 6},
+    "gemv": {"Q8_0": 1 << 4, "F16": 1 << 5, "Q4_0": 1 << 6, "Q4_K": 1 << 7},
 }
 
 
