@@ -155,6 +155,7 @@ class _Sequence:
         self.preempted = False  # its pages went to others; it restarts from its tokens when some are free
         self.failed = False  # a step of it failed: its pages may hold anything
         self.progress_at: dict[int, int] = {}  # prompt chunk's step id -> positions done once it is back
+        self.prefill_rows: int | None = None  # rows a step of its first prefill took; a replay takes as many
 
     @property
     def n_generated(self) -> int:
@@ -469,7 +470,7 @@ class Engine:
         report = seq.request.report_progress and seq.n_generated == 0
         if report:
             self._progress(seq, seq.n_cached)
-        rows = self._prefill_rows(end - seq.n_cached)
+        seq.prefill_rows = rows = seq.prefill_rows or self._prefill_rows(end - seq.n_cached)
         for start in range(seq.n_cached, end, rows):
             chunk = tokens[start : min(start + rows, end)]
             last = start + len(chunk) == len(tokens)

@@ -723,6 +723,28 @@ def test_a_broken_pipeline_is_recovered_and_sequences_replay_their_history(make_
     assert pipe.problems == []
 
 
+def test_a_prompt_goes_in_pieces_where_stages_overlap_and_a_replay_on_fewer_stages_keeps_them(make_engine):
+    """With 512-token chunks, a 70-token prompt goes through 2 overlapping stages in pieces of 32
+    rows (MIN_PIECE; 70 / 4 is fewer); rebuilt on one stage, the replay sends it in the same
+    pieces, so that its keys and values are computed as they first were."""
+    prompt = [(5 * i + 1) % 1000 for i in range(70)]
+    pipe = RecoverablePipeline(n_slots=1, ctx=128, n_stages=2, hold=True, rule=mixing)
+    engine = make_engine(pipe, prefill_chunk=512)
+    handle = engine.submit(req(prompt, 3))
+    first = pipe.wait_pending(3)
+    assert [(s.rows[0].start, len(s.rows[0].tokens)) for s in first] == [(0, 32), (32, 32), (64, 6)]
+    pipe.answer_all()
+    in_flight = pipe.wait_pending(1)  # the first decode step
+    n_before = len(pipe.steps)
+    pipe.n_stages = 1
+    pipe.break_("worker w1 is gone")
+    pipe.answer(in_flight[0], error=PipelineError("worker w1 is gone", worker="w1"))
+    replay = pipe.wait_steps(n_before + 4)[n_before:]
+    assert [shape(s) for s in replay[:3]] == [shape(s) for s in first]
+    pipe.drive([handle])
+    assert handle.tokens == expected(prompt, 3, mixing)
+
+
 def test_a_replay_keeps_the_decode_steps_as_they_were_grouped_less_finished_sequences(make_engine):
     """One stage: one decode step in flight, carrying every ready sequence. The replay sends the
     same groups, without the sequence that has finished since, and every row at its position."""
