@@ -19,7 +19,7 @@ weights held repacked, goes to vnni_gemm.cpp or float_gemm.cpp instead of llamaf
 the repack buffer's GEMM: at 64 rows on the EPYC Q8_0 2.8x faster, Q4_0 1.8x, F32 1.4-1.9x, F16
 1.0-1.1x. And there one row of activations (a decode step) on Q8_0 or F16 weights, which
 llamafile declines, or on Q4_0 or Q4_K held repacked goes to gemv.cpp before ggml's dot products
-or the repack buffer's GEMV: the same arithmetic (F16 to the bit), with the weights fetched 8 KiB
+or the repack buffer's GEMV: the same arithmetic (F16, Q4_0 to the bit), with the weights fetched 8 KiB
 ahead, streaming Q8_0 1.3-1.8x, F16 1.1x, repacked Q4_0 1.4-1.6x and Q4_K 1.3x faster on the
 EPYC. Each of those can
 be switched off at run time (products.cpp): shardwire times each against the kernel it stands in
@@ -43,7 +43,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.13"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.14"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 

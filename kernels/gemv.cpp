@@ -1,8 +1,9 @@
 // shardwire: one row of activations (a decode step of one sequence) by Q8_0 or F16 weights, or
-// Q4_0 or Q4_K held repacked, with AVX-512. ggml's one-row products (ggml_vec_dot_q8_0_q8_0, ggml_vec_dot_f16) do a weight row's
-// arithmetic in the order its bytes arrive and leave the fetching to the hardware prefetchers;
-// on a core that streams ~33 GB/s they read Q8_0 at ~22 and F16 at ~26. These products ask for
-// the weights GEMV_PREFETCH bytes ahead of the row they multiply and read ~30 and ~32 there.
+// Q4_0 or Q4_K held repacked, with AVX-512. ggml's one-row products (ggml_vec_dot_q8_0_q8_0,
+// ggml_vec_dot_f16, the repack buffer's GEMVs) do a weight row's arithmetic in the order its
+// bytes arrive and leave the fetching to the hardware prefetchers; on a core that streams ~33
+// GB/s they read Q8_0 at ~22, F16 at ~26 and repacked Q4_0 and Q4_K at ~16-21. These products
+// ask for the weights GEMV_PREFETCH bytes ahead of the row they multiply and read ~24-35 there.
 //
 // Q8_0: each activation block's values sit contiguous, two blocks to a vector, and one VNNI
 // instruction multiplies them with two weight blocks, whose values are made unsigned (plus 128);
@@ -11,6 +12,8 @@
 // Its results differ from ggml's only in the order of float additions.
 // F16: the activations rounded through F16 (as ggml converts them for its F16 dot product), the
 // weights widened to float, products summed in ggml's order: ggml's bits.
+// Q4_0 and Q4_K held repacked: 8 rows at a time (q4_0x8_rows, q4_Kx8_rows); Q4_0 to the bits of
+// ggml's GEMV (and so of the repacked GEMM, as a prompt computes it), Q4_K within its rounding.
 //
 // kernels/build_backend.py appends this file to ggml-cpu/repack.cpp, after products.cpp;
 // llamafile_sgemm, which takes no single row, calls shardwire_gemv instead of declining one.
@@ -154,10 +157,12 @@ struct q4_0x8_activations {
 // twice; nibbles stored minus 8 in two's complement) by one activation row -> out[0..7]. The
 // nibbles made unsigned again (the stored values, 0-15) multiply the activation's 8-byte chunk
 // that each byte's nibble takes, broadcast to every row; the lanes start at -8 times what they add.
+// A row's two lanes make its block's exact integer product, which goes into its sum as ggml's GEMV
+// adds it (times the weight's scale times the activation's, block after block): a row gets the
+// GEMV's bits, and so the bits the repacked GEMM gives it in a prompt.
 void q4_0x8_rows(const block_q4_0x8 * w, int64_t k, const block_q8_0 * x, const q4_0x8_activations & a, float * out) {
     const __m512i low = _mm512_set1_epi8(0x0F), unsign = _mm512_set1_epi8((char) 0x88);
-    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512 acc = _mm512_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < k; b++) {
         for (int line = 0; line < 3; line++) {  // 144 bytes a block: three lines ahead cover them
             gemv_fetch((const char *) (w + b) + 64 * line);
@@ -172,15 +177,12 @@ void q4_0x8_rows(const block_q4_0x8 * w, int64_t k, const block_q8_0 * x, const 
                                   _mm512_set1_epi64(*(const int64_t *) (q + 16)));
         dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(second, 4), low),
                                   _mm512_set1_epi64(*(const int64_t *) (q + 24)));
+        const __m256i rows = _mm512_cvtepi64_epi32(_mm512_add_epi32(dot, _mm512_srli_epi64(dot, 32)));
         const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) w[b].d)),
                                        _mm256_set1_ps(a.scales[b]));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pairs, _mm512_zextps256_ps512(d)), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), d, acc);
     }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc);
-    for (int r = 0; r < 8; r++) {
-        out[r] = lanes[2 * r] + lanes[2 * r + 1];
-    }
+    _mm256_storeu_ps(out, acc);
 }
 
 // a sub-block's 6-bit scales and mins of 8 rows of Q4_K held repacked (12 bytes, as
