@@ -209,6 +209,10 @@ def _remembered(key: str, compute, valid=lambda entry: True) -> dict:
         log.warning("%s: the entry for %r is not one this version wrote; measuring again", path, key)
         del known[key]
     if key not in known:
+        # every matrix timed is mapped afresh and returned when freed, as when stages are built: in
+        # glibc's heap the transients stayed resident under the model loaded next (1B Q4_0 in one
+        # process: 94 MiB more at its peak the first time on a machine)
+        large_allocations_unmapped()
         try:
             known[key] = compute()
         finally:  # up to twice the largest cache (960 MiB where a VM lists its host's): not kept
@@ -325,7 +329,6 @@ GEMM_ROWS = (16, 64, 256)  # the row counts at which ggml and dequantize-then-GE
 
 
 def _gemm_rows(stored: str, dtype: torch.dtype) -> dict:
-    large_allocations_unmapped()  # as when stages are built: each dequantized chunk is mapped afresh
     shape = (SHAPE[0] // 2, SHAPE[1])
     raw = torch.zeros(shape[0], stored_nbytes(stored, shape) // shape[0], dtype=torch.uint8)
     modules = {
