@@ -253,58 +253,63 @@ void q4_Kx8_rows(const block_q4_Kx8 * w, int64_t k, const block_q8_K * x, float 
     }
 }
 
-}  // namespace
-
-// the repack buffer's MUL_MAT on Q4_K in the 8x8 layout with one row of activations: quantized to
-// Q8_K (as ggml quantizes it for Q4_K) into the work buffer, then 8 weight rows at a time; false:
-// not taken, ggml's GEMV computes it
-extern "C" bool shardwire_q4_Kx8_gemv(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+// the repack buffer's MUL_MAT on 8-row groups of repacked weights (K values a row, in blocks of
+// `block`) with one row of activations: that row quantized to `type` (as ggml quantizes it for the
+// weights) into the work buffer, by the first thread while the others wait; its blocks, and this
+// thread's groups [*first, *end). nullptr: not taken (switched off or not such a product), ggml's
+// GEMV computes it.
+const void * repacked_gemv_row(const struct ggml_compute_params * params, const struct ggml_tensor * dst,
+                               unsigned product, ggml_type type, int64_t block, int64_t * first, int64_t * end) {
     const struct ggml_tensor * src0 = dst->src[0];
     const struct ggml_tensor * src1 = dst->src[1];
     const int64_t K = src0->ne[0], M = src0->ne[1];
-    if (!shardwire_product_on(SHARDWIRE_Q4_KX8_GEMV) || params->use_ref || src1->type != GGML_TYPE_F32 ||
-        src1->ne[1] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1 || M % 8 != 0 || K % QK_K != 0 ||
-        params->wsize < ggml_row_size(GGML_TYPE_Q8_K, K)) {
-        return false;
+    if (!shardwire_product_on(product) || params->use_ref || src1->type != GGML_TYPE_F32 || src1->ne[1] != 1 ||
+        src1->ne[2] != 1 || src1->ne[3] != 1 || M % 8 != 0 || K % block != 0 ||
+        params->wsize < ggml_row_size(type, K)) {
+        return nullptr;
     }
-    const block_q8_K * x = (const block_q8_K *) params->wdata;
     if (params->ith == 0) {
-        ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float((const float *) src1->data, (void *) x, K);
+        ggml_get_type_traits_cpu(type)->from_float((const float *) src1->data, params->wdata, K);
     }
     ggml_barrier(params->threadpool);
+    gemv_rows(params, M / 8, first, end);
+    return params->wdata;
+}
+
+}  // namespace
+
+// the repack buffer's MUL_MAT on Q4_K in the 8x8 layout with one row: Q8_K activations, 8 weight
+// rows at a time; false: not taken
+extern "C" bool shardwire_q4_Kx8_gemv(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     int64_t first, end;
-    gemv_rows(params, M / 8, &first, &end);
-    const block_q4_Kx8 * w = (const block_q4_Kx8 *) src0->data;
+    const auto * x = (const block_q8_K *) repacked_gemv_row(params, dst, SHARDWIRE_Q4_KX8_GEMV, GGML_TYPE_Q8_K, QK_K,
+                                                            &first, &end);
+    if (x == nullptr) {
+        return false;
+    }
+    const int64_t blocks = dst->src[0]->ne[0] / QK_K;
+    const block_q4_Kx8 * w = (const block_q4_Kx8 *) dst->src[0]->data;
     for (int64_t g = first; g < end; g++) {
-        q4_Kx8_rows(w + g * (K / QK_K), K / QK_K, x, (float *) dst->data + 8 * g);
+        q4_Kx8_rows(w + g * blocks, blocks, x, (float *) dst->data + 8 * g);
     }
     return true;
 }
 
-// the repack buffer's MUL_MAT on Q4_0 in the 8x8 layout with one row of activations: quantized to
-// Q8_0 (as ggml quantizes it for Q4_0) into the work buffer, then 8 weight rows at a time; false:
-// not taken, ggml's GEMV computes it
+// the repack buffer's MUL_MAT on Q4_0 in the 8x8 layout with one row: Q8_0 activations, 8 weight
+// rows at a time; false: not taken
 extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const struct ggml_tensor * src0 = dst->src[0];
-    const struct ggml_tensor * src1 = dst->src[1];
-    const int64_t K = src0->ne[0], M = src0->ne[1];
-    if (!shardwire_product_on(SHARDWIRE_Q4_0X8_GEMV) || params->use_ref || src1->type != GGML_TYPE_F32 ||
-        src1->ne[1] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1 || M % 8 != 0 || K % QK8_0 != 0 ||
-        params->wsize < ggml_row_size(GGML_TYPE_Q8_0, K)) {
+    int64_t first, end;
+    const auto * x = (const block_q8_0 *) repacked_gemv_row(params, dst, SHARDWIRE_Q4_0X8_GEMV, GGML_TYPE_Q8_0, QK8_0,
+                                                            &first, &end);
+    if (x == nullptr) {
         return false;
     }
-    const block_q8_0 * x = (const block_q8_0 *) params->wdata;
-    if (params->ith == 0) {
-        ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float((const float *) src1->data, (void *) x, K);
-    }
-    ggml_barrier(params->threadpool);
+    const int64_t blocks = dst->src[0]->ne[0] / QK4_0;
     thread_local q4_0x8_activations a;
-    a.take(x, K / QK8_0);
-    int64_t first, end;
-    gemv_rows(params, M / 8, &first, &end);
-    const block_q4_0x8 * w = (const block_q4_0x8 *) src0->data;
+    a.take(x, blocks);
+    const block_q4_0x8 * w = (const block_q4_0x8 *) dst->src[0]->data;
     for (int64_t g = first; g < end; g++) {
-        q4_0x8_rows(w + g * (K / QK4_0), K / QK4_0, x, a, (float *) dst->data + 8 * g);
+        q4_0x8_rows(w + g * blocks, blocks, x, a, (float *) dst->data + 8 * g);
     }
     return true;
 }
