@@ -209,9 +209,9 @@ def _remembered(key: str, compute, valid=lambda entry: True) -> dict:
         log.warning("%s: the entry for %r is not one this version wrote; measuring again", path, key)
         del known[key]
     if key not in known:
-        # every matrix timed is mapped afresh and returned when freed, as when stages are built: in
-        # glibc's heap the transients stayed resident under the model loaded next (1B Q4_0 in one
-        # process: 94 MiB more at its peak the first time on a machine)
+        # every matrix timed is mapped afresh and returned when freed, as when stages are built:
+        # glibc's heap kept some of them resident under the model loaded next (9 MiB of a 1B Q4_0
+        # process's peak the first time on a machine)
         large_allocations_unmapped()
         try:
             known[key] = compute()
