@@ -1,14 +1,15 @@
-// shardwire: a prompt chunk's product on F32 or F16 weights with AVX-512, 16 weight rows a
+// shardwire: a prompt chunk's product on F32 or F16 weights with AVX-512, 16 activation rows a
 // vector. llamafile's tinyBLAS keeps 4x6 dot products running over 16 values of K at a time and
-// loads (and converts from F16) both sides for each step. Here the weights of a group of 3 tiles
-// of 16 rows are transposed 128 values of K at a time (each vector: one value of K of a tile's 16
-// rows; 24 KiB, in L1), and 8 activation rows at a time then take them: 3 x 8 vectors of sums in
-// registers, each value of K 3 loads and 8 broadcasts for 24 fused multiply-adds. The activation
-// rows are interleaved 16 at a time first (for F16 weights rounded through F16, as ggml converts
-// them for tinyBLAS), so that one cache line holds a value of K for 16 of them. A group's rows lie
-// a row apart, a stride the hardware prefetchers do not follow: the next span's are fetched while
-// one is multiplied. Each result sums its products in the order of K, where tinyBLAS sums 16
-// partial sums at the end: they differ by float rounding only.
+// loads (and converts from F16) both sides for each step. Here the activation rows are interleaved
+// 16 at a time first (for F16 weights rounded through F16, as ggml converts them for tinyBLAS), so
+// that one cache line holds a value of K for 16 of them, up to 64 rows and 2048 values of K at a
+// time (512 KiB, in L2). A group of 6 weight rows is converted to floats (48 KiB at most) and each
+// of its values is broadcast: 6 x 4 vectors of sums in registers, each value of K 4 loads and 6
+// broadcasts for 24 fused multiply-adds, with no transposes of the weights. A pass takes a group's
+// whole span of K at once, so every weight is read once per 64 activation rows; the next group's
+// rows, which lie a row apart (a stride the hardware prefetchers do not follow), are fetched during
+// it. Each result sums its products in the order of K, where tinyBLAS sums 16 partial sums at the
+// end: they differ by float rounding only.
 //
 // The interleaved rows are packed once, by all threads, at the end of ggml's work buffer:
 // ggml_graph_plan reserves room for them (shardwire_float_gemm_work_size). A scratch allocated
@@ -21,12 +22,13 @@
 #if defined(__AVX512F__)
 namespace {
 
-constexpr int FLOAT_TILE = 16;           // weight rows a vector, and values of K a transpose
-constexpr int64_t FLOAT_MIN_ROWS = 16;   // fewer activation rows do not repay a tile's transposes
-constexpr int64_t FLOAT_SPAN = 128;      // values of K held transposed at a time (3 tiles: 24 KiB, in L1)
-constexpr int FLOAT_TILES = 3;           // tiles a group: 3 x 8 vectors of sums, 3 of weights, 1 broadcast
-constexpr int FLOAT_ROWS = 8;            // activation rows a pass over a group's span
-constexpr int64_t FLOAT_BLOCK = 512;     // values of K of the activation rows packed at a time
+constexpr int FLOAT_TILE = 16;               // activation rows a vector, and values of K a transpose
+constexpr int64_t FLOAT_MIN_ROWS = 16;       // fewer activation rows do not repay packing them
+constexpr int FLOAT_GROUP = 6;               // weight rows a pass broadcasts: 6 x 4 vectors of sums, 4 of activations
+constexpr int FLOAT_TILES = 4;               // tiles of 16 activation rows a pass takes
+constexpr int64_t FLOAT_CHUNK = FLOAT_TILES * FLOAT_TILE;  // activation rows a pass over the weights takes
+constexpr int64_t FLOAT_SHARE = 48;          // weight rows a thread takes at a time: whole groups and whole tiles
+constexpr int64_t FLOAT_BLOCK = 2048;        // values of K packed at a time: a chunk's 512 KiB stay in L2
 
 inline __m512 widen(const float * p) {
     return _mm512_loadu_ps(p);
@@ -48,7 +50,8 @@ size_t float_gemm_scratch(int64_t m, int64_t n, int64_t k) {
     if (m % FLOAT_TILE != 0 || k % FLOAT_TILE != 0 || n < FLOAT_MIN_ROWS) {
         return 0;
     }
-    return (size_t) ((n + FLOAT_TILE - 1) / FLOAT_TILE * FLOAT_TILE * std::min(k, FLOAT_BLOCK)) * sizeof(float) + 64;
+    const int64_t rows = std::min(n, FLOAT_CHUNK);
+    return (size_t) ((rows + FLOAT_TILE - 1) / FLOAT_TILE * FLOAT_TILE * std::min(k, FLOAT_BLOCK)) * sizeof(float) + 64;
 }
 
 // r[i] = row i's 16 values -> r[c] = value c of the 16 rows
@@ -78,44 +81,6 @@ inline void float_transpose(__m512 r[FLOAT_TILE]) {
     }
 }
 
-// ROWS activation rows (x: their values of K in turn, 16 rows of the interleaved block apart) by
-// TILES transposed weight tiles (wt: a value of K of each tile in turn): ROWS x TILES vectors of
-// sums in registers, each value of K one load per tile and one broadcast per row for TILES x ROWS
-// fused multiply-adds. Results of `rows` rows: 16 x TILES outputs a row at c + j * ldc.
-template <int TILES, int ROWS>
-inline void float_micro(const __m512 * wt, int64_t span, const float * x, int rows, float * c, int64_t ldc,
-                        bool first) {
-    __m512 acc[TILES][ROWS];
-#pragma GCC unroll 8
-    for (int j = 0; j < ROWS; j++) {
-#pragma GCC unroll 4
-        for (int t = 0; t < TILES; t++) {
-            acc[t][j] = first || j >= rows ? _mm512_setzero_ps() : _mm512_loadu_ps(c + j * ldc + t * FLOAT_TILE);
-        }
-    }
-    for (int64_t i = 0; i < span; i++) {
-        __m512 w[TILES];
-#pragma GCC unroll 4
-        for (int t = 0; t < TILES; t++) {
-            w[t] = wt[i * TILES + t];
-        }
-#pragma GCC unroll 8
-        for (int j = 0; j < ROWS; j++) {
-            const __m512 b = _mm512_set1_ps(x[i * FLOAT_TILE + j]);
-#pragma GCC unroll 4
-            for (int t = 0; t < TILES; t++) {
-                acc[t][j] = _mm512_fmadd_ps(w[t], b, acc[t][j]);
-            }
-        }
-    }
-    for (int j = 0; j < rows; j++) {
-#pragma GCC unroll 4
-        for (int t = 0; t < TILES; t++) {
-            _mm512_storeu_ps(c + j * ldc + t * FLOAT_TILE, acc[t][j]);
-        }
-    }
-}
-
 // rows 16 to a block, each block's values of K in turn (16 rows each, zero past the last row),
 // as floats (rounded through F16 where `to_f16`): one cache line holds what a value of K
 // multiplies in the block's 16 rows. This thread packs every nth block from the ith.
@@ -136,51 +101,118 @@ void float_pack_rows(const float * B, int64_t ldb, int64_t n, int64_t k, float *
     }
 }
 
-// TILES x 16 weight rows (lda apart, k values) by the n interleaved activation rows xt: their
-// outputs at c (ldc a row; added to what is there where `add`), FLOAT_SPAN values of K transposed
-// at a time. `after`: the rows of this thread's next group, whose first span is fetched during
-// the last span here.
-template <int TILES, typename T>
-void float_group(const T * rows, int64_t lda, int64_t k, const T * after, const float * xt, int64_t n, float * c,
-                 int64_t ldc, bool add) {
-    __m512 wt[FLOAT_SPAN * TILES];
-    for (int64_t k0 = 0; k0 < k; k0 += FLOAT_SPAN) {
-        const int64_t span = std::min<int64_t>(FLOAT_SPAN, k - k0);
+// ROWS weight rows (w: their values of K as floats, ldw apart) by TILES x 16 interleaved activation
+// rows (x: tile t's values of K at x + t * ldx, 16 a value), of which the first n are real: ROWS x
+// TILES vectors of sums in registers, each value of K one load per tile and one broadcast per
+// weight row for ROWS x TILES fused multiply-adds. Output of activation row j, weight row i at
+// c[j * ldc + i], which holds the sums of the earlier values of K unless `first`. The weights at
+// `ahead` (ROWS rows of `bytes`, lda apart) are fetched a share every 16 values of K.
+template <int ROWS, int TILES>
+void float_pass(const float * w, int64_t ldw, int64_t span, const float * x, int64_t ldx, int64_t n, float * c,
+                int64_t ldc, bool first, const char * ahead, int64_t bytes, int64_t lda) {
+    alignas(64) float out[ROWS][TILES * FLOAT_TILE];
+    for (int i = 0; i < ROWS; i++) {
+        for (int64_t j = 0; j < TILES * FLOAT_TILE; j++) {
+            out[i][j] = first || j >= n ? 0.0f : c[j * ldc + i];
+        }
+    }
+    __m512 acc[ROWS][TILES];
+#pragma GCC unroll 8
+    for (int i = 0; i < ROWS; i++) {
+#pragma GCC unroll 4
         for (int t = 0; t < TILES; t++) {
-            for (int64_t i = 0; i < span; i += FLOAT_TILE) {
-                __m512 r[FLOAT_TILE];
-                for (int j = 0; j < FLOAT_TILE; j++) {
-                    r[j] = widen(rows + (t * FLOAT_TILE + j) * lda + k0 + i);
-                }
-                float_transpose(r);
-                for (int v = 0; v < FLOAT_TILE; v++) {
-                    wt[(i + v) * TILES + t] = r[v];
+            acc[i][t] = _mm512_load_ps(out[i] + t * FLOAT_TILE);
+        }
+    }
+    const int64_t lines = ahead ? ROWS * (bytes / 64) : 0;
+    const int64_t share = (lines + span / FLOAT_TILE - 1) / (span / FLOAT_TILE);
+    for (int64_t l0 = 0; l0 < span; l0 += FLOAT_TILE) {
+        for (int64_t line = l0 / FLOAT_TILE * share; line < std::min(lines, (l0 / FLOAT_TILE + 1) * share); line++) {
+            _mm_prefetch(ahead + line / (bytes / 64) * lda + line % (bytes / 64) * 64, _MM_HINT_T0);
+        }
+        for (int64_t l = l0; l < l0 + FLOAT_TILE; l++) {
+            __m512 v[TILES];
+#pragma GCC unroll 4
+            for (int t = 0; t < TILES; t++) {
+                v[t] = _mm512_load_ps(x + t * ldx + l * FLOAT_TILE);
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < ROWS; i++) {
+                const __m512 b = _mm512_set1_ps(w[i * ldw + l]);
+#pragma GCC unroll 4
+                for (int t = 0; t < TILES; t++) {
+                    acc[i][t] = _mm512_fmadd_ps(b, v[t], acc[i][t]);
                 }
             }
         }
-        // the next span's weights are on their way while this one's products run, a share before
-        // each pass: a span reads the group's rows a row apart, a stride the hardware prefetchers do
-        // not follow
-        const T * ahead = k0 + FLOAT_SPAN < k ? rows + k0 + FLOAT_SPAN : after;
-        const int64_t passes = (n + FLOAT_ROWS - 1) / FLOAT_ROWS;
-        for (int64_t first = 0; first < n; first += FLOAT_ROWS) {
-            const int64_t pass = first / FLOAT_ROWS;
-            for (int64_t r = pass * TILES * FLOAT_TILE / passes; ahead && r < (pass + 1) * TILES * FLOAT_TILE / passes;
-                 r++) {
-                const char * p = (const char *) (ahead + r * lda);
-                for (int64_t b = 0; b < (int64_t) (FLOAT_SPAN * sizeof(T)); b += 64) {
-                    _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < ROWS; i++) {
+#pragma GCC unroll 4
+        for (int t = 0; t < TILES; t++) {
+            _mm512_store_ps(out[i] + t * FLOAT_TILE, acc[i][t]);
+        }
+    }
+    for (int64_t j = 0; j < n; j++) {
+        for (int i = 0; i < ROWS; i++) {
+            c[j * ldc + i] = out[i][j];
+        }
+    }
+}
+
+// ROWS weight rows by a chunk's n activation rows, in as many tiles as they fill
+template <int ROWS>
+void float_group(const float * w, int64_t ldw, int64_t span, const float * xt, int64_t n, float * c, int64_t ldc,
+                 bool first, const char * ahead, int64_t bytes, int64_t lda) {
+    const int64_t ldx = FLOAT_TILE * span;
+    switch ((n + FLOAT_TILE - 1) / FLOAT_TILE) {
+    case 4: float_pass<ROWS, 4>(w, ldw, span, xt, ldx, n, c, ldc, first, ahead, bytes, lda); break;
+    case 3: float_pass<ROWS, 3>(w, ldw, span, xt, ldx, n, c, ldc, first, ahead, bytes, lda); break;
+    case 2: float_pass<ROWS, 2>(w, ldw, span, xt, ldx, n, c, ldc, first, ahead, bytes, lda); break;
+    default: float_pass<ROWS, 1>(w, ldw, span, xt, ldx, n, c, ldc, first, ahead, bytes, lda); break;
+    }
+}
+
+// this thread's shares of the m weight rows (lda apart) by a chunk's packed activation rows xt (n
+// rows, at most 64; a span of K from `from`): their sums go into C (ldc a row)
+template <typename T>
+void float_share(const struct ggml_compute_params * params, int64_t m, const T * A, int64_t lda, int64_t from,
+                 int64_t span, const float * xt, int64_t n, float * C, int64_t ldc, float * converted) {
+    for (int64_t share = params->ith * FLOAT_SHARE; share < m; share += params->nth * FLOAT_SHARE) {
+        const int64_t last = std::min(share + FLOAT_SHARE, m);
+        const int64_t later = share + params->nth * FLOAT_SHARE;  // this thread's next share
+        for (int64_t g = share; g < last; g += FLOAT_GROUP) {
+            const int rows = (int) std::min<int64_t>(FLOAT_GROUP, last - g);
+            const T * ahead = g + FLOAT_GROUP < last ? A + (g + FLOAT_GROUP) * lda + from
+                              : later < m           ? A + later * lda + from
+                                                    : nullptr;
+            const float * w = (const float *) (A + g * lda + from);
+            int64_t ldw = lda;
+            if constexpr (!std::is_same_v<T, float>) {
+                for (int i = 0; i < rows; i++) {
+                    for (int64_t l = 0; l < span; l += FLOAT_TILE) {
+                        _mm512_store_ps(converted + i * span + l, widen(A + (g + i) * lda + from + l));
+                    }
                 }
+                w = converted;
+                ldw = span;
             }
-            const int rows_here = (int) std::min<int64_t>(FLOAT_ROWS, n - first);
-            const float * x = xt + first / FLOAT_TILE * FLOAT_TILE * k + k0 * FLOAT_TILE + first % FLOAT_TILE;
-            float_micro<TILES, FLOAT_ROWS>(wt, span, x, rows_here, c + first * ldc, ldc, k0 == 0 && !add);
+            const int64_t bytes = span * (int64_t) sizeof(T);
+            const int64_t pitch = lda * (int64_t) sizeof(T);
+            const bool first = from == 0;
+            if (rows == 6) {
+                float_group<6>(w, ldw, span, xt, n, C + g, ldc, first, (const char *) ahead, bytes, pitch);
+            } else if (rows == 4) {
+                float_group<4>(w, ldw, span, xt, n, C + g, ldc, first, (const char *) ahead, bytes, pitch);
+            } else {
+                float_group<2>(w, ldw, span, xt, n, C + g, ldc, first, (const char *) ahead, bytes, pitch);
+            }
         }
     }
 }
 
 // C[j * ldc + i] = row i of A (m rows of k values, lda apart) . row j of B (n rows, ldb apart),
-// this thread's share of the 16-row tiles; false: not taken, tinyBLAS computes it
+// this thread's share of the weight rows; false: not taken, tinyBLAS computes it
 template <typename T>
 bool float_gemm(const struct ggml_compute_params * params, int64_t m, int64_t n, int64_t k, const T * A, int64_t lda,
                 const float * B, int64_t ldb, float * C, int64_t ldc) {
@@ -190,25 +222,16 @@ bool float_gemm(const struct ggml_compute_params * params, int64_t m, int64_t n,
     }
     const uintptr_t end = (uintptr_t) params->wdata + params->wsize;
     float * xt = (float *) ((end - scratch + 64) & ~(uintptr_t) 63);
-    const int64_t tiles = m / FLOAT_TILE;
-    for (int64_t from = 0; from < k; from += FLOAT_BLOCK) {
-        const int64_t block = std::min(FLOAT_BLOCK, k - from);
-        ggml_barrier(params->threadpool);  // no thread still reads the rows packed before
-        float_pack_rows<std::is_same_v<T, ggml_fp16_t>>(B + from, ldb, n, block, xt, params->ith, params->nth);
-        ggml_barrier(params->threadpool);
-        for (int64_t tile = params->ith * FLOAT_TILES; tile < tiles; tile += params->nth * FLOAT_TILES) {
-            const int64_t here = std::min<int64_t>(FLOAT_TILES, tiles - tile);
-            const T * rows = A + tile * FLOAT_TILE * lda + from;
-            const int64_t later = tile + params->nth * FLOAT_TILES;  // this thread's next group
-            const T * after = later + FLOAT_TILES <= tiles ? A + later * FLOAT_TILE * lda + from : nullptr;
-            float * c = C + tile * FLOAT_TILE;
-            if (here == 3) {
-                float_group<3>(rows, lda, block, after, xt, n, c, ldc, from > 0);
-            } else if (here == 2) {
-                float_group<2>(rows, lda, block, after, xt, n, c, ldc, from > 0);
-            } else {
-                float_group<1>(rows, lda, block, after, xt, n, c, ldc, from > 0);
-            }
+    alignas(64) float converted[std::is_same_v<T, float> ? 1 : FLOAT_GROUP * FLOAT_BLOCK];
+    for (int64_t j0 = 0; j0 < n; j0 += FLOAT_CHUNK) {  // each chunk reads the weights once more
+        const int64_t rows_here = std::min(FLOAT_CHUNK, n - j0);
+        for (int64_t from = 0; from < k; from += FLOAT_BLOCK) {
+            const int64_t span = std::min(FLOAT_BLOCK, k - from);
+            ggml_barrier(params->threadpool);  // no thread still reads the rows packed before
+            float_pack_rows<std::is_same_v<T, ggml_fp16_t>>(B + j0 * ldb + from, ldb, rows_here, span, xt, params->ith,
+                                                            params->nth);
+            ggml_barrier(params->threadpool);
+            float_share<T>(params, m, A, lda, from, span, xt, rows_here, C + j0 * ldc, ldc, converted);
         }
     }
     return true;

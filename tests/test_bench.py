@@ -1,5 +1,5 @@
 """`shardwire bench`, the benchmark's link relay (benchmarks/relay.py), its report
-(benchmarks/report.py) and the one-row product benchmark (benchmarks/gemv.py)."""
+(benchmarks/report.py) and the product benchmark (benchmarks/products.py)."""
 
 from __future__ import annotations
 
@@ -123,17 +123,18 @@ def test_the_report_gives_the_ratio_of_each_interleaved_pair_of_invocations():
     assert entry["pair_ratios"] == {"pp": [2.0, 1.0], "tg": [0.8, 1.0]}
 
 
-def test_the_one_row_product_benchmark_times_both_kernels_and_names_the_cpu(capsys, monkeypatch):
-    import gemv
+@pytest.mark.parametrize("rows,kind", [(1, "gemv"), (64, "gemm")])
+def test_the_product_benchmark_times_both_kernels_and_names_the_cpu(capsys, monkeypatch, rows, kind):
+    import products
 
     from shardwire.quant import ggml_cpu
 
-    monkeypatch.setattr(sys, "argv", ["gemv.py", "--gbytes", "0.05", "--rounds", "2"])
-    assert gemv.main() == 0
+    used = ggml_cpu.own_products_used(kind)
+    monkeypatch.setattr(sys, "argv", ["products.py", "--rows", str(rows), "--gbytes", "0.02", "--rounds", "2"])
+    assert products.main() == 0
     out = capsys.readouterr().out
-    assert out.startswith("cpu: ")
-    if ggml_cpu.own_products("gemv"):
-        for stored in ggml_cpu.own_products("gemv"):
-            assert f"{stored} shardwire (kernels/gemv.cpp): best" in out and f"{stored} ggml " in out
-            assert f"{stored} shardwire / ggml: " in out
-        assert ggml_cpu.own_products_used("gemv") == ggml_cpu.own_products("gemv")
+    assert out.startswith("cpu: ") and f"rows: {rows}" in out
+    for stored in ggml_cpu.own_products(kind):
+        assert f"{stored} shardwire (kernels/" in out and f"{stored} ggml " in out and " GFLOP/s " in out
+        assert f"{stored} shardwire / ggml: " in out
+    assert ggml_cpu.own_products_used(kind) == used

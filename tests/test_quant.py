@@ -360,7 +360,8 @@ def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
 @pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
 @pytest.mark.parametrize("layout", ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored"])
 @pytest.mark.parametrize(
-    "out_features,rows,cols", [(96, 16, 512), (96, 37, 512), (2048, 64, 512), (64, 23, 1056), (72, 64, 512)]
+    "out_features,rows,cols",
+    [(96, 16, 512), (96, 37, 512), (2048, 64, 512), (64, 23, 1056), (72, 64, 512), (80, 100, 2080)],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, out_features, rows, cols, threads):
@@ -373,7 +374,8 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
     quantized ones sum exact integer products of blocks, each scaled by its two blocks' scales:
     they differ by float rounding only, whatever the tile, group of tiles or thread a weight row
     or activation row falls in (on 2 threads, the threads pack the activation rows together), and
-    however many blocks of K the float products pack the rows in (512 values a block)."""
+    however many chunks of activation rows (64 a chunk) and blocks of K (2048 values a block) the
+    float products take them in."""
     stored, how = layout.split()
     w, raw, _ = matrix(stored, rows=out_features, cols=cols, seed=3)
     kind = ggml_cpu.GGMLLinear if how == "stored" else ggml_cpu.RepackedLinear

@@ -1,13 +1,14 @@
-"""One row of activations through ggml's graph on Q8_0 and F16 weights and on Q4_0 and Q4_K held repacked,
-with shardwire's one-row products (kernels/gemv.cpp) on and off, side by side: how many bytes of
-weights a second each reads as a decode step reads them (about 1 GB of matrices of the 1B layout's
-FFN shape, one after another).
+"""Rows of activations through ggml's graph with shardwire's own products on and off, side by side,
+over about 1 GB of matrices of the 1B layout's FFN shape, one after another. One row (a decode
+step; kernels/gemv.cpp on Q8_0 and F16 weights and on Q4_0 and Q4_K held repacked): how many bytes
+of weights a second each reads. More rows (a prompt chunk; kernels/vnni_gemm.cpp on Q8_0 and
+repacked Q4_0, kernels/float_gemm.cpp on F32 and F16): how many multiply-adds a second.
 
-    python benchmarks/gemv.py [--types Q8_0,F16,Q4_0,Q4_K] [--rounds 7] [--gbytes 1.0] [-t 1]
+    python benchmarks/products.py [--rows 1] [--types ...] [--rounds 7] [--gbytes 1.0] [-t 1]
 
-Prints the CPU, the ggml build and, per type and kernel, the best and median GB/s over the rounds
-(taken in turns) and the ratio of the medians. Needs the ggml of ./kernels on a CPU with AVX-512
-VNNI; elsewhere it says there is nothing to compare.
+Prints the CPU, the ggml build and, per type and kernel, the best and median GB/s (and GFLOP/s)
+over the rounds (taken in turns) and the ratio of the medians. Needs the ggml of ./kernels on a
+CPU with AVX-512; elsewhere it says there is nothing to compare.
 """
 
 from __future__ import annotations
@@ -25,23 +26,32 @@ from shardwire.quant.codecs import stored_nbytes
 from shardwire.quant.measure import cpu_model
 
 SHAPE = (5632, 2048)  # [out, in]: the 1B layout's gate and up projections
-THEIRS = {  # the ggml kernel each of shardwire's one-row products stands in for
-    "Q8_0": "ggml's dot product",
-    "F16": "ggml's dot product",
-    "Q4_0": "ggml's repacked GEMV",
-    "Q4_K": "ggml's repacked GEMV",
+THEIRS = {  # the ggml kernel each of shardwire's products stands in for
+    "gemv": {
+        "Q8_0": "ggml's dot product",
+        "F16": "ggml's dot product",
+        "Q4_0": "ggml's repacked GEMV",
+        "Q4_K": "ggml's repacked GEMV",
+    },
+    "gemm": {
+        "Q8_0": "llamafile's tinyBLAS",
+        "Q4_0": "ggml's repacked GEMM",
+        "F32": "llamafile's tinyBLAS",
+        "F16": "llamafile's tinyBLAS",
+    },
 }
+OURS = {"gemv": {}, "gemm": {"Q8_0": "kernels/vnni_gemm.cpp", "Q4_0": "kernels/vnni_gemm.cpp"}}
 
 
 def matrices(stored: str, gbytes: float) -> list:
-    """Random weights (F16 values; Q8_0, Q4_0 or Q4_K blocks with F16 scales in a sane range) as
-    ggml layers, Q4_0 and Q4_K in the repacked layout their one-row products read."""
+    """Random weights (F32 or F16 values; Q8_0, Q4_0 or Q4_K blocks with F16 scales in a sane range)
+    as ggml layers, Q4_0 and Q4_K in the repacked layout shardwire's products read."""
     rng = np.random.default_rng(0)
     nbytes = stored_nbytes(stored, SHAPE)
     out = []
     for _ in range(max(1, int(gbytes * 1e9 // nbytes))):
-        if stored == "F16":
-            raw = rng.standard_normal(SHAPE).astype(np.float16).view(np.uint8)
+        if stored in ("F32", "F16"):
+            raw = rng.standard_normal(SHAPE).astype(np.float32 if stored == "F32" else np.float16).view(np.uint8)
         elif stored == "Q4_K":
             layout = [("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]
             blocks = np.empty((SHAPE[0], SHAPE[1] // 256), dtype=layout)
@@ -62,44 +72,49 @@ def matrices(stored: str, gbytes: float) -> list:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--types", default="Q8_0,F16,Q4_0,Q4_K")
+    p.add_argument("--rows", type=int, default=1, help="activation rows a product takes (1: a decode step)")
+    p.add_argument("--types", help="stored types (default: those with a product of shardwire's for --rows)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--gbytes", type=float, default=1.0, help="weights streamed per timed pass")
     p.add_argument("-t", "--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    built = ggml_cpu.own_products("gemv")
-    print(f"cpu: {cpu_model()}  ggml: {ggml_cpu.build() or 'none'}  threads: {args.threads}")
+    kind = "gemv" if args.rows == 1 else "gemm"
+    built = ggml_cpu.own_products(kind)
+    print(f"cpu: {cpu_model()}  ggml: {ggml_cpu.build() or 'none'}  threads: {args.threads}  rows: {args.rows}")
     if not built:
-        print("this ggml has no one-row products of shardwire's (ggml-python as published, or no AVX-512 VNNI)")
+        print("this ggml has no products of shardwire's for these rows (ggml-python as published, or no AVX-512)")
         return 0
-    x = torch.randn(1, SHAPE[1])
+    x = torch.randn(args.rows, SHAPE[1])
+    used = ggml_cpu.own_products_used(kind)
     try:
-        for stored in args.types.split(","):
+        for stored in args.types.split(",") if args.types else built:
             if stored not in built:
-                print(f"{stored}: no one-row product of shardwire's")
+                print(f"{stored}: no product of shardwire's for {args.rows} rows")
                 continue
             layers = matrices(stored, args.gbytes)
             nbytes = len(layers) * stored_nbytes(stored, SHAPE)
             rates = {"shardwire": [], "ggml": []}
             for _ in range(args.rounds):
                 for kernel, rate in rates.items():
-                    ggml_cpu.use_own_products([stored] if kernel == "shardwire" else [], "gemv")
+                    ggml_cpu.use_own_products([stored] if kernel == "shardwire" else [], kind)
                     t = time.perf_counter()
                     for layer in layers:
                         layer(x)
                     rate.append(nbytes / (time.perf_counter() - t) / 1e9)
             for kernel, rate in rates.items():
-                label = "kernels/gemv.cpp" if kernel == "shardwire" else THEIRS[stored]
+                ours = OURS[kind].get(stored, f"kernels/{'gemv' if kind == 'gemv' else 'float_gemm'}.cpp")
+                label = ours if kernel == "shardwire" else THEIRS[kind][stored]
                 median, shape = statistics.median(rate), f"{len(layers)} x {SHAPE[0]}x{SHAPE[1]}"
+                flops = 2 * args.rows * SHAPE[0] * SHAPE[1] / stored_nbytes(stored, SHAPE)  # a byte of weights'
                 print(
                     f"{stored} {kernel:9s} ({label}): best {max(rate):5.1f} GB/s  median {median:5.1f} GB/s"
-                    f"  ({shape}, {nbytes / 1e9:.2f} GB)"
+                    f" = {median * flops:6.1f} GFLOP/s  ({shape}, {nbytes / 1e9:.2f} GB)"
                 )
             ratio = statistics.median(rates["shardwire"]) / statistics.median(rates["ggml"])
             print(f"{stored} shardwire / ggml: {ratio:.2f}x (medians)")
     finally:
-        ggml_cpu.use_own_products(built, "gemv")
+        ggml_cpu.use_own_products(used, kind)
     return 0
 
 
