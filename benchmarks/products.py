@@ -38,9 +38,13 @@ THEIRS = {  # the ggml kernel each of shardwire's products stands in for
         "Q4_0": "ggml's repacked GEMM",
         "F32": "llamafile's tinyBLAS",
         "F16": "llamafile's tinyBLAS",
+        "Q4_K": "ggml's tiled products",
     },
 }
-OURS = {"gemv": {}, "gemm": {"Q8_0": "kernels/vnni_gemm.cpp", "Q4_0": "kernels/vnni_gemm.cpp"}}
+OURS = {  # where a kernel of shardwire's is not kernels/gemv.cpp (one row) or kernels/float_gemm.cpp
+    "gemv": {},
+    "gemm": {"Q8_0": "kernels/vnni_gemm.cpp", "Q4_0": "kernels/vnni_gemm.cpp", "Q4_K": "kernels/q4_K_gemm.cpp"},
+}
 
 
 def matrices(stored: str, gbytes: float) -> list:

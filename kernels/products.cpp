@@ -1,9 +1,9 @@
-// shardwire: which of shardwire's products (a prompt chunk's: vnni_gemm.cpp, float_gemm.cpp; one
-// row's: gemv.cpp) this build has, and which of them run. Each is taken only where it was timed
-// faster than the kernel it stands in for on this CPU (shardwire/quant/measure.py switches them
-// with shardwire_products_use); a build for a CPU without AVX-512 has none. Switching one off
-// gives its products back to tinyBLAS, the repack buffer's GEMM or ggml's dot products on the
-// next graph computed: the work sizes planned cover either.
+// shardwire: which of shardwire's products (a prompt chunk's: vnni_gemm.cpp, float_gemm.cpp,
+// q4_K_gemm.cpp; one row's: gemv.cpp) this build has, and which of them run. Each is taken only
+// where it was timed faster than the kernel it stands in for on this CPU (shardwire/quant/measure.py
+// switches them with shardwire_products_use); a build for a CPU without AVX-512 has none. Switching
+// one off gives its products back to tinyBLAS, the repack buffer's GEMM, the tiled products or
+// ggml's dot products on the next graph computed: the work sizes planned cover either.
 //
 // kernels/build_backend.py appends this file to ggml-cpu/repack.cpp, before the products.
 
@@ -18,6 +18,7 @@ enum : unsigned {  // one bit a product; shardwire/quant/ggml_cpu.py names them 
     SHARDWIRE_F16_GEMV = 1u << 5,
     SHARDWIRE_Q4_0X8_GEMV = 1u << 6,
     SHARDWIRE_Q4_KX8_GEMV = 1u << 7,
+    SHARDWIRE_Q4_K = 1u << 8,  // held repacked or as stored: q4_K_gemm.cpp
 };
 
 static std::atomic<unsigned> shardwire_products_on{~0u};
@@ -32,7 +33,7 @@ extern "C" unsigned shardwire_products_built(void) {
     built |= SHARDWIRE_Q8_0 | SHARDWIRE_Q4_0X8;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    built |= SHARDWIRE_Q8_0_GEMV | SHARDWIRE_F16_GEMV | SHARDWIRE_Q4_0X8_GEMV | SHARDWIRE_Q4_KX8_GEMV;
+    built |= SHARDWIRE_Q8_0_GEMV | SHARDWIRE_F16_GEMV | SHARDWIRE_Q4_0X8_GEMV | SHARDWIRE_Q4_KX8_GEMV | SHARDWIRE_Q4_K;
 #endif
 #if defined(__AVX512F__)
     built |= SHARDWIRE_F32 | SHARDWIRE_F16;

@@ -56,9 +56,11 @@ needs_tiled_repacked = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [256, 264])
 def test_a_repacked_q4_k_matrix_reads_prompt_rows_as_its_stored_blocks(rows):
     """From 8 rows of activations ggml's tiled products read the repacked Q4_K layout, each tile
-    unpacked into the values the stored blocks give: the product is the stored blocks' bit for
-    bit. Where the driver's tiles would not start on a group of 8 rows (264 rows on one thread:
-    tiles of 132), the repacked GEMM takes it; one row goes through the repacked GEMV."""
+    unpacked into the values the stored blocks give, and from 16 rows (where the CPU has AVX-512
+    VNNI) kernels/q4_K_gemm.cpp takes both layouts alike: either way the product is the stored
+    blocks' bit for bit. Where the driver's tiles would not start on a group of 8 rows (264 rows
+    on one thread: tiles of 132), the repacked GEMM takes it; one row goes through the repacked
+    GEMV."""
     _, raw, ref = matrix("Q4_K", rows=rows, cols=512)
     repacked = ggml_cpu.RepackedLinear(raw, "Q4_K", 512, torch.float32)
     plain = ggml_cpu.GGMLLinear(raw, "Q4_K", 512, torch.float32)
@@ -74,10 +76,33 @@ def test_a_repacked_q4_k_matrix_reads_prompt_rows_as_its_stored_blocks(rows):
 
 
 @needs_tiled_repacked
-def test_a_repacked_q4_k_stage_reads_a_prompt_as_its_stored_blocks_do():
+@pytest.mark.parametrize("own", [True, False], ids=["shardwire-product", "tiled-products"])
+def test_a_repacked_q4_k_stage_reads_a_prompt_as_its_stored_blocks_do(own):
     """A stage of repacked Q4_K weights decodes on the repacked kernels and reads a prompt through
-    the tiled products: the prompt's logits and the keys and values it caches are the stored-block
-    stage's exactly, so the choice of layout changes decode speed and nothing a prompt leaves."""
+    shardwire's Q4_K product (kernels/q4_K_gemm.cpp), or with it switched off the tiled products:
+    the prompt's logits and the keys and values it caches are the stored-block stage's exactly,
+    so the choice of layout changes decode speed and nothing a prompt leaves."""
+    if own and "Q4_K" not in ggml_cpu.own_products("gemm"):
+        pytest.skip("no Q4_K prompt product of shardwire's in this ggml")
+    used = ggml_cpu.own_products_used("gemm")
+    ggml_cpu.use_own_products(["Q4_K"] if own else [], "gemm")
+    try:
+        out, stages = q4_k_prompt_in_both_layouts()
+    finally:
+        ggml_cpu.use_own_products(used, "gemm")
+    assert torch.equal(out["repacked"][0], out["ggml"][0])
+    stored, repacked = stages["ggml"].cache, stages["repacked"].cache
+    assert torch.equal(stored.k[:, :, :40], repacked.k[:, :, :40])
+    assert torch.equal(stored.v[:, :, :40], repacked.v[:, :, :40])
+    # decode on other kernels: each product agrees to ~1e-6, but a last bit that moves an
+    # activation across an 8-bit rounding step in the next product moves it by a step
+    decoded, reference = out["repacked"][1], out["ggml"][1]
+    assert float((decoded - reference).abs().max()) <= 0.05 * float(reference.max() - reference.min())
+
+
+def q4_k_prompt_in_both_layouts():
+    """The test Llama in Q4_K held as stored ("ggml") and repacked: each one's (logits of a
+    40-token prompt, logits of a decode step after it), and the stages."""
     model = open_model(model_path("llama", "Q4_K"))
     n = model.config.n_layers
     stages = {fmt: load_stage(model, 0, n, weights="fast", fastest={"Q4_K": fmt}) for fmt in ("ggml", "repacked")}
@@ -89,14 +114,7 @@ def test_a_repacked_q4_k_stage_reads_a_prompt_as_its_stored_blocks_do():
         assert stage.blocks[0].graphs is not None
         stage.allocate_cache(1, 64)
         out[fmt] = stage(tokens, [0], [0], all_logits=True), stage(torch.tensor([[7]]), [0], [40])
-    assert torch.equal(out["repacked"][0], out["ggml"][0])
-    stored, repacked = stages["ggml"].cache, stages["repacked"].cache
-    assert torch.equal(stored.k[:, :, :40], repacked.k[:, :, :40])
-    assert torch.equal(stored.v[:, :, :40], repacked.v[:, :, :40])
-    # decode on other kernels: each product agrees to ~1e-6, but a last bit that moves an
-    # activation across an 8-bit rounding step in the next product moves it by a step
-    decoded, reference = out["repacked"][1], out["ggml"][1]
-    assert float((decoded - reference).abs().max()) <= 0.05 * float(reference.max() - reference.min())
+    return out, stages
 
 
 @needs_repack

@@ -306,7 +306,8 @@ def own_products(device: str, dtype: str, kind: str) -> dict[str, str]:
         return {}
     rows = PRODUCT_ROWS[kind]
     measured = _remembered(
-        f"{_key(dtype)} | {f'prompt products of {rows} rows' if rows > 1 else 'one-row products'} (v1)",
+        f"{_key(dtype)} | {f'prompt products of {rows} rows' if rows > 1 else 'one-row products'}: "
+        f"{','.join(ggml_cpu.own_products(kind))} (v1)",  # a build with another product measures again
         lambda: _own_products(kind, TORCH_DTYPES[dtype]),
         lambda m: _chooses(m, PRODUCT_SOURCES) and set(m) <= set(ggml_cpu.own_products(kind)),
     )
