@@ -39,29 +39,45 @@ THEIRS = {  # the ggml kernel each of shardwire's products stands in for
         "F32": "llamafile's tinyBLAS",
         "F16": "llamafile's tinyBLAS",
         "Q4_K": "ggml's tiled products",
+        "Q6_K": "ggml's tiled products",
     },
 }
 OURS = {  # where a kernel of shardwire's is not kernels/gemv.cpp (one row) or kernels/float_gemm.cpp
     "gemv": {},
-    "gemm": {"Q8_0": "kernels/vnni_gemm.cpp", "Q4_0": "kernels/vnni_gemm.cpp", "Q4_K": "kernels/q4_K_gemm.cpp"},
+    "gemm": {
+        "Q8_0": "kernels/vnni_gemm.cpp",
+        "Q4_0": "kernels/vnni_gemm.cpp",
+        "Q4_K": "kernels/kquant_gemm.cpp",
+        "Q6_K": "kernels/kquant_gemm.cpp",
+    },
+}
+
+
+K_QUANT_BLOCKS = {  # a super-block of 256 values, as ggml stores it
+    "Q4_K": [("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)],
+    "Q6_K": [("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")],
 }
 
 
 def matrices(stored: str, gbytes: float) -> list:
-    """Random weights (F32 or F16 values; Q8_0, Q4_0 or Q4_K blocks with F16 scales in a sane range)
-    as ggml layers, Q4_0 and Q4_K in the repacked layout shardwire's products read."""
+    """Random weights (F32 or F16 values; Q8_0, Q4_0, Q4_K or Q6_K blocks with F16 scales in a sane
+    range) as ggml layers, Q4_0 and Q4_K in the repacked layout shardwire's products read."""
     rng = np.random.default_rng(0)
     nbytes = stored_nbytes(stored, SHAPE)
     out = []
     for _ in range(max(1, int(gbytes * 1e9 // nbytes))):
         if stored in ("F32", "F16"):
             raw = rng.standard_normal(SHAPE).astype(np.float32 if stored == "F32" else np.float16).view(np.uint8)
-        elif stored == "Q4_K":
-            layout = [("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]
+        elif stored in ("Q4_K", "Q6_K"):
+            layout = K_QUANT_BLOCKS[stored]
             blocks = np.empty((SHAPE[0], SHAPE[1] // 256), dtype=layout)
-            blocks["d"], blocks["dmin"] = rng.uniform(1e-4, 1e-3, (2, *blocks.shape))
-            blocks["scales"] = rng.integers(0, 256, blocks["scales"].shape)
-            blocks["qs"] = rng.integers(0, 256, blocks["qs"].shape)
+            for name, *_ in layout:  # random bytes; scales of scales in a sane range
+                if name in ("d", "dmin"):
+                    blocks[name] = rng.uniform(1e-4, 1e-3, blocks.shape)
+                elif blocks[name].dtype.base == np.int8:  # Q6_K's signed scales
+                    blocks[name] = rng.integers(-64, 64, blocks[name].shape)
+                else:
+                    blocks[name] = rng.integers(0, 256, blocks[name].shape)
             raw = blocks.view(np.uint8).reshape(SHAPE[0], -1)
         else:
             values = ("i1", 32) if stored == "Q8_0" else ("u1", 16)

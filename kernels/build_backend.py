@@ -5,25 +5,26 @@ Q4_K-Q6_K weights about twice as fast as the older ggml's). Both sources are the
 checked against the hashes below; the build itself is ggml-python's (scikit-build-core, cmake).
 
 The changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp,
-float_gemm.cpp, gemv.cpp, q4_K_gemm.cpp, products.cpp). Its tiled K-quant products also read Q4_K
+float_gemm.cpp, gemv.cpp, kquant_gemm.cpp, products.cpp). Its tiled K-quant products also read Q4_K
 weights held in the repacked layout, which the repack buffer's products of a prompt chunk (and its
 MUL_MAT_ID experts with 8 rows or more) then take, so that a repacked Q4_K weight reads prompts as
 fast as stored blocks do (on x86 the repacked GEMM reads a 64-row chunk 1.6x slower) and still
 decodes on the repacked GEMV. And the repack buffer's MUL_MAT_ID, which read an expert once per row
 (the one-row GEMV), takes an expert's rows four at a time through the repacked GEMM, as its MUL_MAT
-does a matrix's, to the GEMV's bits (Q4_0) or within their rounding (Q4_K): a 64-token prompt of
-the Qwen3-MoE benchmark layout in Q4_0 1.17x faster. And the tiles fetch the weight blocks they
-unpack next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for
-the quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32 or F16 weights, or on
-Q4_0 or Q4_K weights held repacked, goes to vnni_gemm.cpp, float_gemm.cpp or q4_K_gemm.cpp instead
-of llamafile's tinyBLAS, the repack buffer's GEMM or the tiled products: at 64 rows on the EPYC
-(`python benchmarks/products.py --rows 64`) Q8_0 3.4x faster, Q4_0 1.8x, F32 1.9x, F16 1.2x, Q4_K
-1.2x. And there one row of activations (a decode step) on Q8_0 or F16 weights, which llamafile
-declines, or on Q4_0 or Q4_K held repacked goes to gemv.cpp before ggml's dot products or the
-repack buffer's GEMV: the same arithmetic (F16, Q4_0 to the bit), with the weights fetched 8 KiB
-ahead, streaming Q8_0 1.3-1.8x, F16 1.1x, repacked Q4_0 1.4-1.6x and Q4_K 1.3x faster on the EPYC
-(`python benchmarks/products.py`). Each of those can be switched off at run time (products.cpp):
-shardwire times each against the kernel it stands in for and keeps only the faster.
+does a matrix's, to the GEMV's bits (Q4_0) or within their rounding (Q4_K): a 64-token prompt of the
+Qwen3-MoE benchmark layout in Q4_0 1.17x faster. And the tiles fetch the weight blocks they unpack
+next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for the
+quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32, F16 or Q6_K weights, on
+Q4_0 weights held repacked or on Q4_K held either way goes to vnni_gemm.cpp, float_gemm.cpp or
+kquant_gemm.cpp instead of llamafile's tinyBLAS, the repack buffer's GEMM or the tiled products: at
+64 rows on the EPYC (`python benchmarks/products.py --rows 64`) Q8_0 3.4x faster, Q4_0 1.8x, F32
+1.9x, F16 1.2x, Q4_K 1.15-1.22x, Q6_K 1.23x. And there one row of activations (a decode step) on
+Q8_0 or F16 weights, which llamafile declines, or on Q4_0 or Q4_K held repacked goes to gemv.cpp
+before ggml's dot products or the repack buffer's GEMV: the same arithmetic (F16, Q4_0 to the bit),
+with the weights fetched 8 KiB ahead, streaming Q8_0 1.3-1.8x, F16 1.1x, repacked Q4_0 1.4-1.6x and
+Q4_K 1.3x faster on the EPYC (`python benchmarks/products.py`). Each of those can be switched off at
+run time (products.cpp): shardwire times each against the kernel it stands in for and keeps only the
+faster.
 
 The wheel's version is LOCAL_VERSION (ggml-python's with a local part), so it satisfies
 `ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.
@@ -43,7 +44,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.19"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.20"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 
@@ -277,12 +278,12 @@ PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacke
         '#include "tiled/tiled.h"\n',
         '#include "tiled/tiled.h"\n\n'
         "bool shardwire_float_gemm_work_size(const struct ggml_tensor *, size_t *);  // shardwire: float_gemm.cpp\n"
-        "bool shardwire_q4_K_gemm(const struct ggml_compute_params *, struct ggml_tensor *);  // q4_K_gemm.cpp\n",
+        "bool shardwire_kquant_gemm(const struct ggml_compute_params *, struct ggml_tensor *);  // kquant_gemm.cpp\n",
     ),
-    (  # a prompt chunk on stored Q4_K goes to q4_K_gemm.cpp before the tiled products
+    (  # a prompt chunk on stored Q4_K or Q6_K goes to kquant_gemm.cpp before the tiled products
         "ggml-cpu.c",
         "    // If tiled is supported, it will execute the full op here and we return\n",
-        "    if (shardwire_q4_K_gemm(params, dst)) {\n        return;\n    }\n\n"
+        "    if (shardwire_kquant_gemm(params, dst)) {\n        return;\n    }\n\n"
         "    // If tiled is supported, it will execute the full op here and we return\n",
     ),
     (
@@ -316,7 +317,7 @@ APPENDED = [  # (file, this folder's source added at its end)
     ("repack.cpp", "vnni_gemm.cpp"),
     ("repack.cpp", "float_gemm.cpp"),
     ("repack.cpp", "gemv.cpp"),
-    ("repack.cpp", "q4_K_gemm.cpp"),
+    ("repack.cpp", "kquant_gemm.cpp"),
 ]
 
 

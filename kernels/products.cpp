@@ -1,5 +1,5 @@
 // shardwire: which of shardwire's products (a prompt chunk's: vnni_gemm.cpp, float_gemm.cpp,
-// q4_K_gemm.cpp; one row's: gemv.cpp) this build has, and which of them run. Each is taken only
+// kquant_gemm.cpp; one row's: gemv.cpp) this build has, and which of them run. Each is taken only
 // where it was timed faster than the kernel it stands in for on this CPU (shardwire/quant/measure.py
 // switches them with shardwire_products_use); a build for a CPU without AVX-512 has none. Switching
 // one off gives its products back to tinyBLAS, the repack buffer's GEMM, the tiled products or
@@ -18,7 +18,8 @@ enum : unsigned {  // one bit a product; shardwire/quant/ggml_cpu.py names them 
     SHARDWIRE_F16_GEMV = 1u << 5,
     SHARDWIRE_Q4_0X8_GEMV = 1u << 6,
     SHARDWIRE_Q4_KX8_GEMV = 1u << 7,
-    SHARDWIRE_Q4_K = 1u << 8,  // held repacked or as stored: q4_K_gemm.cpp
+    SHARDWIRE_Q4_K = 1u << 8,  // held repacked or as stored: kquant_gemm.cpp
+    SHARDWIRE_Q6_K = 1u << 9,
 };
 
 static std::atomic<unsigned> shardwire_products_on{~0u};
@@ -33,7 +34,8 @@ extern "C" unsigned shardwire_products_built(void) {
     built |= SHARDWIRE_Q8_0 | SHARDWIRE_Q4_0X8;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    built |= SHARDWIRE_Q8_0_GEMV | SHARDWIRE_F16_GEMV | SHARDWIRE_Q4_0X8_GEMV | SHARDWIRE_Q4_KX8_GEMV | SHARDWIRE_Q4_K;
+    built |= SHARDWIRE_Q8_0_GEMV | SHARDWIRE_F16_GEMV | SHARDWIRE_Q4_0X8_GEMV | SHARDWIRE_Q4_KX8_GEMV | SHARDWIRE_Q4_K |
+             SHARDWIRE_Q6_K;
 #endif
 #if defined(__AVX512F__)
     built |= SHARDWIRE_F32 | SHARDWIRE_F16;

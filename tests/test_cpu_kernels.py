@@ -57,7 +57,7 @@ needs_tiled_repacked = pytest.mark.skipif(
 def test_a_repacked_q4_k_matrix_reads_prompt_rows_as_its_stored_blocks(rows):
     """From 8 rows of activations ggml's tiled products read the repacked Q4_K layout, each tile
     unpacked into the values the stored blocks give, and from 16 rows (where the CPU has AVX-512
-    VNNI) kernels/q4_K_gemm.cpp takes both layouts alike: either way the product is the stored
+    VNNI) kernels/kquant_gemm.cpp takes both layouts alike: either way the product is the stored
     blocks' bit for bit. Where the driver's tiles would not start on a group of 8 rows (264 rows
     on one thread: tiles of 132), the repacked GEMM takes it; one row goes through the repacked
     GEMV."""
@@ -79,7 +79,7 @@ def test_a_repacked_q4_k_matrix_reads_prompt_rows_as_its_stored_blocks(rows):
 @pytest.mark.parametrize("own", [True, False], ids=["shardwire-product", "tiled-products"])
 def test_a_repacked_q4_k_stage_reads_a_prompt_as_its_stored_blocks_do(own):
     """A stage of repacked Q4_K weights decodes on the repacked kernels and reads a prompt through
-    shardwire's Q4_K product (kernels/q4_K_gemm.cpp), or with it switched off the tiled products:
+    shardwire's Q4_K product (kernels/kquant_gemm.cpp), or with it switched off the tiled products:
     the prompt's logits and the keys and values it caches are the stored-block stage's exactly,
     so the choice of layout changes decode speed and nothing a prompt leaves."""
     if own and "Q4_K" not in ggml_cpu.own_products("gemm"):

@@ -357,8 +357,11 @@ def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
     assert float((by_ggml - by_gemm).abs().max()) <= 1e-2 * float(by_gemm.abs().max())
 
 
+LAYOUTS = ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored", "Q4_K repacked", "Q4_K stored", "Q6_K stored"]
+
+
 @pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
-@pytest.mark.parametrize("layout", ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored", "Q4_K repacked"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     "out_features,rows,cols",
     [(96, 16, 512), (96, 37, 512), (2048, 64, 512), (64, 23, 1056), (72, 64, 512), (80, 100, 2080)],
@@ -375,12 +378,12 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
     they differ by float rounding only, whatever the tile, group of tiles or thread a weight row
     or activation row falls in (on 2 threads, the threads pack the activation rows together), and
     however many chunks of activation rows (64 a chunk) and blocks of K (2048 values a block) the
-    float products take them in. Q4_K held repacked: 16 weight rows a vector by Q8_K activations,
-    each sub-block's exact integer sums scaled by its scales (the tiled products where it is
-    off)."""
+    float products take them in. Q4_K (either layout) and Q6_K: 16 weight rows a vector by Q8_K
+    activations, each sub-block's exact integer sums scaled by its scales (the tiled products where
+    that is off)."""
     stored, how = layout.split()
-    if stored == "Q4_K" and cols % 256:
-        pytest.skip("Q4_K rows are whole 256-value blocks")
+    if stored in ("Q4_K", "Q6_K") and cols % 256:
+        pytest.skip("K-quant rows are whole 256-value blocks")
     w, raw, _ = matrix(stored, rows=out_features, cols=cols, seed=3)
     kind = ggml_cpu.GGMLLinear if how == "stored" else ggml_cpu.RepackedLinear
     module = kind(raw, stored, w.shape[1], torch.float32)
@@ -437,7 +440,7 @@ def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_featur
 @pytest.mark.parametrize(
     "layout,kind",
     [("Q8_0 stored", "gemm"), ("Q4_0 repacked", "gemm"), ("F32 stored", "gemm"), ("F16 stored", "gemm")]
-    + [("Q4_K repacked", "gemm")]
+    + [("Q4_K repacked", "gemm"), ("Q4_K stored", "gemm"), ("Q6_K stored", "gemm")]
     + [("Q8_0 stored", "gemv"), ("F16 stored", "gemv"), ("Q4_0 repacked", "gemv"), ("Q4_K repacked", "gemv")],
 )
 def test_a_product_switched_off_leaves_its_rows_to_ggml_on_the_same_plan(layout, kind):

@@ -276,10 +276,10 @@ def tiled_reads_repacked() -> bool:
 # shardwire's own products in the ggml ./kernels builds (kernels/products.cpp), by the rows they
 # take ("gemm": a prompt chunk, 16 rows or more; "gemv": one row) and the stored type they multiply
 # (held as policy.PRODUCT_FORMATS says): each one's switch. Each stands in for ggml's kernel
-# (tinyBLAS, the repack buffer's GEMM for Q4_0, the tiled products for Q4_K; ggml's dot products
-# for one row).
+# (tinyBLAS, the repack buffer's GEMM for Q4_0, the tiled products for Q4_K and Q6_K; ggml's dot
+# products for one row).
 OWN_PRODUCTS = {
-    "gemm": {"Q8_0": 1 << 0, "Q4_0": 1 << 1, "F32": 1 << 2, "F16": 1 << 3, "Q4_K": 1 << 8},
+    "gemm": {"Q8_0": 1 << 0, "Q4_0": 1 << 1, "F32": 1 << 2, "F16": 1 << 3, "Q4_K": 1 << 8, "Q6_K": 1 << 9},
     "gemv": {"Q8_0": 1 << 4, "F16": 1 << 5, "Q4_0": 1 << 6, "Q4_K": 1 << 7},
 }
 

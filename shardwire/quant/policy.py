@@ -34,7 +34,7 @@ COMPACT = {t: f if f in ("int4", "int8x2") and t not in ("Q2_K", "Q3_K") else "g
 
 # The format whose matrices shardwire's own products (of a prompt chunk, and of one row for Q8_0 and
 # F16) multiply, by stored type (the others are multiplied by ggml's kernels alone)
-PRODUCT_FORMATS = {"Q8_0": "ggml", "Q4_0": "repacked", "F32": "ggml", "F16": "ggml", "Q4_K": "repacked"}
+PRODUCT_FORMATS = {"Q8_0": "ggml", "Q4_0": "repacked", "F32": "ggml", "F16": "ggml", "Q4_K": "repacked", "Q6_K": "ggml"}
 
 
 def held_label(stored: str, fmt: str, products: dict[str, str], row_products: dict[str, str] | None = None) -> str:
