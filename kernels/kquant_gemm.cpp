@@ -279,11 +279,14 @@ void kquant_gemm(const struct ggml_compute_params * params, int64_t m, int64_t k
     }
     ggml_barrier(params->threadpool);
     const auto * x = (const block_q8_K *) params->wdata;
-    std::vector<int32_t> pairs(n * kb * Tile::pairs);  // this call's scratch, as vnni_gemm's
+    // kept between products, as gemv.cpp keeps its activations: no allocation a call
+    thread_local std::vector<int32_t> pairs;
+    pairs.resize(n * kb * Tile::pairs);
     for (int64_t i = 0; i < n * kb; i++) {
         kquant_activation_sums<Tile>(x[i], &pairs[i * Tile::pairs]);
     }
-    std::vector<Tile> tiles(2 * kb);
+    thread_local std::vector<Tile> tiles;
+    tiles.resize(2 * kb);
     const Tile * unpacked[2] = {tiles.data(), tiles.data() + kb};
     for (int64_t t = 2 * params->ith; t < m / 16; t += 2 * params->nth) {
         const int here = (int) std::min<int64_t>(2, m / 16 - t);
