@@ -2,7 +2,8 @@
 over about 1 GB of matrices of the 1B layout's FFN shape, one after another. One row (a decode
 step; kernels/gemv.cpp on Q8_0 and F16 weights and on Q4_0 and Q4_K held repacked): how many bytes
 of weights a second each reads. More rows (a prompt chunk; kernels/vnni_gemm.cpp on Q8_0 and
-repacked Q4_0, kernels/float_gemm.cpp on F32 and F16): how many multiply-adds a second.
+repacked Q4_0, kernels/float_gemm.cpp on F32 and F16, kernels/kquant_gemm.cpp on Q4_K held
+repacked and stored Q6_K): how many multiply-adds a second.
 
     python benchmarks/products.py [--rows 1] [--types ...] [--rounds 7] [--gbytes 1.0] [-t 1]
 
@@ -42,11 +43,13 @@ THEIRS = {  # the ggml kernel each of shardwire's products stands in for
         "Q6_K": "ggml's tiled products",
     },
 }
-OURS = {  # where a kernel of shardwire's is not kernels/gemv.cpp (one row) or kernels/float_gemm.cpp
-    "gemv": {},
+OURS = {  # the file of shardwire's kernel for each
+    "gemv": dict.fromkeys(THEIRS["gemv"], "kernels/gemv.cpp"),
     "gemm": {
         "Q8_0": "kernels/vnni_gemm.cpp",
         "Q4_0": "kernels/vnni_gemm.cpp",
+        "F32": "kernels/float_gemm.cpp",
+        "F16": "kernels/float_gemm.cpp",
         "Q4_K": "kernels/kquant_gemm.cpp",
         "Q6_K": "kernels/kquant_gemm.cpp",
     },
@@ -123,8 +126,7 @@ def main() -> int:
                         layer(x)
                     rate.append(nbytes / (time.perf_counter() - t) / 1e9)
             for kernel, rate in rates.items():
-                ours = OURS[kind].get(stored, f"kernels/{'gemv' if kind == 'gemv' else 'float_gemm'}.cpp")
-                label = ours if kernel == "shardwire" else THEIRS[kind][stored]
+                label = (OURS if kernel == "shardwire" else THEIRS)[kind][stored]
                 median, shape = statistics.median(rate), f"{len(layers)} x {SHAPE[0]}x{SHAPE[1]}"
                 flops = 2 * args.rows * SHAPE[0] * SHAPE[1] / stored_nbytes(stored, SHAPE)  # a byte of weights'
                 print(

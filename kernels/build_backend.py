@@ -44,7 +44,7 @@ import scikit_build_core.build as scikit_build
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.20"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.21"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 

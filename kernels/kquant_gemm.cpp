@@ -13,8 +13,9 @@
 // its mins times the activation sub-block's sums, as ggml does; Q6_K, stored plus 32: 32 times its
 // scales times those sums). The results differ from ggml's only in the order of float additions.
 //
-// kernels/build_backend.py appends this file to ggml-cpu/repack.cpp after gemv.cpp, whose
-// q4_Kx8_scales reads the packed scales here; the repack buffer's Q4_K 8x8 MUL_MAT calls
+// kernels/build_backend.py appends this file to ggml-cpu/repack.cpp after vnni_gemm.cpp (whose
+// vnni_transpose and prompt_rows_quantized it uses) and gemv.cpp (whose q4_Kx8_scales reads the
+// packed scales here); the repack buffer's Q4_K 8x8 MUL_MAT calls
 // shardwire_q4_Kx8_gemm before the tiled products, and ggml_compute_forward_mul_mat calls
 // shardwire_kquant_gemm before them, which take the product where products.cpp has it switched on.
 
@@ -24,8 +25,7 @@
 
 namespace {
 
-constexpr int KQ_ROWS = 4;             // activation rows a pass over two tiles: 2 x 4 sums
-constexpr int64_t KQ_MIN_ROWS = 16;    // fewer activation rows do not repay a tile's unpacking
+constexpr int KQ_ROWS = 4;  // activation rows a pass over two tiles: 2 x 4 sums
 
 // one super-block of a tile of 16 rows, unpacked: SUBS sub-blocks, PAIRS pairs of activation sums
 // the offsets take
@@ -264,21 +264,19 @@ void kquant_tiles(const Tile * const * t, int64_t kb, const block_q8_K * x, cons
     }
 }
 
-// C (ldc a row) = the m weight rows that `unpack` gives a 16-row tile of at a time (unpack(t, b,
-// tile): tile t's super-block b) by the n float32 rows of src1 (k values), quantized to Q8_K (as
-// ggml quantizes them for Q4_K and Q6_K) into the work buffer by all threads; this thread's tiles,
-// two at a time
+// dst = src0's rows, which `unpack` gives a 16-row tile of at a time (unpack(t, b, tile): tile t's
+// super-block b), by src1's rows as Q8_K (prompt_rows_quantized); this thread's tiles, two at a
+// time. False: not taken
 template <typename Tile, typename Unpack>
-void kquant_gemm(const struct ggml_compute_params * params, int64_t m, int64_t k, const struct ggml_tensor * src1,
-                 float * C, int64_t ldc, const Unpack & unpack) {
-    const int64_t n = src1->ne[1], kb = k / QK_K;
-    const size_t row = ggml_row_size(GGML_TYPE_Q8_K, k);
-    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
-    for (int64_t j = params->ith; j < n; j += params->nth) {
-        quantize((const float *) ((const char *) src1->data + j * src1->nb[1]), (char *) params->wdata + j * row, k);
+bool kquant_gemm(const struct ggml_compute_params * params, const struct ggml_tensor * dst, unsigned product,
+                 const Unpack & unpack) {
+    const auto * x = (const block_q8_K *) prompt_rows_quantized(params, dst, product, GGML_TYPE_Q8_K, QK_K);
+    if (x == nullptr) {
+        return false;
     }
-    ggml_barrier(params->threadpool);
-    const auto * x = (const block_q8_K *) params->wdata;
+    const int64_t m = dst->src[0]->ne[1], n = dst->src[1]->ne[1], kb = dst->src[0]->ne[0] / QK_K;
+    float * C = (float *) dst->data;
+    const int64_t ldc = dst->nb[1] / (int64_t) sizeof(float);
     // kept between products, as gemv.cpp keeps its activations: no allocation a call
     thread_local std::vector<int32_t> pairs;
     pairs.resize(n * kb * Tile::pairs);
@@ -301,62 +299,44 @@ void kquant_gemm(const struct ggml_compute_params * params, int64_t m, int64_t k
             kquant_tiles<Tile, 1>(unpacked, kb, x, pairs.data(), n, C + 16 * t, ldc);
         }
     }
-}
-
-// whether this product takes a MUL_MAT of src0's rows (16 a tile, whole super-blocks) by 16
-// float32 rows or more, with room for them as Q8_K in the work buffer
-bool kquant_takes(const struct ggml_compute_params * params, const struct ggml_tensor * dst, unsigned product) {
-    const struct ggml_tensor * src0 = dst->src[0];
-    const struct ggml_tensor * src1 = dst->src[1];
-    return shardwire_product_on(product) && !params->use_ref && src1->type == GGML_TYPE_F32 &&
-           dst->type == GGML_TYPE_F32 && src1->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
-           src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 && src1->ne[3] == 1 && src0->ne[1] % 16 == 0 &&
-           src0->ne[0] % QK_K == 0 && src1->ne[1] >= KQ_MIN_ROWS &&
-           params->wsize >= ggml_row_size(GGML_TYPE_Q8_K, src0->ne[0]) * src1->ne[1];
+    return true;
 }
 
 // stored blocks of `Block`, 16 rows a tile
 template <typename Tile, typename Block, typename Unpack>
-void kquant_stored_gemm(const struct ggml_compute_params * params, struct ggml_tensor * dst, const Unpack & unpack) {
+bool kquant_stored_gemm(const struct ggml_compute_params * params, const struct ggml_tensor * dst, unsigned product,
+                        const Unpack & unpack) {
     const char * w = (const char *) dst->src[0]->data;
     const size_t nb01 = dst->src[0]->nb[1];
     const int64_t stride = (int64_t) (nb01 / sizeof(Block));
-    kquant_gemm<Tile>(params, dst->src[0]->ne[1], dst->src[0]->ne[0], dst->src[1], (float *) dst->data,
-                      dst->nb[1] / (int64_t) sizeof(float), [&](int64_t t, int64_t b, Tile & tile) {
-                          unpack((const Block *) (w + 16 * t * nb01) + b, stride, tile);
-                      });
+    return kquant_gemm<Tile>(params, dst, product, [&](int64_t t, int64_t b, Tile & tile) {
+        unpack((const Block *) (w + 16 * t * nb01) + b, stride, tile);
+    });
 }
 
 }  // namespace
 
 // the repack buffer's MUL_MAT on Q4_K in the 8x8 layout; false: not taken, the tiled products compute it
 extern "C" bool shardwire_q4_Kx8_gemm(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    if (!kquant_takes(params, dst, SHARDWIRE_Q4_K)) {
-        return false;
-    }
     const auto * w = (const block_q4_Kx8 *) dst->src[0]->data;
     const int64_t kb = dst->src[0]->ne[0] / QK_K;
-    kquant_gemm<q4_K_tile>(params, dst->src[0]->ne[1], dst->src[0]->ne[0], dst->src[1], (float *) dst->data,
-                           dst->nb[1] / (int64_t) sizeof(float), [w, kb](int64_t t, int64_t b, q4_K_tile & tile) {
-                               q4_K_unpack_repacked(w[2 * t * kb + b], w[(2 * t + 1) * kb + b], tile);
-                           });
-    return true;
+    return kquant_gemm<q4_K_tile>(params, dst, SHARDWIRE_Q4_K, [w, kb](int64_t t, int64_t b, q4_K_tile & tile) {
+        q4_K_unpack_repacked(w[2 * t * kb + b], w[(2 * t + 1) * kb + b], tile);
+    });
 }
 
 // ggml_compute_forward_mul_mat on stored Q4_K blocks (the same product as on repacked ones, to the
 // same bits, so that holding a weight repacked or as stored changes nothing a prompt computes) or
 // on Q6_K blocks; false: not taken
 extern "C" bool shardwire_kquant_gemm(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const ggml_type type = dst->src[0]->type;
-    if (type == GGML_TYPE_Q4_K && kquant_takes(params, dst, SHARDWIRE_Q4_K)) {
-        kquant_stored_gemm<q4_K_tile, block_q4_K>(params, dst, q4_K_unpack_stored);
-        return true;
+    switch (dst->src[0]->type) {
+    case GGML_TYPE_Q4_K:
+        return kquant_stored_gemm<q4_K_tile, block_q4_K>(params, dst, SHARDWIRE_Q4_K, q4_K_unpack_stored);
+    case GGML_TYPE_Q6_K:
+        return kquant_stored_gemm<q6_K_tile, block_q6_K>(params, dst, SHARDWIRE_Q6_K, q6_K_unpack_stored);
+    default:
+        return false;
     }
-    if (type == GGML_TYPE_Q6_K && kquant_takes(params, dst, SHARDWIRE_Q6_K)) {
-        kquant_stored_gemm<q6_K_tile, block_q6_K>(params, dst, q6_K_unpack_stored);
-        return true;
-    }
-    return false;
 }
 #else
 extern "C" bool shardwire_q4_Kx8_gemm(const struct ggml_compute_params *, struct ggml_tensor *) {

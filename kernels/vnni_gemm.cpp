@@ -185,6 +185,30 @@ void vnni_gemm(const Tiles & tiles, int ith, int nth, int64_t m, int64_t n, int6
     }
 }
 
+// a prompt chunk's MUL_MAT that a product of these files takes: src0's rows (whole tiles of 16,
+// whole blocks of `block` values) by VNNI_MIN_ROWS float32 rows of src1 or more, into float32 dst
+// rows; those rows quantized to `type` (as ggml quantizes them for src0's type) into the work
+// buffer by all threads together. nullptr: not taken (switched off, or not such a product)
+const void * prompt_rows_quantized(const struct ggml_compute_params * params, const struct ggml_tensor * dst,
+                                   unsigned product, ggml_type type, int64_t block) {
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+    const int64_t K = src0->ne[0], M = src0->ne[1], N = src1->ne[1];
+    const size_t row = ggml_row_size(type, K);
+    if (!shardwire_product_on(product) || params->use_ref || src1->type != GGML_TYPE_F32 ||
+        dst->type != GGML_TYPE_F32 || src1->nb[0] != sizeof(float) || dst->nb[0] != sizeof(float) ||
+        src0->ne[2] != 1 || src0->ne[3] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1 || M % VNNI_TILE != 0 ||
+        K % block != 0 || N < VNNI_MIN_ROWS || params->wsize < row * N) {
+        return nullptr;
+    }
+    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(type)->from_float;
+    for (int64_t j = params->ith; j < N; j += params->nth) {
+        quantize((const float *) ((const char *) src1->data + j * src1->nb[1]), (char *) params->wdata + j * row, K);
+    }
+    ggml_barrier(params->threadpool);
+    return params->wdata;
+}
+
 }  // namespace
 
 // llamafile_sgemm's Q8_0 case: C[j * ldc + i] = row i of A (m rows of k blocks, lda blocks apart)
@@ -203,25 +227,14 @@ extern "C" bool shardwire_q8_0_gemm(const struct ggml_compute_params * params, i
 // the repack buffer's MUL_MAT on Q4_0 in the 8x8 layout: its float32 rows quantized to Q8_0 (as
 // ggml quantizes them for Q4_0) into the work buffer, then the tiles; false: not taken
 extern "C" bool shardwire_q4_0x8_mul_mat(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const struct ggml_tensor * src0 = dst->src[0];
-    const struct ggml_tensor * src1 = dst->src[1];
-    const int64_t K = src0->ne[0], M = src0->ne[1], N = src1->ne[1];
-    const size_t row = ggml_row_size(GGML_TYPE_Q8_0, K);
-    if (!shardwire_product_on(SHARDWIRE_Q4_0X8) || params->use_ref || src1->type != GGML_TYPE_F32 ||
-        src1->nb[0] != sizeof(float) || src1->ne[2] != 1 ||
-        src1->ne[3] != 1 || M % VNNI_TILE != 0 || N < VNNI_MIN_ROWS || K % QK8_0 != 0 ||
-        params->wsize < row * N) {
+    const void * quantized = prompt_rows_quantized(params, dst, SHARDWIRE_Q4_0X8, GGML_TYPE_Q8_0, QK8_0);
+    if (quantized == nullptr) {
         return false;
     }
-    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float;
-    char * quantized = (char *) params->wdata;
-    for (int64_t j = params->ith; j < N; j += params->nth) {
-        quantize((const float *) ((const char *) src1->data + j * src1->nb[1]), quantized + j * row, K);
-    }
-    ggml_barrier(params->threadpool);
-    vnni_gemm(q4_0x8_tiles{(const block_q4_0x8 *) src0->data, K / QK4_0}, params->ith, params->nth, M, N,
-              K / QK8_0, (const block_q8_0 *) quantized, K / QK8_0, (float *) dst->data,
-              dst->nb[1] / (int64_t) sizeof(float));
+    const int64_t K = dst->src[0]->ne[0];
+    vnni_gemm(q4_0x8_tiles{(const block_q4_0x8 *) dst->src[0]->data, K / QK4_0}, params->ith, params->nth,
+              dst->src[0]->ne[1], dst->src[1]->ne[1], K / QK8_0, (const block_q8_0 *) quantized, K / QK8_0,
+              (float *) dst->data, dst->nb[1] / (int64_t) sizeof(float));
     return true;
 }
 #else
