@@ -93,7 +93,7 @@ def main() -> int:
     p.add_argument("-t", "--threads", type=int, default=1)
     args = p.parse_args()
     if not ggml_cpu.available():
-        print("ggml-python is not installed: nothing to compare against")
+        print("ggml's kernels are not built here: nothing to compare against")
         return 1
     torch.set_num_threads(args.threads)
     print(f"cpu: {cpu_model()}, {args.threads} thread(s), ggml: {ggml_cpu.build()}")

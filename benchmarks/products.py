@@ -8,7 +8,7 @@ repacked and stored Q6_K): how many multiply-adds a second.
     python benchmarks/products.py [--rows 1] [--types ...] [--rounds 7] [--gbytes 1.0] [-t 1]
 
 Prints the CPU, the ggml build and, per type and kernel, the best and median GB/s (and GFLOP/s)
-over the rounds (taken in turns) and the ratio of the medians. Needs the ggml of ./kernels on a
+over the rounds (taken in turns) and the ratio of the medians. Needs shardwire's ggml (kernels/) on a
 CPU with AVX-512; elsewhere it says there is nothing to compare.
 """
 
@@ -106,7 +106,7 @@ def main() -> int:
     built = ggml_cpu.own_products(kind)
     print(f"cpu: {cpu_model()}  ggml: {ggml_cpu.build() or 'none'}  threads: {args.threads}  rows: {args.rows}")
     if not built:
-        print("this ggml has no products of shardwire's for these rows (ggml-python as published, or no AVX-512)")
+        print("this ggml has no products of shardwire's for these rows (no AVX-512 here)")
         return 0
     x = torch.randn(args.rows, SHAPE[1])
     used = ggml_cpu.own_products_used(kind)

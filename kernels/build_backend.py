@@ -1,393 +1,183 @@
-"""Builds ggml-python 0.0.45 (the bindings shardwire's `cpu` extra pins) with the ggml that
-llama.cpp's release 0.3.36 ships instead of the one the bindings vendor: the same C API, and the
-kernels llama.cpp computes with today (its tiled K-quant products read a prompt chunk of stored
-Q4_K-Q6_K weights about twice as fast as the older ggml's). Both sources are the sdists on PyPI,
-checked against the hashes below; the build itself is ggml-python's (scikit-build-core, cmake).
+"""shardwire's build: its CPU kernels (ggml_source.py's ggml, built with cmake for this machine's
+CPU, as llama.cpp builds by default) into shardwire/_ggml, then setuptools for the package around
+them. So `pip install .`, `pip install -e .` and `python -m build` all give the kernels that
+shardwire's figures were measured with.
 
-The changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp,
-float_gemm.cpp, gemv.cpp, kquant_gemm.cpp, products.cpp). Its tiled K-quant products also read Q4_K
-weights held in the repacked layout, which the repack buffer's products of a prompt chunk (and its
-MUL_MAT_ID experts with 8 rows or more) then take, so that a repacked Q4_K weight reads prompts as
-fast as stored blocks do (on x86 the repacked GEMM reads a 64-row chunk 1.6x slower) and still
-decodes on the repacked GEMV. And the repack buffer's MUL_MAT_ID, which read an expert once per row
-(the one-row GEMV), takes an expert's rows four at a time through the repacked GEMM, as its MUL_MAT
-does a matrix's, to the GEMV's bits (Q4_0) or within their rounding (Q4_K): a 64-token prompt of the
-Qwen3-MoE benchmark layout in Q4_0 1.17x faster. And the tiles fetch the weight blocks they unpack
-next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for the
-quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32, F16 or Q6_K weights, on
-Q4_0 weights held repacked or on Q4_K held either way goes to vnni_gemm.cpp, float_gemm.cpp or
-kquant_gemm.cpp instead of llamafile's tinyBLAS, the repack buffer's GEMM or the tiled products: at
-64 rows on the EPYC (`python benchmarks/products.py --rows 64`) Q8_0 3.4x faster, Q4_0 1.8x, F32
-1.9x, F16 1.2x, Q4_K 1.15-1.22x, Q6_K 1.23x. And there one row of activations (a decode step) on
-Q8_0 or F16 weights, which llamafile declines, or on Q4_0 or Q4_K held repacked goes to gemv.cpp
-before ggml's dot products or the repack buffer's GEMV: the same arithmetic (F16, Q4_0 to the bit),
-with the weights fetched 8 KiB ahead, streaming Q8_0 1.3-1.8x, F16 1.1x, repacked Q4_0 1.4-1.6x and
-Q4_K 1.3x faster on the EPYC (`python benchmarks/products.py`). Each of those can be switched off at
-run time (products.cpp): shardwire times each against the kernel it stands in for and keeps only the
-faster.
+Where they cannot be built (no compiler, no cmake, the sources cannot be downloaded, a platform
+ggml does not build on) the install still succeeds: shardwire/_ggml then holds only NOT_BUILT,
+which says why, and shardwire computes on PyTorch's kernels and says so at every start.
 
-The wheel's version is LOCAL_VERSION (ggml-python's with a local part), so it satisfies
-`ggml-python==0.0.45`: `pip install -e '.[cpu]' ./kernels` installs shardwire with it.
+A build is kept in shardwire/_ggml with its key (the kernels' sources, this machine's CPU and
+compiler settings): installing the same tree again rebuilds only what changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
-import scikit_build_core.build as scikit_build
+import ggml_source
+from setuptools import build_meta as setuptools_build
 
-BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
-LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.21"
-GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
-
-# (file under ggml/src/ggml-cpu, text found exactly once, its replacement)
-PATCHES = [
-    (  # where the tiles read a weight block: one place, which another layout specializes
-        "tiled/tiled.cpp",
-        "template <typename B, int SUBBLK, bool HAS_MIN, int BIAS, bool ACTBIAS>\nstatic void tiled_mmid_gemm_window(",
-        "// shardwire: where the tiles read weight block (row, kblk); specialized for other layouts\n"
-        "template <typename B>\n"
-        "static const B * tiled_src0_at(const char * row0, int64_t row, int64_t kblk, size_t nb01, size_t bs) {\n"
-        "    return (const B *) (row0 + row * nb01 + kblk * bs);\n"
-        "}\n\n"
-        "template <typename B, int SUBBLK, bool HAS_MIN, int BIAS, bool ACTBIAS>\n"
-        "static void tiled_mmid_gemm_window(",
-    ),
-    (
-        "tiled/tiled.cpp",
-        "const B * wbase = (const B *) (src0_cur + ir0 * src0->nb[1] + kstart * src0_bs);",
-        "const B * wbase = tiled_src0_at<B>(src0_cur, ir0, kstart, src0->nb[1], src0_bs);",
-    ),
-    (
-        "tiled/tiled.cpp",
-        "tiled_unpack_src0((const B *) (src0_cur + r * src0->nb[1] + kblk * src0_bs), src0_stride",
-        "tiled_unpack_src0(tiled_src0_at<B>(src0_cur, r, kblk, src0->nb[1], src0_bs), src0_stride",
-    ),
-    (
-        "tiled/tiled.cpp",
-        "const B * wbase = (const B *) (src0_row + ir0 * nb01 + kstart * src0_bs);",
-        "const B * wbase = tiled_src0_at<B>(src0_row, ir0, kstart, nb01, src0_bs);",
-    ),
-    (
-        "tiled/tiled.cpp",
-        "tiled_unpack_src0((const B *) (src0_row + iir0 * nb01 + kblk * src0_bs), src0_stride, n_src0, &ws->src0, 1);",
-        "tiled_unpack_src0(tiled_src0_at<B>(src0_row, iir0, kblk, nb01, src0_bs), src0_stride, n_src0, &ws->src0, 1);",
-    ),
-    (
-        "repack.cpp",
-        '#include "repack.h"\n',
-        '#include "repack.h"\n\n#include <type_traits>\n\n'
-        "// shardwire: a prompt chunk's product on repacked Q4_K through the tiled kernels (tiled.cpp)\n"
-        'extern "C" bool ggml_compute_forward_mul_mat_tiled_q4_Kx8(const struct ggml_compute_params *, '
-        "struct ggml_tensor *);\n"
-        'extern "C" size_t ggml_tiled_q4_Kx8_wdata_size(int, const struct ggml_tensor *);\n'
-        'extern "C" bool ggml_tiled_q4_Kx8_mul_mat_id(const struct ggml_compute_params *, struct ggml_tensor *, '
-        "int64_t, int64_t, const int32_t *, char *);\n"
-        'extern "C" size_t ggml_tiled_q4_Kx8_id_wdata_size(int, const struct ggml_tensor *);\n\n'
-        "// shardwire: one thread's room for an expert's rows through the repacked GEMM in MUL_MAT_ID:\n"
-        "// 4 rows of K floats, the same quantized and interleaved, 4 rows of N results\n"
-        "static inline size_t shardwire_gemm_id_slot(int64_t K, int64_t N, size_t q_row) {\n"
-        "    return GGML_PAD(4 * K * sizeof(float) + GGML_PAD(4 * q_row, 64) + 4 * N * sizeof(float), 64);\n"
-        "}\n",
-    ),
-    (
-        "repack.cpp",
-        "                    size += sizeof_mmid_row_mapping*ne02*(ne12 + 1);\n",
-        "                    size += sizeof_mmid_row_mapping*ne02*(ne12 + 1);\n"
-        "                    if constexpr (TILED_Q4_Kx8) {  // then the tiled products' workspaces\n"
-        "                        size += ggml_tiled_q4_Kx8_id_wdata_size(n_threads, op);\n"
-        "                    }\n"
-        "                    {  // then the GEMM's rooms\n"
-        "                        const int64_t K = op->src[1]->ne[0], N = op->src[0]->ne[1];\n"
-        "                        size += 64 + (size_t) n_threads *\n"
-        "                            shardwire_gemm_id_slot(K, N, ggml_row_size(PARAM_TYPE, K));\n"
-        "                    }\n",
-    ),
-    (  # an expert's rows four at a time through the repacked GEMM, the rest through the GEMV
-        "repack.cpp",
-        "            for (int ir1 = 0; ir1 < nr1; ir1++) {\n",
-        "            int64_t ir1_first = 0;  // shardwire: rows before this went through the GEMM\n"
-        "            if (cne1 >= 4) {\n"
-        "                char * room = (char *) (matrix_rows + n_as * ne12);\n"
-        "                room = (char *) (((uintptr_t) room + 63) & ~(uintptr_t) 63);\n"
-        "                if constexpr (TILED_Q4_Kx8) {\n"
-        "                    room += ggml_tiled_q4_Kx8_id_wdata_size(nth, dst);\n"
-        "                }\n"
-        "                room += (size_t) ith * shardwire_gemm_id_slot(ne10, ne01, nbw1);\n"
-        "                float * rows = (float *) room;\n"
-        "                char * quantized = room + 4 * ne10 * sizeof(float);\n"
-        "                float * out = (float *) (quantized + GGML_PAD(4 * nbw1, 64));\n"
-        "                const int64_t ncols = src0_cur_end - src0_cur_start;\n"
-        "                for (; ir1_first + 4 <= cne1; ir1_first += 4) {\n"
-        "                    for (int r = 0; r < 4; r++) {\n"
-        "                        const struct mmid_row_mapping m = MMID_MATRIX_ROW(cur_a, ir1_first + r);\n"
-        "                        const char * row = (const char *) src1->data + (m.i1 % ne11) * nb11 + m.i2 * nb12;\n"
-        "                        memcpy(rows + r * ne10, row, ne10 * sizeof(float));\n"
-        "                    }\n"
-        "                    ggml_quantize_mat_t<INTER_SIZE, PARAM_TYPE>(rows, quantized, 4, ne10);\n"
-        "                    gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, out + src0_cur_start, ne01,\n"
-        "                        src0_cur + src0_cur_start * nb01, quantized, 4, ncols);\n"
-        "                    for (int r = 0; r < 4; r++) {\n"
-        "                        const struct mmid_row_mapping m = MMID_MATRIX_ROW(cur_a, ir1_first + r);\n"
-        "                        char * to = (char *) dst->data + m.i1 * nb1 + m.i2 * nb2;\n"
-        "                        memcpy(to + src0_cur_start * sizeof(float), out + r * ne01 + src0_cur_start,\n"
-        "                               ncols * sizeof(float));\n"
-        "                    }\n"
-        "                }\n"
-        "            }\n"
-        "            for (int ir1 = ir1_first; ir1 < nr1; ir1++) {\n",
-    ),
-    (
-        "repack.cpp",
-        "            const auto * src0_cur = (const char *) src0->data + cur_a*nb02;\n",
-        "            if constexpr (TILED_Q4_Kx8) {  // an expert with enough rows: the tiled products\n"
-        "                char * scratch = (char *) (matrix_rows + n_as * ne12);\n"
-        "                scratch = (char *) (((uintptr_t) scratch + 63) & ~(uintptr_t) 63);\n"
-        "                if (ggml_tiled_q4_Kx8_mul_mat_id(params, dst, cur_a, cne1,\n"
-        "                                                 (const int32_t *) &MMID_MATRIX_ROW(cur_a, 0), scratch)) {\n"
-        "                    continue;\n"
-        "                }\n"
-        "            }\n"
-        "            const auto * src0_cur = (const char *) src0->data + cur_a*nb02;\n",
-    ),
-    (
-        "repack.cpp",
-        "    bool work_size(int /* n_threads */, const struct ggml_tensor * op, size_t & size) override {\n"
-        "        // not realy a GGML_TYPE_Q8_0 but same size.\n"
-        "        switch (op->op) {\n"
-        "            case GGML_OP_MUL_MAT:\n"
-        "                {\n"
-        "                    size = ggml_row_size(PARAM_TYPE, ggml_nelements(op->src[1]));\n",
-        "    bool work_size(int n_threads, const struct ggml_tensor * op, size_t & size) override {\n"
-        "        // not realy a GGML_TYPE_Q8_0 but same size.\n"
-        "        switch (op->op) {\n"
-        "            case GGML_OP_MUL_MAT:\n"
-        "                {\n"
-        "                    size = ggml_row_size(PARAM_TYPE, ggml_nelements(op->src[1]));\n"
-        "                    if constexpr (TILED_Q4_Kx8) {\n"
-        "                        size = std::max(size, ggml_tiled_q4_Kx8_wdata_size(n_threads, op));\n"
-        "                    }\n"
-        "                    (void) n_threads;\n",
-    ),
-    (
-        "repack.cpp",
-        "            case GGML_OP_MUL_MAT:\n                forward_mul_mat(params, op);\n",
-        "            case GGML_OP_MUL_MAT:\n"
-        "                if constexpr (TILED_Q4_Kx8) {\n"
-        "                    if (shardwire_q4_Kx8_gemv(params, op) || shardwire_q4_Kx8_gemm(params, op) ||\n"
-        "                        ggml_compute_forward_mul_mat_tiled_q4_Kx8(params, op)) {\n"
-        "                        return true;\n"
-        "                    }\n"
-        "                }\n"
-        "                if constexpr (VNNI_Q4_0x8) {\n"
-        "                    if (shardwire_q4_0x8_gemv(params, op) || shardwire_q4_0x8_mul_mat(params, op)) {\n"
-        "                        return true;\n"
-        "                    }\n"
-        "                }\n"
-        "                forward_mul_mat(params, op);\n",
-    ),
-    (
-        "repack.cpp",
-        "template <typename BLOC_TYPE, int64_t INTER_SIZE, int64_t NB_COLS, ggml_type PARAM_TYPE> "
-        "class tensor_traits : public tensor_traits_base {\n",
-        "template <typename BLOC_TYPE, int64_t INTER_SIZE, int64_t NB_COLS, ggml_type PARAM_TYPE> "
-        "class tensor_traits : public tensor_traits_base {\n"
-        "    static constexpr bool TILED_Q4_Kx8 =\n"
-        "        std::is_same_v<BLOC_TYPE, block_q4_K> && INTER_SIZE == 8 && NB_COLS == 8;\n"
-        "    static constexpr bool VNNI_Q4_0x8 =\n"
-        "        std::is_same_v<BLOC_TYPE, block_q4_0> && INTER_SIZE == 8 && NB_COLS == 8;\n",
-    ),
-]
-# The tiles unpack a K block of each of their rows in turn: blocks a row apart (a group of 8 rows
-# apart in the repacked layout), a stride the hardware prefetchers do not follow across pages, so
-# each block waited on memory. Each unpack fetches the block TILED_AHEAD rows on while it unpacks one:
-# a 64-row product on the EPYC 1.07x faster on stored Q4_K, 1.25x on repacked Q4_K, 1.09x on Q6_K.
-PATCHES += [
-    (
-        "tiled/tiled.cpp",
-        "#define UNUSED GGML_UNUSED\n",
-        "#define UNUSED GGML_UNUSED\n\n"
-        "// shardwire: the weight block `ahead` rows on from row r (of n_rows), fetched into the cache\n"
-        "#define TILED_AHEAD 8\n"
-        "template <typename B>\n"
-        "static inline void tiled_prefetch_ahead(const B * rows, int64_t row_stride, int r, int slab, int n_rows,\n"
-        "                                        int ahead = TILED_AHEAD) {\n"
-        "    if (r + ahead < n_rows) {\n"
-        "        const char * block = (const char *) &rows[(int64_t) (r + ahead) * row_stride + slab];\n"
-        "        const uintptr_t end = (uintptr_t) (block + sizeof(B));\n"
-        "        for (uintptr_t line = (uintptr_t) block & ~(uintptr_t) 63; line < end; line += 64) {\n"
-        "            __builtin_prefetch((const void *) line);\n"
-        "        }\n"
-        "    }\n"
-        "}\n",
-    ),
-] + [
-    (
-        "tiled/tiled.cpp",
-        f"const block_{t} & x = rows[r * row_stride + slab];\n",
-        f"const block_{t} & x = rows[r * row_stride + slab];\n"
-        "            tiled_prefetch_ahead(rows, row_stride, r, slab, n_rows);\n",
-    )
-    for t in "q2_K q3_K q4_K q5_K q6_K iq1_s iq1_m iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s iq4_xs".split()
-]
-PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacked, goes to shardwire's kernels first
-    (
-        "llamafile/sgemm.cpp",
-        "#include <type_traits>\n",
-        "#include <type_traits>\n\n"
-        "// shardwire: a prompt chunk's product on Q8_0 (vnni_gemm.cpp), F32 and F16 weights (float_gemm.cpp)\n"
-        + "".join(
-            f'extern "C" bool shardwire_{t}_gemm(const struct ggml_compute_params *, int64_t, int64_t, int64_t, '
-            "const void *, int64_t, const void *, int64_t, float *, int64_t);\n"
-            for t in ("q8_0", "f32", "f16")
-        )
-        + 'extern "C" bool shardwire_gemv(const struct ggml_compute_params *, int64_t, int64_t, const void *, int64_t, '
-        "const void *, float *, int, int);  // shardwire: gemv.cpp\n",
-    ),
-    (  # one row of activations, which tinyBLAS declines, goes to gemv.cpp before ggml's dot products
-        "llamafile/sgemm.cpp",
-        "#if !defined(__MMA__)\n    if (n < 2)\n        return false;\n#endif\n",
-        "#if !defined(__MMA__)\n    if (n < 2)\n"
-        "        return Ctype == GGML_TYPE_F32 && shardwire_gemv(params, m, k, A, lda, B, (float *) C, Atype, Btype);\n"
-        "#endif\n",
-    ),
-    (
-        "llamafile/sgemm.cpp",
-        "    case GGML_TYPE_F32: {\n        if (Btype != GGML_TYPE_F32)\n            return false;\n",
-        "    case GGML_TYPE_F32: {\n        if (Btype != GGML_TYPE_F32)\n            return false;\n"
-        "        if (shardwire_f32_gemm(params, m, n, k, A, lda, B, ldb, (float *) C, ldc))\n"
-        "            return true;\n",
-    ),
-    (
-        "llamafile/sgemm.cpp",
-        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n",
-        "    case GGML_TYPE_F16: {\n#if defined(__AVX512F__)\n"
-        "        if (Btype == GGML_TYPE_F32 && shardwire_f16_gemm(params, m, n, k, A, lda, B, ldb, (float *) C, ldc))\n"
-        "            return true;\n",
-    ),
-    (  # the work buffer holds float_gemm.cpp's interleaved rows, in place of ggml's F16 copy of them
-        "ggml-cpu.c",
-        '#include "tiled/tiled.h"\n',
-        '#include "tiled/tiled.h"\n\n'
-        "bool shardwire_float_gemm_work_size(const struct ggml_tensor *, size_t *);  // shardwire: float_gemm.cpp\n"
-        "bool shardwire_kquant_gemm(const struct ggml_compute_params *, struct ggml_tensor *);  // kquant_gemm.cpp\n",
-    ),
-    (  # a prompt chunk on stored Q4_K or Q6_K goes to kquant_gemm.cpp before the tiled products
-        "ggml-cpu.c",
-        "    // If tiled is supported, it will execute the full op here and we return\n",
-        "    if (shardwire_kquant_gemm(params, dst)) {\n        return;\n    }\n\n"
-        "    // If tiled is supported, it will execute the full op here and we return\n",
-    ),
-    (
-        "ggml-cpu.c",
-        "                case GGML_OP_MUL_MAT:\n                    {\n",
-        "                case GGML_OP_MUL_MAT:\n                    {\n"
-        "                        if (shardwire_float_gemm_work_size(node, &cur)) {\n"
-        "                            break;\n"
-        "                        }\n",
-    ),
-    (
-        "llamafile/sgemm.cpp",
-        "    case GGML_TYPE_Q8_0: {\n        if (Btype != GGML_TYPE_Q8_0)\n           return false;\n",
-        "    case GGML_TYPE_Q8_0: {\n        if (Btype != GGML_TYPE_Q8_0)\n           return false;\n"
-        "        if (shardwire_q8_0_gemm(params, m, n, k, A, lda, B, ldb, (float *) C, ldc))\n"
-        "            return true;\n",
-    ),
-    (
-        "repack.cpp",
-        '#include "repack.h"\n',
-        '#include "repack.h"\n\n'
-        'extern "C" bool shardwire_q4_0x8_mul_mat(const struct ggml_compute_params *, struct ggml_tensor *);\n'
-        'extern "C" bool shardwire_q4_0x8_gemv(const struct ggml_compute_params *, struct ggml_tensor *);\n'
-        'extern "C" bool shardwire_q4_Kx8_gemv(const struct ggml_compute_params *, struct ggml_tensor *);\n'
-        'extern "C" bool shardwire_q4_Kx8_gemm(const struct ggml_compute_params *, struct ggml_tensor *);\n',
-    ),
-]
-APPENDED = [  # (file, this folder's source added at its end)
-    ("tiled/tiled.cpp", "tiled_q4_Kx8.cpp"),
-    ("repack.cpp", "products.cpp"),
-    ("repack.cpp", "vnni_gemm.cpp"),
-    ("repack.cpp", "float_gemm.cpp"),
-    ("repack.cpp", "gemv.cpp"),
-    ("repack.cpp", "kquant_gemm.cpp"),
-]
+KERNELS = Path("shardwire", "_ggml")  # in the tree being built
+BUILD, NOT_BUILT = "BUILD", "NOT_BUILT"
+CMAKE_MINIMUM = (3, 21)  # ggml-python's CMakeLists
 
 
-def _sdist(name: str, version: str, sha256: str, into: Path) -> Path:
-    """The sdist of name==version from the package index pip is configured with; pip checks its
-    hash before it reads anything in it."""
-    pinned = into / f"{name}.txt"
-    into.mkdir(parents=True, exist_ok=True)
-    pinned.write_text(f"{name}=={version} --hash=sha256:{sha256}\n")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-         "--quiet", "-d", str(into), "-r", str(pinned)],
-        check=True,
-        env={k: v for k, v in os.environ.items() if "BACKEND_PATH" not in k},  # this hook's, not the sdist's
-    )  # fmt: skip
-    return into / f"{name.replace('-', '_')}-{version}.tar.gz"
+class BuildFailed(Exception):
+    pass
 
 
-def _extract(archive: Path, into: Path, under: str = "") -> Path:
-    """The sdist's top folder, extracted (only `under` within it where given)."""
-    with tarfile.open(archive) as tar:
-        top = tar.getmembers()[0].name.split("/")[0]
-        prefix = f"{top}/{under}".rstrip("/")
-        members = [m for m in tar.getmembers() if m.name == prefix or m.name.startswith(prefix + "/")]
-        tar.extractall(into, members=members, filter="data")
-    return into / top
+def _version(tool: str) -> tuple[int, ...]:
+    try:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ()
+    words = out.split()
+    digits = next((w for w in words if w[:1].isdigit()), "")
+    return tuple(int(p) for p in digits.split(".")[:2] if p.isdigit())
 
 
-def _prepared_source(work: Path) -> Path:
-    """ggml-python's source tree with llama.cpp's ggml in place of its vendored one."""
-    downloads = work / "sdists"
-    bindings = _extract(_sdist(*BINDINGS, downloads), work)
-    llama_cpp = _extract(_sdist(*LLAMA_CPP, downloads), work, "vendor/llama.cpp/ggml")
-    vendored, newer = bindings / "vendor" / "ggml", llama_cpp / "vendor" / "llama.cpp" / "ggml"
-    for part in GGML_PARTS:
-        target = vendored / part
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-        (shutil.copytree if (newer / part).is_dir() else shutil.copy2)(newer / part, target)
-    _patch(vendored / "src" / "ggml-cpu")
-    init = bindings / "ggml" / "__init__.py"
-    text = init.read_text()
-    if f'__version__ = "{BINDINGS[1]}"' not in text:
-        raise RuntimeError(f"{init}: no version line {BINDINGS[1]!r} to mark")
-    init.write_text(text.replace(f'__version__ = "{BINDINGS[1]}"', f'__version__ = "{LOCAL_VERSION}"'))
-    return bindings
+def _tools() -> list[str]:
+    """What the build needs from the package index beyond setuptools: pip and scikit-build-core to
+    fetch the sdists (pip reads their metadata), cmake and ninja where this machine lacks them."""
+    needs = ["pip", "scikit-build-core>=0.10"]
+    if _version("cmake") < CMAKE_MINIMUM:
+        needs.append("cmake>=%d.%d" % CMAKE_MINIMUM)
+    if not shutil.which("ninja") and not shutil.which("make"):
+        needs.append("ninja")
+    return needs
 
 
-def _patch(cpu: Path) -> None:
-    """PATCHES and APPENDED applied to ggml's CPU sources, each anchor checked to occur once."""
-    for name, found, replacement in PATCHES:
-        path = cpu / name
-        text = path.read_text()
-        if text.count(found) != 1:
-            raise RuntimeError(f"{path}: {found[:60]!r}... occurs {text.count(found)} times, not once")
-        path.write_text(text.replace(found, replacement))
-    for name, source in APPENDED:
-        path = cpu / name
-        path.write_text(path.read_text() + "\n" + (HERE / source).read_text())
+def _cpu() -> str:
+    """What the compiler's -march=native sees: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _key() -> str:
+    """The build's inputs: change any and the kernels are built again."""
+    h = hashlib.sha256()
+    for path in sorted(HERE.iterdir()):
+        if path.suffix in (".py", ".cpp"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for part in (
+        sys.platform,
+        platform.machine(),
+        _cpu(),
+        *(os.environ.get(v, "") for v in ("CC", "CXX", "CMAKE_ARGS")),
+    ):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _run(command: list, what: str) -> None:
+    print(f"shardwire kernels: {what}", file=sys.stderr, flush=True)
+    try:
+        done = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+    except OSError as e:
+        raise BuildFailed(f"{what}: {command[0]} could not run ({e})") from None
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+        raise BuildFailed(f"{what}: {command[0]} exited with {done.returncode}:\n{tail}")
+
+
+def _check_compilers() -> None:
+    """Fail before any download where no compiler would build the kernels."""
+    for language, variable, names in (("C", "CC", ("cc", "gcc", "clang")), ("C++", "CXX", ("c++", "g++", "clang++"))):
+        chosen = os.environ.get(variable)
+        if chosen and not shutil.which(shlex.split(chosen)[0]):
+            raise BuildFailed(f"{variable}={chosen} is not a {language} compiler found on PATH")
+        if not chosen and not any(shutil.which(n) for n in names):
+            raise BuildFailed(f"no {language} compiler found ({', '.join(names)})")
+
+
+def _built(work: Path, key: str) -> Path:
+    """The bindings and ggml's libraries, built in `work`: the folder to put at KERNELS."""
+    _check_compilers()
+    try:
+        source = ggml_source.prepared_source(work)
+    except subprocess.CalledProcessError as e:
+        raise BuildFailed(f"the kernels' sources could not be downloaded ({e})") from None
+    build, stage = work / "build", work / "stage"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = [
+        "cmake", "-S", source, "-B", build, *generator,
+        "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_INSTALL_PREFIX={stage}",
+        "-DGGML_NATIVE=ON", "-DGGML_LLAMAFILE=ON",  # as shardwire's figures were measured
+        "-DSKBUILD_STATE=wheel", f"-DSKBUILD_PLATLIB_DIR={stage}",  # where ggml-python's rules install
+        "-DSKBUILD_PROJECT_NAME=ggml_python", f"-DSKBUILD_PROJECT_VERSION={ggml_source.BINDINGS[1]}",
+        *shlex.split(os.environ.get("CMAKE_ARGS", "")),
+    ]  # fmt: skip
+    _run(configure, "configuring ggml (cmake)")
+    _run(["cmake", "--build", build, "--parallel", str(os.cpu_count() or 1)], "compiling ggml")
+    _run(["cmake", "--install", build], "installing ggml's libraries")
+    package = stage / "ggml"
+    if not any((package / "lib").glob("*ggml*")):
+        raise BuildFailed(f"the build left no ggml library in {package / 'lib'}")
+    for name in ("__init__.py", "ggml.py"):
+        shutil.copy2(source / "ggml" / name, package / name)
+    (package / BUILD).write_text(f"{key}\nggml-python {ggml_source.LOCAL_VERSION}\n")
+    return package
+
+
+def build_kernels(root: Path) -> None:
+    """The kernels at root/KERNELS, built unless a build of the same key is there; NOT_BUILT there
+    instead, saying why, where they cannot be built."""
+    target, key = root / KERNELS, _key()
+    kept = target / BUILD
+    if kept.is_file() and kept.read_text().split("\n", 1)[0] == key:
+        print(f"shardwire kernels: kept from an earlier build in {target}", file=sys.stderr)
+        return
+    with tempfile.TemporaryDirectory(prefix="shardwire-kernels-") as work:
+        try:
+            built = _built(Path(work), key)
+            reason = None
+        except Exception as e:  # noqa: BLE001 (whatever stops the kernels, the install goes on without them)
+            built, reason = None, str(e)
+        shutil.rmtree(target, ignore_errors=True)
+        if built is not None:
+            shutil.copytree(built, target)
+            return
+    target.mkdir(parents=True)
+    (target / NOT_BUILT).write_text(reason + "\n")
+    print(f"shardwire kernels: NOT BUILT, shardwire will compute on PyTorch's kernels: {reason}", file=sys.stderr)
+
+
+# PEP 517: setuptools builds the package; the kernels are built first into the tree it packs.
 
 
 def get_requires_for_build_wheel(config_settings=None):
-    return scikit_build.get_requires_for_build_wheel(config_settings)
+    return setuptools_build.get_requires_for_build_wheel(config_settings) + _tools()
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return setuptools_build.get_requires_for_build_editable(config_settings) + _tools()
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    wheel_directory = os.path.abspath(wheel_directory)
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="shardwire-kernels-") as work:
-        os.chdir(_prepared_source(Path(work)))
-        try:
-            return scikit_build.build_wheel(wheel_directory, config_settings)
-        finally:
-            os.chdir(here)
+    build_kernels(Path.cwd())
+    return setuptools_build.build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    build_kernels(Path.cwd())
+    return setuptools_build.build_editable(wheel_directory, config_settings, metadata_directory)
+
+
+get_requires_for_build_sdist = setuptools_build.get_requires_for_build_sdist
+prepare_metadata_for_build_wheel = setuptools_build.prepare_metadata_for_build_wheel
+prepare_metadata_for_build_editable = setuptools_build.prepare_metadata_for_build_editable
+build_sdist = setuptools_build.build_sdist

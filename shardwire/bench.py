@@ -81,7 +81,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.ctx_size = max(args.n_prompt, args.n_gen) + 8
     streams = max(args.streams, 0)
     pipeline, cluster = build_pipeline(model, args, n_slots=max(1, streams), quiet=True)
-    formats = weight_formats(pipeline, cluster)
+    formats, compute = weight_formats(pipeline, cluster), compute_lines(pipeline, cluster)
     load_s = time.perf_counter() - t0
     engine = Engine(pipeline, None)  # 512-token prefill chunks, as llama-bench's -ub 512 (pieces of them on workers)
     wire_total = cluster.wire_bytes if cluster is not None else (lambda: 0)
@@ -152,6 +152,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "peak_rss": peak_rss(),
         "cpu": cpu_model(),
         "formats": formats,
+        "compute": compute,
         "tests": results,
     }
     if args.output == "json":
@@ -180,6 +181,15 @@ def weight_formats(pipeline, cluster) -> list[str]:
     return out
 
 
+def compute_lines(pipeline, cluster) -> list[str]:
+    """For each device the stages run on, the kernels that compute there."""
+    if cluster is not None:
+        return cluster.plan.compute_lines()
+    from .quant.in_use import compute_line
+
+    return [f"kernels on {d}: {compute_line(d)}" for d in dict.fromkeys(str(s.device) for s in pipeline.stages)]
+
+
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -202,6 +212,7 @@ def markdown(report: dict) -> str:
         f"model: {report['model']}  workers: {len(report['workers']) or 'none (single process)'}  "
         f"load: {report['load_s']:.1f} s  coordinator peak RSS: {report['peak_rss'] / 2**20:.0f} MiB",
         f"cpu: {report['cpu']}  weights: {', '.join(report['formats'])}",
+        *report["compute"],
         "",
         "| test | tokens/s | ms/token | time to first token | coordinator bytes/token |",
         "| --- | ---: | ---: | ---: | ---: |",

@@ -315,8 +315,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .quant import ggml_cpu
-    from .quant.measure import NO_GGML
+    from .quant.in_use import missing_kernels_warning
     from .wire.frames import Limits
     from .worker import Worker
 
@@ -346,9 +345,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         flush=True,
     )
     for d in desc.devices:
-        print(f"  {d.name}: {d.free / 2**30:.1f} GiB available", flush=True)
-    if any(d.name.startswith("cpu") for d in desc.devices) and not ggml_cpu.available():
-        print(f"  note: {NO_GGML}", flush=True)
+        print(f"  {d.name}: {d.free / 2**30:.1f} GiB available; {d.compute}", flush=True)
+    warning = missing_kernels_warning()
+    if warning and any(d.name.startswith("cpu") for d in desc.devices):
+        print(f"  warning: {warning}", flush=True)
     try:
         worker.serve_forever()
     finally:

@@ -185,7 +185,7 @@ def run_demo(args: argparse.Namespace) -> int:
         cluster = Cluster(workers.addresses, token=token, tls=ClientTLS(pins=workers.fingerprints), show_progress=True)
         try:
             cluster.connect(model)
-            plan = cluster.make_plan(tensor_split=[1.0] * args.workers, n_slots=1, ctx=ctx)
+            plan = cluster.make_plan(tensor_split=[1.0] * args.workers, n_slots=1, ctx=ctx, weights="auto")
             print(plan.table(), flush=True)
             pipeline = cluster.load(plan)
             loaded = cluster.load_stats

@@ -20,6 +20,7 @@ from .constrain import Matchers, RowConstraint, Vocabulary
 from .devices import free_memory
 from .kvcache import pool_pages
 from .model import Stage, release_scratch
+from .quant.in_use import compute_line
 from .sampling import Sampled, SamplingParams, sample
 
 
@@ -206,7 +207,10 @@ class LocalPipeline:
                     "worker_id": "local",
                     "alive": True,
                     "latency_ms": None,
-                    "devices": [{"name": d, "free": free_memory(d), "total": total(d)} for d in devices],
+                    "devices": [
+                        {"name": d, "free": free_memory(d), "total": total(d), "compute": compute_line(d)}
+                        for d in devices
+                    ],
                     "stages": stages,
                 }
             ],

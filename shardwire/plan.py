@@ -39,6 +39,7 @@ class PlanDevice:
     fastest: tuple[tuple[str, str], ...] = ()  # (stored type, format) that decodes fastest, as measured there
     products: tuple[tuple[str, str], ...] = ()  # (stored type, whose product takes its prompt chunks), as measured
     row_products: tuple[tuple[str, str], ...] = ()  # (stored type, whose product takes one row), as measured
+    compute: str = ""  # the kernels that compute there, as its worker names them (in_use.compute_line)
 
     def __post_init__(self):
         # given as maps or as pairs; kept as sorted pairs so the device stays hashable
@@ -186,7 +187,13 @@ class Plan:
             f"{len(self.stages)} stage(s), {self.n_slots} sequence slot(s) x {self.ctx} tokens, "
             f"KV pages for {self.kv_pages * PAGE} positions in all, weights {gib(total)} in all"
         )
-        return "\n".join(lines + self.notes)
+        return "\n".join(lines + self.compute_lines() + self.notes)
+
+    def compute_lines(self) -> list[str]:
+        """A line for each device of the plan naming the kernels that compute there."""
+        devices = dict.fromkeys(s.device for s in self.stages)
+        devices.update(dict.fromkeys(d for s in self.stages for _, d in s.overrides))
+        return [f"kernels on {d.label}: {d.compute}" for d in devices if d.compute]
 
 
 def gib(n: int) -> str:

@@ -87,6 +87,9 @@ def test_bench_single_process(capsys):
     assert all(len(t["samples_ns"]) == 2 and t["avg_ts"] > 0 for t in tests.values())
     assert report["peak_rss"] > 0 and report["workers"] == []
     from shardwire.quant import ggml_cpu
+    from shardwire.quant.in_use import compute_line
+
+    assert report["compute"] == [f"kernels on cpu: {compute_line('cpu')}"]
 
     if ggml_cpu.own_products():  # whose product took the F32 prompt chunks, as measured here (none takes one F32 row)
         whose = "shardwire" if "F32" in ggml_cpu.own_products_used() else "ggml"

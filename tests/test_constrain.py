@@ -27,6 +27,7 @@ from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.openai_api import APIError, parse_chat, parse_completion
 from shardwire.pipeline import LocalPipeline
+from shardwire.quant.in_use import compute_line
 from shardwire.sampling import SamplingParams
 from shardwire.tokenizer import load_tokenizer
 
@@ -301,6 +302,7 @@ def server(tmp_path_factory):
 def test_strict_json_schema_validates_in_every_sampled_request_through_two_workers(server):
     workers = call(server.url, "/v1/cluster")[1]["cluster"]["workers"]
     assert [w["stages"][0]["blocks"] for w in workers] == [[0, 2], [2, 4]]
+    assert all(d["compute"] == compute_line(d["name"]) for w in workers for d in w["devices"])  # as each worker said
     body = {
         "messages": [{"role": "user", "content": "Describe a person."}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},

@@ -19,7 +19,7 @@ from shardwire.quant import packed as packing
 from models import PROMPT, model_path
 from resident import resident_bytes
 
-needs_ggml = pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+needs_ggml = pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 needs_repack = pytest.mark.skipif(
     not ggml_cpu.repackable("Q4_0", 512, 64), reason="ggml has no repacked Q4_0 layout on this CPU"
 )
@@ -48,7 +48,7 @@ def test_a_repacked_matrix_multiplies_as_its_stored_blocks(stored):
 
 needs_tiled_repacked = pytest.mark.skipif(
     not ggml_cpu.tiled_reads_repacked(),
-    reason="ggml's tiled products do not read repacked Q4_K here (ggml-python as published; ./kernels builds them in)",
+    reason="ggml's tiled products do not read repacked Q4_K here (a ggml without kernels/tiled_q4_Kx8.cpp)",
 )
 
 
@@ -283,7 +283,7 @@ def test_a_prompt_on_two_threads_gives_what_one_thread_gives():
     """ggml computes RMS_NORM and the MUL after it in one pass on each thread: the graph's layout
     keeps the norm's input where it is until the MUL is done. Placed over it, the MUL's rows on
     one thread overwrote input rows another had not read yet, and a prompt on 2 threads gave
-    other logits each time. 16 positions: the F32 products are ./kernels' tiles, whose activation
+    other logits each time. 16 positions: the F32 products are kernels/' tiles, whose activation
     rows both threads pack into one buffer before either reads them."""
     model = open_model(model_path("qwen3", "F32"))
     logits = []
@@ -556,7 +556,7 @@ def test_a_prompt_in_pieces_leaves_a_later_stage_its_input():
 @needs_repack
 def test_an_experts_rows_read_together_give_what_each_row_alone_gives():
     """Experts held repacked: rows that chose the same expert go through it four at a time (the
-    repacked GEMM, where ./kernels built ggml) and a row alone through the one-row GEMV, to the
+    repacked GEMM, where shardwire built ggml) and a row alone through the one-row GEMV, to the
     same bits for Q4_0, as its dense matrices' do."""
     E, D, F = 4, 256, 128
     held = []

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.slow  # worker processes
 
 pytest.importorskip("glassllm")
 
+from shardwire.quant.in_use import compute_line  # noqa: E402
+
 PROMPT = "Alice was beginning to get very tired"
 
 
@@ -56,6 +58,7 @@ def test_demo_streams_real_text_and_stops_its_workers(env):
     pids = worker_pids(out)
     assert len(pids) == 2
     assert "blocks" in out and "0-1+embd" in out and "2-3+head" in out  # the plan, one half per worker
+    assert out.count(f"/cpu: {compute_line('cpu')}\n") == 2  # the kernels on each worker's device
     generated = out.split(PROMPT, 1)[1].split("\nprompt:", 1)[0]
     assert len(generated.strip()) >= 20 and re.search(r"\b(the|and|she|was|to|of|a)\b", generated), generated
     assert re.search(r"generation: \d+ tokens at [\d.]+ tokens/s", out)

@@ -144,7 +144,7 @@ def test_experts_held_repacked_decode_on_the_repacked_kernels_and_read_prompts_a
     (one copy, as many bytes as stored), as llama.cpp holds a CPU's experts: a step gives the
     stored experts' result within rounding, and an expert given 8 rows or more is multiplied by
     ggml's tiled products on the repacked layout, to the stored blocks' bits (where this ggml
-    reads the layout so; ./kernels builds it in)."""
+    reads the layout so; shardwire's build adds it)."""
     vocab = load_vocab("llama-spm")
     cfg, tensors = random_model(
         "qwen3moe", n_layers=2, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
@@ -197,7 +197,7 @@ def test_bad_expert_counts_are_refused(tmp_path):
         open_model(folder)
 
 
-@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 def test_ggml_runs_a_blocks_chosen_experts_in_one_call_with_the_per_expert_products():
     """GGMLExperts (mul_mat_id over the stored buffers) gives exactly what ggml's product of each
     chosen expert's own matrices gives, for one row and for a prompt's rows; and the dequantized
@@ -257,7 +257,7 @@ def test_override_tensor_keeps_experts_on_another_device_of_the_same_worker():
         parse_overrides(["ffn_(=cpu"])
 
 
-@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 def test_matrices_kept_elsewhere_compute_there_and_give_the_same_logits():
     model = open_model(model_path("mixtral", "Q8_0"))
     ggml = {"Q8_0": "ggml"}

@@ -326,7 +326,7 @@ def test_fastest_formats_are_measured_once_per_machine_and_kept(quick_measuremen
         measure.fastest_formats.cache_clear()
 
 
-@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 @pytest.mark.parametrize("weight_type", ["F16", "F32", "Q8_0", "Q4_K"])
 def test_a_stage_on_ggml_kernels_computes_like_the_dense_float32_stage(weight_type):
     model = open_model(model_path("qwen3", weight_type))
@@ -342,7 +342,7 @@ def test_a_stage_on_ggml_kernels_computes_like_the_dense_float32_stage(weight_ty
     assert float((got - expected).abs().max()) <= 0.03 * spread  # activations quantized inside the kernel
 
 
-@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 @pytest.mark.parametrize("dtype", ["Q4_K", "Q8_0"])
 def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
     w, raw, ref = matrix(dtype)
@@ -360,7 +360,7 @@ def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
 LAYOUTS = ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored", "Q4_K repacked", "Q4_K stored", "Q6_K stored"]
 
 
-@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     "out_features,rows,cols",
@@ -369,9 +369,9 @@ LAYOUTS = ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored", "Q4_K rep
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, out_features, rows, cols, threads):
     """A chunk of 16 rows or more on Q8_0, F32 or F16 weights, or on Q4_0 held repacked, goes to
-    ./kernels' products of 16 weight rows a vector where the CPU has AVX-512 (VNNI for the
+    kernels/' products of 16 weight rows a vector where the CPU has AVX-512 (VNNI for the
     quantized ones; 72 rows of weights, not a whole number of its tiles, and other CPUs:
-    tinyBLAS, the repacked GEMM); one row goes to ./kernels' one-row products (Q8_0, F16; ggml's
+    tinyBLAS, the repacked GEMM); one row goes to kernels/' one-row products (Q8_0, F16; ggml's
     dot products where those are off or absent, and for F32) or the repacked GEMV. Both
     take the same activations (8-bit, or F16 for F16 weights, as ggml converts them), and the
     quantized ones sum exact integer products of blocks, each scaled by its two blocks' scales:
@@ -402,7 +402,7 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
 @pytest.mark.parametrize("out_features,cols", [(97, 1056), (64, 96), (33, None), (2048, 512)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_features, cols, threads):
-    """./kernels' one-row products against ggml's dot products on the same graph, for K in whole
+    """kernels/' one-row products against ggml's dot products on the same graph, for K in whole
     steps of theirs and not (Q8_0: 4 blocks a step, here 33, 3 or 35 blocks; F16: 64 values, here
     1056, 96 and 1048), and weight rows that split unevenly between threads, with the same
     activations (8-bit, or rounded to F16, as ggml converts them). Q8_0 sums exact integer products
@@ -542,7 +542,7 @@ def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeyp
     measure.gemm_rows.cache_clear()
     try:
         if not ggml_cpu.available():
-            pytest.skip("ggml-python is not installed")
+            pytest.skip("ggml's kernels are not built here")
         rows = measure.gemm_rows("Q4_0", torch.float32)
         (entry,) = [v for k, v in json.loads((tmp_path / "kernels.json").read_text()).items() if "gemm rows Q4_0" in k]
         times = entry["seconds"]
@@ -552,7 +552,7 @@ def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeyp
         measure.gemm_rows.cache_clear()
 
 
-@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 def test_stored_bytes_leave_the_mapping_a_piece_at_a_time(monkeypatch):
     """A matrix held as stored is copied out of the file's mapping a piece at a time, each piece's
     pages dropped once copied, so that a large tensor is never resident twice while loading; the

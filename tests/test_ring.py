@@ -163,7 +163,7 @@ def test_release_does_not_wait_for_a_send_the_next_stage_never_reads(tokens):
         s.close()
 
 
-@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
     """A stage that has had no step for IDLE_S keeps its weights and cache, not the intermediates
     of its graphs: the pages of its decode step's arena go back to the system, from the reader

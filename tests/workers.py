@@ -25,11 +25,13 @@ class WorkerProcess:
         host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
         launcher: tuple[str, ...] = (),
+        cwd: Path | None = None,
     ):
-        """`launcher` goes before the worker's command line (e.g. a command entering a namespace)."""
+        """`launcher` goes before the worker's command line (e.g. a command entering a namespace);
+        `cwd`, where not the tests', keeps this tree's package off the worker's path."""
         self.cache_dir, self.extra, self.port, self.token = cache_dir, extra, port, token
         self.devices, self.threads, self.host = devices, threads, host
-        self.env, self.launcher = env or {}, launcher
+        self.env, self.launcher, self.cwd = env or {}, launcher, cwd
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -60,7 +62,9 @@ class WorkerProcess:
             str(self.cache_dir),
             *self.extra,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=self.cwd
+        )
         deadline = time.monotonic() + timeout
         lines = self.log = []
         while time.monotonic() < deadline:

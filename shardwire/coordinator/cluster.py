@@ -146,7 +146,7 @@ class Cluster:
             for d in link.devices:
                 own = stored_precision_dtype(d.dtype, d.name, self.model and self.model.matrix_type)
                 pd = PlanDevice(
-                    link.name, d.name, d.free, dtype or own, d.kernels, d.fastest, d.products, d.row_products
+                    link.name, d.name, d.free, dtype or own, d.kernels, d.fastest, d.products, d.row_products, d.compute
                 )
                 if link.name == "local:cpu":
                     cpu = pd

@@ -21,9 +21,9 @@ from ..formats import ModelFile
 from ..loading import load_stage
 from ..pipeline import LocalPipeline, Pipeline
 from ..plan import PlanDevice, make_plan, parse_overrides
-from ..quant import ggml_cpu
+from ..quant.in_use import compute_line, missing_kernels_warning
 from ..quant.kernels import kernels_on
-from ..quant.measure import NO_GGML, fastest_formats, prompt_products, row_products
+from ..quant.measure import fastest_formats, prompt_products, row_products
 from ..security import add_client_tls_args, client_tls, resolve_token
 from .cluster import Cluster
 
@@ -110,10 +110,11 @@ def local_pipeline(
     """Every block in this process on one device, its weights held as the plan resolves `weights`
     for that device (auto: the first mode that fits its free memory), as a worker's would be."""
     kernels, fastest = kernels_on(torch_device(device)), fastest_formats(device, dtype)
-    if device.startswith("cpu") and not ggml_cpu.available():
-        log.warning("%s", NO_GGML)
+    warning = missing_kernels_warning()
+    if device.startswith("cpu") and warning:
+        log.warning("%s", warning)
     products = prompt_products(device, dtype), row_products(device, dtype)
-    planned = PlanDevice("local", device, free_memory(device), dtype, kernels, fastest, *products)
+    planned = PlanDevice("local", device, free_memory(device), dtype, kernels, fastest, *products, compute_line(device))
     plan = make_plan(
         model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights, kv_tokens=kv_tokens
     )
@@ -176,6 +177,8 @@ def build_pipeline(
     if not workers and (ngl is None or ngl >= model.config.n_layers) and not overrides:
         device = check_device(args.device or default_devices()[0])
         dtype = args.dtype or stored_precision_dtype(default_dtype(device), device, model.matrix_type)
+        if not quiet:
+            print(f"kernels on {device}: {compute_line(device)}", file=sys.stderr, flush=True)
         return local_pipeline(model, device, dtype, args.weights, n_slots, ctx, kv_tokens=args.kv_budget), None
     accelerators = [d for d in default_devices() if d != "cpu"]
     # one process with -ot: its device takes the blocks, the -ot devices what the patterns name

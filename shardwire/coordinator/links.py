@@ -126,7 +126,7 @@ class WorkerLink:
             "alive": self.alive,
             "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
             "tls": self.fingerprint,  # the certificate verified on this link; None: plain TCP
-            "devices": [{"name": d.name, "free": d.free, "total": d.total} for d in self.devices],
+            "devices": [{"name": d.name, "free": d.free, "total": d.total, "compute": d.compute} for d in self.devices],
             "stages": [
                 {
                     "index": i,

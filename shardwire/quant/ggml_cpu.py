@@ -6,12 +6,14 @@ does it, as llama.cpp's CPU backend does). A block's experts run as one graph ov
 Where ggml has a repacked layout for a type on this CPU (its CPU_REPACK buffer: Q4_0 and Q4_K
 interleaved 8 rows at a time on x86, other layouts on ARM), a weight can be copied into it once
 at load, as llama.cpp does: the same bytes, read by kernels that multiply several rows at once.
-The ggml that ./kernels builds also reads repacked Q4_K with its tiled products for 8 rows or
+The ggml that shardwire builds (kernels/) also reads repacked Q4_K with its tiled products for 8 rows or
 more (tiled_reads_repacked), as it reads stored blocks: a prompt chunk then multiplies a
 repacked Q4_K weight as fast as, and to the same bits as, the stored blocks.
 
-Optional: without the `ggml-python` package (the `cpu` extra), `available()` is False and the
-PyTorch formats serve instead.
+The kernels are built into the package by its own build (kernels/build_backend.py: ggml-python's
+bindings on llama.cpp's ggml, with shardwire's products). Where that build could not run, or
+SHARDWIRE_GGML=0 turns them off, `available()` is False, MISSING says why, and the PyTorch formats
+serve instead.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
 from collections import OrderedDict
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,10 +35,26 @@ from torch import nn
 from .codecs import PLAIN
 from .packed import GGUFLinear
 
-try:
-    import ggml
-except ImportError:  # the `cpu` extra is not installed
-    ggml = None
+OFF = "SHARDWIRE_GGML"  # =0: PyTorch's kernels only, as where ggml's could not be built
+
+
+def _bindings():
+    """ggml's bindings as the package's build left them, else None and why."""
+    if os.environ.get(OFF) == "0":
+        return None, f"turned off by {OFF}=0"
+    try:
+        from .. import _ggml
+    except ImportError:
+        _ggml = None
+    except (OSError, RuntimeError) as e:  # the library is there and does not load
+        return None, f"ggml's library does not load here ({e})"
+    if not hasattr(_ggml, "lib"):
+        not_built = Path(__file__).resolve().parents[1] / "_ggml" / "NOT_BUILT"
+        return None, not_built.read_text().strip() if not_built.is_file() else "this install was built without them"
+    return _ggml, None
+
+
+ggml, MISSING = _bindings()
 
 log = logging.getLogger("shardwire.ggml")
 
@@ -248,7 +268,7 @@ def _repack_buffer_type():
 
 def build() -> str | None:
     """What this ggml build brings that changes which kernels are fastest (its measurements are
-    kept apart from another build's: the bindings' version names ./kernels' changes to ggml);
+    kept apart from another build's: the bindings' version names kernels/' changes to ggml);
     None without ggml."""
     if not available():
         return None
@@ -260,10 +280,49 @@ def build() -> str | None:
     return ", ".join(parts)
 
 
+def describe() -> str:
+    """This ggml in a few words: its version, whose build, and what of the CPU its kernels use."""
+    release = ggml.__version__.partition("+llamacpp.")[2].partition(".shardwire")[0]
+    products = " + shardwire products" if own_products("gemm") or own_products("gemv") else ""
+    return (
+        f"ggml {ggml.ggml_version().decode()}"
+        + (f" (llama.cpp {release})" if release else "")
+        + f"{products}, {_isa()}"
+    )
+
+
+def _isa() -> str:
+    """The widest vector instructions ggml was built for here (its build follows the CPU's)."""
+    has = {name: bool(getattr(ggml, f"ggml_cpu_has_{name}")()) for name in _FEATURES}
+    if has["avx512"]:
+        found = "AVX-512" + "".join(f" {n.upper()}" for n in ("vnni", "bf16") if has[f"avx512_{n}"])
+    elif has["avx2"]:
+        found = "AVX2" + (" VNNI" if has["avx_vnni"] else "")
+    elif has["neon"]:
+        found = "NEON" + "".join(f" {n}" for n in ("dotprod", "matmul_int8", "sve") if has[n])
+    else:
+        found = "no vector extensions ggml uses"
+    return found + (", AMX-INT8" if has["amx_int8"] else "")
+
+
+_FEATURES = (
+    "avx512",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx2",
+    "avx_vnni",
+    "amx_int8",
+    "neon",
+    "dotprod",
+    "matmul_int8",
+    "sve",
+)
+
+
 @lru_cache(maxsize=None)
 def tiled_reads_repacked() -> bool:
     """Whether this ggml's tiled products read repacked Q4_K (kernels/tiled_q4_Kx8.cpp, which
-    ./kernels builds in; ggml-python as published has no such thing)."""
+    shardwire's build adds; llama.cpp's own ggml has no such thing)."""
     if not available():
         return False
     try:
@@ -273,7 +332,7 @@ def tiled_reads_repacked() -> bool:
     return True
 
 
-# shardwire's own products in the ggml ./kernels builds (kernels/products.cpp), by the rows they
+# shardwire's own products in the ggml shardwire builds (kernels/products.cpp), by the rows they
 # take ("gemm": a prompt chunk, 16 rows or more; "gemv": one row) and the stored type they multiply
 # (held as policy.PRODUCT_FORMATS says): each one's switch. Each stands in for ggml's kernel
 # (tinyBLAS, the repack buffer's GEMM for Q4_0, the tiled products for Q4_K and Q6_K; ggml's dot
@@ -292,8 +351,8 @@ def _switches(name: str) -> int:
 
 @lru_cache(maxsize=None)
 def own_products(kind: str = "gemm") -> tuple[str, ...]:
-    """The stored types this ggml has shardwire's own products of `kind` for: none in ggml-python
-    as published, nor where ./kernels was built for a CPU without AVX-512."""
+    """The stored types this ggml has shardwire's own products of `kind` for: none in llama.cpp's
+    own ggml, nor where shardwire's was built for a CPU without AVX-512."""
     if not available():
         return ()
     try:

@@ -8,7 +8,7 @@ The candidates: the dense matrix in the compute dtype, PyTorch's packed kernel f
 ggml's kernel on the stored blocks, and ggml's on its repacked layout where it has one here.
 Values do not change these kernels' speed, so the matrices hold zero blocks.
 
-Where the ggml of ./kernels has shardwire's own products (kernels/products.cpp) of a prompt chunk
+Where shardwire's ggml (kernels/) has shardwire's own products (kernels/products.cpp) of a prompt chunk
 or of one row, each is timed on those rows against the ggml kernel it stands in for, and only the
 faster runs (own_products), before the formats are timed.
 """
@@ -222,13 +222,6 @@ def _remembered(key: str, compute, valid=lambda entry: True) -> dict:
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, path)
     return known[key]
-
-
-NO_GGML = (
-    "ggml-python is not installed: CPU weights use PyTorch's kernels only, often several times slower "
-    "to decode; CMAKE_ARGS=-DGGML_LLAMAFILE=ON pip install 'shardwire[cpu]' (needs cmake and a C compiler; "
-    "from a clone, pip install -e '.[cpu]' ./kernels builds it on llama.cpp's newer ggml)"
-)
 
 
 def _chooses(measured, choices) -> bool:

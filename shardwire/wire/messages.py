@@ -257,6 +257,7 @@ class DeviceInfo:
     # stored type -> whose product multiplies a prompt chunk there ("shardwire" or "ggml"), as measured
     products: dict[str, str] = field(default_factory=dict)
     row_products: dict[str, str] = field(default_factory=dict)  # the same for one row
+    compute: str = ""  # the kernels that compute on it, in words ("ggml 0.9.4 ... AVX-512 VNNI")
 
     @classmethod
     def parse(cls, d, what: str = "DEVICES") -> "DeviceInfo":
@@ -270,6 +271,7 @@ class DeviceInfo:
             _formats(d, "fastest", what),
             _formats(d, "products", what, PRODUCT_SOURCES) if "products" in d else {},  # absent: none measured
             _formats(d, "row_products", what, PRODUCT_SOURCES) if "row_products" in d else {},
+            _str(d, "compute", what, 256) if "compute" in d else "",
         )
 
 

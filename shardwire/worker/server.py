@@ -22,6 +22,7 @@ from ..cache import WeightCache, default_cache_dir
 from ..config import ConfigError, ModelConfig
 from ..constrain import Vocabulary
 from ..devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
+from ..quant.in_use import compute_line
 from ..quant.kernels import kernels_on
 from ..quant.measure import fastest_formats, prompt_products, row_products
 from ..wire.conn import AuthError, Connection, RemoteError, server_handshake, tune
@@ -215,6 +216,7 @@ class Worker:
                     fastest_formats(d, dtype),
                     prompt_products(d, dtype),
                     row_products(d, dtype),
+                    compute_line(d),
                 )
             )
         return Devices(self.worker_id, __version__, devices)

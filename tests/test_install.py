@@ -1,0 +1,105 @@
+"""The install and the path it gives: the package's own build makes ggml's kernels (or says why
+not and still installs), and every start names the kernels that compute, with a warning where the
+fast CPU kernels are missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from shardwire.quant import ggml_cpu
+from shardwire.quant.in_use import WITHOUT_KERNELS, compute_line
+
+from workers import WorkerProcess
+
+pytestmark = pytest.mark.slow  # worker processes, a wheel built
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _device_lines(worker: WorkerProcess, timeout: float = 30.0) -> list[str]:
+    """The worker's lines after the one it listens with, once its devices are listed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [line.strip() for line in worker.log if line.startswith("  ")]
+        if lines:
+            time.sleep(0.2)  # a warning follows the device lines
+            return [line.strip() for line in worker.log if line.startswith("  ")]
+        time.sleep(0.05)
+    raise AssertionError("the worker printed no device line:\n" + "".join(worker.log))
+
+
+def test_the_install_built_the_kernels_where_this_machine_can_build_them():
+    """A machine with compilers and cmake gets ggml's kernels from the plain install."""
+    if not (shutil.which("cmake") and shutil.which("c++") and shutil.which("cc")):
+        pytest.skip("no compiler or cmake here: the install gives PyTorch's kernels by design")
+    if os.environ.get(ggml_cpu.OFF) == "0":
+        pytest.skip(f"{ggml_cpu.OFF}=0 turns them off in this run")
+    assert ggml_cpu.available(), f"the kernels were not built: {ggml_cpu.MISSING}"
+    assert compute_line("cpu").startswith(f"ggml {ggml_cpu.ggml.ggml_version().decode()}")
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason=f"ggml's kernels are not built here: {ggml_cpu.MISSING}")
+def test_a_worker_names_its_kernels_at_start(tmp_path):
+    with WorkerProcess(tmp_path / "w") as worker:
+        lines = _device_lines(worker)
+    assert lines[0].startswith("cpu: ") and lines[0].endswith(f"GiB available; {ggml_cpu.describe()}")
+    assert not any(line.startswith("warning:") for line in lines)
+
+
+def test_a_worker_without_the_kernels_says_what_it_loses(tmp_path):
+    with WorkerProcess(tmp_path / "w", env={ggml_cpu.OFF: "0"}) as worker:
+        lines = _device_lines(worker)
+    assert "GiB available; PyTorch " in lines[0] and f"turned off by {ggml_cpu.OFF}=0" in lines[0]
+    warning = next(line for line in lines if line.startswith("warning:"))
+    assert f"decoded at {WITHOUT_KERNELS} llama.cpp's speed" in warning and f"unset {ggml_cpu.OFF}" in warning
+
+
+def _source_copy(into: Path) -> Path:
+    """This tree's files that an sdist holds, without its built kernels."""
+    tree = into / "src"
+    tree.mkdir()
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
+        shutil.copy2(ROOT / name, tree / name)
+    ignore = shutil.ignore_patterns("_ggml", "__pycache__", "*.egg-info")
+    for folder in ("shardwire", "shardwire_kit", "kernels"):
+        shutil.copytree(ROOT / folder, tree / folder, ignore=ignore)
+    return tree
+
+
+def test_an_install_without_a_compiler_succeeds_and_its_worker_says_why_and_how(tmp_path):
+    """No C++ compiler: the wheel still builds (pure Python, with NOT_BUILT saying why) and its
+    worker computes on PyTorch, warning with the reason, the measured ratio and the pip command."""
+    tree = _source_copy(tmp_path)
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", tree],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "dist").glob("shardwire-*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl")  # no libraries in it
+    with zipfile.ZipFile(wheel) as z:
+        reason = z.read("shardwire/_ggml/NOT_BUILT").decode()
+        assert not any("/_ggml/lib/" in n for n in z.namelist())
+    assert "no-such-c++ is not a C++ compiler" in reason
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, wheel], check=True, timeout=120
+    )
+    with WorkerProcess(tmp_path / "w", env={"PYTHONPATH": str(target)}, cwd=tmp_path) as worker:
+        lines = _device_lines(worker)
+    assert "GiB available; PyTorch " in lines[0] and "no-such-c++ is not a C++ compiler" in lines[0]
+    warning = next(line for line in lines if line.startswith("warning:"))
+    assert f"decoded at {WITHOUT_KERNELS} llama.cpp's speed" in warning and "-m pip install" in warning
