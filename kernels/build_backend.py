@@ -129,7 +129,10 @@ def _built(work: Path, key: str) -> Path:
         raise BuildFailed(f"the build left no ggml library in {package / 'lib'}")
     for name in ("__init__.py", "ggml.py"):
         shutil.copy2(source / "ggml" / name, package / name)
-    (package / BUILD).write_text(f"{key}\nggml-python {ggml_source.LOCAL_VERSION}\n")
+    flags = next(
+        (line.split(":", 1)[1].strip() for line in _cpu().splitlines() if line.startswith(("flags", "Features"))), ""
+    )
+    (package / BUILD).write_text(f"{key}\nggml-python {ggml_source.LOCAL_VERSION}\ncpu flags: {flags}\n")
     return package
 
 

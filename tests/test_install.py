@@ -103,3 +103,27 @@ def test_an_install_without_a_compiler_succeeds_and_its_worker_says_why_and_how(
     assert "GiB available; PyTorch " in lines[0] and "no-such-c++ is not a C++ compiler" in lines[0]
     warning = next(line for line in lines if line.startswith("warning:"))
     assert f"decoded at {WITHOUT_KERNELS} llama.cpp's speed" in warning and "-m pip install" in warning
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason=f"ggml's kernels are not built here: {ggml_cpu.MISSING}")
+def test_kernels_built_for_another_cpu_are_refused_before_they_run(tmp_path):
+    """A wheel carries kernels for the CPU that built it: on a CPU without one of its flags they
+    are not loaded (their first such instruction would stop the process), and the start says why."""
+    copy = tmp_path / "site" / "shardwire"
+    shutil.copytree(ROOT / "shardwire", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    build = copy / "_ggml" / "BUILD"
+    build.write_text(build.read_text().replace("cpu flags:", "cpu flags: shardwire_imaginary_isa"))
+    probe = (
+        "from shardwire.quant import ggml_cpu, in_use; print(ggml_cpu.available()); print(in_use.compute_line('cpu'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(copy.parent)),
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    available, line = out.stdout.splitlines()
+    assert available == "False" and "built on another CPU: this one lacks shardwire_imaginary_isa" in line

@@ -42,6 +42,9 @@ def _bindings():
     """ggml's bindings as the package's build left them, else None and why."""
     if os.environ.get(OFF) == "0":
         return None, f"turned off by {OFF}=0"
+    lacking = _flags_lacking()
+    if lacking:  # -march=native code would stop the process at its first such instruction
+        return None, f"built on another CPU: this one lacks {' '.join(lacking)}; reinstall to build them here"
     try:
         from .. import _ggml
     except ImportError:
@@ -52,6 +55,18 @@ def _bindings():
         not_built = Path(__file__).resolve().parents[1] / "_ggml" / "NOT_BUILT"
         return None, not_built.read_text().strip() if not_built.is_file() else "this install was built without them"
     return _ggml, None
+
+
+def _flags_lacking() -> list[str]:
+    """The CPU flags the kernels were built with (shardwire/_ggml/BUILD) that this CPU lacks."""
+    try:
+        built = (Path(__file__).resolve().parents[1] / "_ggml" / "BUILD").read_text().splitlines()
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    needed = next((line.split(":", 1)[1].split() for line in built if line.startswith("cpu flags:")), [])
+    have = next((line.split(":", 1)[1].split() for line in info if line.startswith(("flags", "Features"))), [])
+    return sorted(set(needed) - set(have)) if have else []
 
 
 ggml, MISSING = _bindings()
