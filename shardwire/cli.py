@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--max-frame", default="256M", help="largest frame accepted (default: %(default)s)")
     p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure this CPU's kernels again at start instead of using the choices kept in the cache",
+    )
+    p.add_argument(
         "--poll-ms",
         type=float,
         default=SPIN_S * 1000,
@@ -315,11 +320,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .devices import default_dtype
     from .quant.in_use import missing_kernels_warning
+    from .quant.measure import forget_measurements, provenance
     from .wire.frames import Limits
     from .worker import Worker
 
     tls = server_tls(args)
+    if args.remeasure:
+        print(f"shardwire worker: {forget_measurements()} kept kernel measurement(s) of this CPU dropped", flush=True)
     worker = Worker(
         host=args.host,
         port=args.port,
@@ -346,6 +355,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     for d in desc.devices:
         print(f"  {d.name}: {d.free / 2**30:.1f} GiB available; {d.compute}", flush=True)
+        measured = provenance(d.name, default_dtype(d.name))
+        if measured:
+            print(f"  {d.name}: {measured}", flush=True)
     warning = missing_kernels_warning()
     if warning and any(d.name.startswith("cpu") for d in desc.devices):
         print(f"  warning: {warning}", flush=True)

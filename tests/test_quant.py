@@ -305,8 +305,10 @@ def test_fastest_formats_are_measured_once_per_machine_and_kept(quick_measuremen
         assert all(f in ("dense", "ggml", "repacked", policy.FAST.get(t)) for t, f in first.items())
         assert measure._eviction_buffer.cache_info().currsize == 0  # its memory back once measured
         saved = json.loads((tmp_path / "kernels.json").read_text())
-        ((key, entry),) = [(k, v) for k, v in saved.items() if "products" not in k]
+        ((key, kept),) = [(k, v) for k, v in saved.items() if "products" not in k]
         assert measure.cpu_model() in key and "float32" in key
+        assert isinstance(kept["provisional"], bool) and kept["when"].endswith("UTC") and "cores" in kept["load"]
+        entry = kept["result"]
         for timings in entry.values():
             one_row = timings["seconds"]
             fastest = min(one_row, key=one_row.get)
@@ -486,8 +488,9 @@ def test_own_products_are_measured_once_per_machine_kept_and_switched(quick_meas
         if not chosen:
             return  # nothing to choose between with this ggml
         saved = json.loads((tmp_path / "kernels.json").read_text())
-        ((key, entry),) = [(k, v) for k, v in saved.items() if named in k]
+        ((key, kept),) = [(k, v) for k, v in saved.items() if named in k]
         assert measure.cpu_model() in key
+        entry = kept["result"]
         for stored, timed in entry.items():
             assert set(timed["seconds"]) == {"shardwire", "ggml"}
             assert timed["fastest"] == chosen[stored] == min(timed["seconds"], key=timed["seconds"].get)
@@ -512,7 +515,7 @@ def test_a_kept_measurement_this_version_cannot_use_is_measured_again(quick_meas
         measure.fastest_formats("cpu", "float32")
         saved = json.loads(path.read_text())
         for key, entry in saved.items():
-            (stored, first), *_ = entry.items()
+            (stored, first), *_ = entry["result"].items()
             first["fastest"] = "pickle"  # neither a weight format nor a product's source
         path.write_text(json.dumps(saved))
         measure.fastest_formats.cache_clear()
@@ -544,7 +547,8 @@ def test_the_rows_where_a_gemm_wins_are_measured_once_and_kept(tmp_path, monkeyp
         if not ggml_cpu.available():
             pytest.skip("ggml's kernels are not built here")
         rows = measure.gemm_rows("Q4_0", torch.float32)
-        (entry,) = [v for k, v in json.loads((tmp_path / "kernels.json").read_text()).items() if "gemm rows Q4_0" in k]
+        (kept,) = [v for k, v in json.loads((tmp_path / "kernels.json").read_text()).items() if "gemm rows Q4_0" in k]
+        entry = kept["result"]
         times = entry["seconds"]
         wins = [int(n) for n in times if times[n]["gemm"] < times[n]["ggml"]]
         assert rows == entry["rows"] == (min(wins) if wins else None)

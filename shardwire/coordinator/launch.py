@@ -23,7 +23,7 @@ from ..pipeline import LocalPipeline, Pipeline
 from ..plan import PlanDevice, make_plan, parse_overrides
 from ..quant.in_use import compute_line, missing_kernels_warning
 from ..quant.kernels import kernels_on
-from ..quant.measure import fastest_formats, prompt_products, row_products
+from ..quant.measure import fastest_formats, prompt_products, provenance, row_products
 from ..security import add_client_tls_args, client_tls, resolve_token
 from .cluster import Cluster
 
@@ -177,9 +177,13 @@ def build_pipeline(
     if not workers and (ngl is None or ngl >= model.config.n_layers) and not overrides:
         device = check_device(args.device or default_devices()[0])
         dtype = args.dtype or stored_precision_dtype(default_dtype(device), device, model.matrix_type)
+        pipeline = local_pipeline(model, device, dtype, args.weights, n_slots, ctx, kv_tokens=args.kv_budget)
         if not quiet:
+            measured = provenance(device, dtype)
             print(f"kernels on {device}: {compute_line(device)}", file=sys.stderr, flush=True)
-        return local_pipeline(model, device, dtype, args.weights, n_slots, ctx, kv_tokens=args.kv_budget), None
+            if measured:
+                print(f"{device}: {measured}", file=sys.stderr, flush=True)
+        return pipeline, None
     accelerators = [d for d in default_devices() if d != "cpu"]
     # one process with -ot: its device takes the blocks, the -ot devices what the patterns name
     local = _local_devices(args, accelerators or ([] if workers or not overrides else ["cpu"]), overrides)

@@ -28,7 +28,7 @@ import torch
 from ..devices import TORCH_DTYPES, large_allocations_unmapped
 from ..enums import PRODUCT_SOURCES, QUANT_TYPES, STORED_TYPES, WEIGHT_FORMATS
 from ..model import Linear
-from . import ggml_cpu
+from . import ggml_cpu, load
 from .codecs import stored_nbytes
 from .kernels import kernels_on
 from .packed import pack_matrix
@@ -194,34 +194,95 @@ def _cache_file() -> Path:
     return default_cache_dir() / "kernels.json"
 
 
-def _remembered(key: str, compute, valid=lambda entry: True) -> dict:
-    """known[key] from the cache file, computed and written there when missing or not `valid` (a
-    file edited by hand or by another version: what it says travels to coordinators, which refuse
-    what they cannot read)."""
-    path = _cache_file()
+def _kept() -> dict:
     try:
-        known = json.loads(path.read_text())
+        known = json.loads(_cache_file().read_text())
     except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
-    if key in known and not valid(known[key]):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _keep(known: dict) -> None:
+    path = _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, path)
+
+
+def _usable(entry, valid) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("provisional"), bool)
+        and isinstance(entry.get("when"), str)
+        and isinstance(entry.get("load"), str)
+        and valid(entry.get("result"))
+    )
+
+
+_used: dict[str, dict] = {}  # key -> the entry this process took its choices from (provenance)
+
+
+def _remembered(key: str, compute, valid=lambda result: True) -> dict:
+    """compute()'s result as kept in the cache file under `key`, computed and kept there when
+    missing, not `valid` (a file edited by hand or by another version: what it says travels to
+    coordinators, which refuse what they cannot read), or provisional (taken while the machine was
+    busy) and the machine is quiet now. Each is kept with when it was taken and under what load."""
+    path, known = _cache_file(), _kept()
+    entry = known.get(key)
+    if entry is not None and not _usable(entry, valid):
         log.warning("%s: the entry for %r is not one this version wrote; measuring again", path, key)
-        del known[key]
-    if key not in known:
+        entry = None
+    if entry is not None and entry["provisional"] and not load.now().busy:
+        log.info("%s: the entry for %r was measured %s; measuring again", path, key, entry["load"])
+        entry = None
+    if entry is None:
         # every matrix timed is mapped afresh and returned when freed, as when stages are built:
         # glibc's heap kept some of them resident under the model loaded next (9 MiB of a 1B Q4_0
         # process's peak the first time on a machine)
         large_allocations_unmapped()
         try:
-            known[key] = compute()
+            with load.Watch() as watch:
+                result = compute()
         finally:  # up to twice the largest cache (960 MiB where a VM lists its host's): not kept
             _eviction_buffer.cache_clear()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, path)
-    return known[key]
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        entry = {"result": result, "when": when, "load": watch.load.words(), "provisional": watch.load.busy}
+        known = _kept()  # as another process may have left it meanwhile
+        known[key] = entry
+        _keep(known)
+    _used[key] = entry
+    return entry["result"]
+
+
+def forget_measurements() -> int:
+    """Drop what the cache file keeps for this CPU model, so that it is measured again; how many."""
+    known = _kept()
+    mine = [key for key in known if key.startswith(f"{cpu_model()} |")]
+    for key in mine:
+        del known[key]
+    _keep(known)
+    for stale in (fastest_formats, own_products, gemm_rows):
+        stale.cache_clear()
+    return len(mine)
+
+
+def provenance(device: str, dtype: str) -> str | None:
+    """When and under what load the kernel choices for `device` and `dtype` in use here were
+    measured, in a line; None where nothing was measured (not a CPU)."""
+    entries = [e for key, e in _used.items() if key.startswith(_key(dtype))]
+    if not device.startswith("cpu") or not entries:
+        return None
+    formats = _used.get(_key(dtype), {}).get("result", {})
+    chosen = " ".join(f"{stored}:{entry['fastest']}" for stored, entry in formats.items())
+    latest = max(entries, key=lambda e: e["when"])
+    provisional = [e for e in entries if e["provisional"]]
+    if provisional:
+        return (
+            f"kernel choices ({chosen}) measured {provisional[0]['when']} {provisional[0]['load']}: provisional, "
+            "measured again at the next start on a quiet machine (or now: shardwire worker --remeasure)"
+        )
+    return f"kernel choices ({chosen}) measured {latest['when']}, {latest['load']}"
 
 
 def _chooses(measured, choices) -> bool:

@@ -1,0 +1,101 @@
+"""Kernel measurements that hold whatever else the machine does: one taken while other processes
+keep the CPUs busy is kept as provisional, said so at start, and taken again at the next start on
+a quiet machine, which then chooses what a start on a quiet machine chooses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwire.quant import load, measure
+
+from workers import WorkerProcess
+
+pytestmark = pytest.mark.slow  # worker processes measuring their kernels
+
+CLOSE = 1.1  # candidates within this factor of each other may be chosen either way
+
+
+class Spinners:
+    """A busy loop on every CPU of the machine, in processes of their own."""
+
+    def __enter__(self):
+        spin = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_busy_machine_is_seen_as_busy():
+    with Spinners():
+        busy = load.now(0.5)
+    assert busy.busy and busy.others > 0.5 and "under load" in busy.words()
+
+
+def _kept(folder: Path) -> dict:
+    """The kernel measurements a worker kept in `folder`, by key."""
+    return json.loads((folder / "kernels.json").read_text())
+
+
+def _start_lines(cache: Path, tmp: Path) -> list[str]:
+    with WorkerProcess(tmp / "weights", env={"SHARDWIRE_CACHE": str(cache)}) as worker:
+        deadline = time.monotonic() + 10
+        while not any("kernel choices" in line for line in worker.log) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return [line.strip() for line in worker.log]
+
+
+def _cost(entry: dict, fmt: str) -> float:
+    one_row = entry["seconds"][fmt]
+    if fmt in entry.get("prompt_seconds", {}):
+        return measure.request_seconds(one_row, entry["prompt_seconds"][fmt])
+    return one_row
+
+
+def _disagreements(a: dict, b: dict) -> list[str]:
+    """The stored types two measurements chose differently for, where in either one the two choices
+    were more than CLOSE apart."""
+    out = []
+    for stored in a.keys() & b.keys():
+        x, y = a[stored]["fastest"], b[stored]["fastest"]
+        if x != y and any(max(_cost(e, x), _cost(e, y)) > CLOSE * min(_cost(e, x), _cost(e, y)) for e in (a, b)):
+            out.append(f"{stored}: {x} against {y}")
+    return out
+
+
+def test_a_worker_started_under_load_then_quiet_chooses_what_a_quiet_start_chooses(tmp_path):
+    loaded, quiet = tmp_path / "loaded", tmp_path / "quiet"
+    with Spinners():
+        first = _start_lines(loaded, tmp_path)
+    assert any("kernel choices" in line and "provisional" in line for line in first), first
+    assert all(entry["provisional"] for entry in _kept(loaded).values())
+
+    again = _start_lines(loaded, tmp_path)  # measured again, the machine quiet now
+    assert any("kernel choices" in line and "quiet" in line for line in again), again
+    remeasured = _kept(loaded)
+    assert not any(entry["provisional"] for entry in remeasured.values())
+
+    _start_lines(quiet, tmp_path)  # a first start on a quiet machine
+    reference = _kept(quiet)
+    assert reference.keys() == remeasured.keys()
+    for key in reference:
+        assert not _disagreements(remeasured[key]["result"], reference[key]["result"]), key
+
+    kept = _kept(loaded)  # what was kept quiet stays kept, until --remeasure drops it
+    _start_lines(loaded, tmp_path)
+    assert _kept(loaded) == kept
+    with WorkerProcess(tmp_path / "w", env={"SHARDWIRE_CACHE": str(loaded)}, extra=("--remeasure",)) as worker:
+        pass
+    assert any("kept kernel measurement(s) of this CPU dropped" in line for line in worker.log)
+    assert all(entry["when"] >= kept[key]["when"] for key, entry in _kept(loaded).items())
