@@ -12,9 +12,10 @@ import torch
 
 from . import ggml_cpu
 
-# Decode of the 1B-layout files in one process against llama.cpp's on the same files, PyTorch's
-# kernels alone and then ggml's with shardwire's products (README, "The fast path").
-WITHOUT_KERNELS, WITH_KERNELS = "0.32-0.45x", "1.07-1.17x"
+# Decode of the 1B-layout Q4_0, Q8_0 and F16 files in one process against llama.cpp's on the same
+# files, on two AMD EPYCs (AVX2; AVX-512): PyTorch's kernels alone, and the kernels the install
+# builds (README, "Set-up"; benchmarks/results/zen3-pytorch-path and zen3-fast-path).
+WITHOUT_KERNELS, WITH_KERNELS = "0.24-0.63x", "0.99-1.17x"
 
 
 def compute_line(device: str) -> str:
