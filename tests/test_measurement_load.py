@@ -81,6 +81,10 @@ def test_a_worker_started_under_load_then_quiet_chooses_what_a_quiet_start_choos
     assert any("kernel choices" in line and "provisional" in line for line in first), first
     assert all(entry["provisional"] for entry in _kept(loaded).values())
 
+    if load.now(1.0).busy:  # other work keeps the machine busy: the provisional choices stay
+        again = _start_lines(loaded, tmp_path)
+        assert any("kernel choices" in line and "provisional" in line for line in again), again
+        pytest.skip("other work keeps this machine busy: a quiet measurement cannot be taken now")
     again = _start_lines(loaded, tmp_path)  # measured again, the machine quiet now
     assert any("kernel choices" in line and "quiet" in line for line in again), again
     remeasured = _kept(loaded)
