@@ -107,10 +107,7 @@ def _check_compilers() -> None:
 def _built(work: Path, key: str) -> Path:
     """The bindings and ggml's libraries, built in `work`: the folder to put at KERNELS."""
     _check_compilers()
-    try:
-        source = ggml_source.prepared_source(work)
-    except subprocess.CalledProcessError as e:
-        raise BuildFailed(f"the kernels' sources could not be downloaded ({e})") from None
+    source = ggml_source.prepared_source(work)
     build, stage = work / "build", work / "stage"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     configure = [

@@ -324,12 +324,16 @@ def _sdist(name: str, version: str, sha256: str, into: Path) -> Path:
     pinned = into / f"{name}.txt"
     into.mkdir(parents=True, exist_ok=True)
     pinned.write_text(f"{name}=={version} --hash=sha256:{sha256}\n")
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
          "--quiet", "-d", str(into), "-r", str(pinned)],
-        check=True,
+        capture_output=True,
+        text=True,
         env={k: v for k, v in os.environ.items() if "BACKEND_PATH" not in k},  # this hook's, not the sdist's
     )  # fmt: skip
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if not line.startswith("WARNING: Location")]
+        raise RuntimeError(f"pip could not download {name}=={version}: " + " ".join(errors[-3:]))
     return into / f"{name.replace('-', '_')}-{version}.tar.gz"
 
 

@@ -74,24 +74,28 @@ def _source_copy(into: Path) -> Path:
     return tree
 
 
-def test_an_install_without_a_compiler_succeeds_and_its_worker_says_why_and_how(tmp_path):
-    """No C++ compiler: the wheel still builds (pure Python, with NOT_BUILT saying why) and its
-    worker computes on PyTorch, warning with the reason, the measured ratio and the pip command."""
-    tree = _source_copy(tmp_path)
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"))
+def _wheel_without_kernels(tmp_path: Path, **env: str) -> tuple[Path, str]:
+    """A wheel of this tree built with `env`, which stops the kernels' build: it and why not."""
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", tree],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist"]
+        + [_source_copy(tmp_path)],
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, **env),
         timeout=300,
     )
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (tmp_path / "dist").glob("shardwire-*.whl")
     assert wheel.name.endswith("-py3-none-any.whl")  # no libraries in it
     with zipfile.ZipFile(wheel) as z:
-        reason = z.read("shardwire/_ggml/NOT_BUILT").decode()
         assert not any("/_ggml/lib/" in n for n in z.namelist())
+        return wheel, z.read("shardwire/_ggml/NOT_BUILT").decode()
+
+
+def test_an_install_without_a_compiler_succeeds_and_its_worker_says_why_and_how(tmp_path):
+    """No C++ compiler: the wheel still builds (pure Python, with NOT_BUILT saying why) and its
+    worker computes on PyTorch, warning with the reason, the measured ratio and the pip command."""
+    wheel, reason = _wheel_without_kernels(tmp_path, CXX=str(tmp_path / "no-such-c++"))
     assert "no-such-c++ is not a C++ compiler" in reason
 
     target = tmp_path / "site"
@@ -103,6 +107,11 @@ def test_an_install_without_a_compiler_succeeds_and_its_worker_says_why_and_how(
     assert "GiB available; PyTorch " in lines[0] and "no-such-c++ is not a C++ compiler" in lines[0]
     warning = next(line for line in lines if line.startswith("warning:"))
     assert f"decoded at {WITHOUT_KERNELS} llama.cpp's speed" in warning and "-m pip install" in warning
+
+
+def test_an_install_that_cannot_download_the_kernels_sources_succeeds_and_says_so(tmp_path):
+    wheel, reason = _wheel_without_kernels(tmp_path, PIP_NO_INDEX="1", PIP_FIND_LINKS="", PIP_NO_CACHE_DIR="1")
+    assert reason.startswith("pip could not download ggml-python==0.0.45: ")
 
 
 @pytest.mark.skipif(not ggml_cpu.available(), reason=f"ggml's kernels are not built here: {ggml_cpu.MISSING}")
