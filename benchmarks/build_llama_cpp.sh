@@ -15,34 +15,9 @@ CACHE=${LLAMA_CPP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/shardwire/llama.cpp}
 PREFIX="$CACHE/$VERSION"
 STAMP="$PREFIX/.built"
 
-# -march=native turns on AMX where the CPU lists it, but some hosts (VMs, sandboxes) report
-# AMX and then fault on the first tile instruction: llama.cpp dies with SIGILL in its AMX
-# matmul (Q4_0/Q8_0 with repacking). Probe once; build without AMX where it does not run.
-amx_flags() {
-  grep -q amx_tile /proc/cpuinfo 2>/dev/null || return 0
-  local dir; dir=$(mktemp -d)
-  cat > "$dir/probe.c" <<'PROBE'
-#include <immintrin.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-int main(void) {
-    unsigned char cfg[64];
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 2;
-    memset(cfg, 0, sizeof cfg);
-    cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;  /* palette 1, tile 0: 16 rows of 64 bytes */
-    _tile_loadconfig(cfg);
-    _tile_zero(0);
-    _tile_release();
-    return 0;
-}
-PROBE
-  if ! { cc -O1 -mamx-tile "$dir/probe.c" -o "$dir/probe" 2>/dev/null && (cd "$dir" && ./probe) 2>/dev/null; }; then
-    echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-  fi
-  rm -rf "$dir"
-}
-EXTRA_FLAGS=$(amx_flags)
+# Flags that keep -march=native off what this CPU lists and cannot run (AMX on some hosts), as
+# shardwire's own ggml build chooses them (kernels/cpu_probe.py).
+EXTRA_FLAGS=$(python3 "$(dirname "$0")/../kernels/cpu_probe.py")
 CONFIG="version=$VERSION native=ON extra=[$EXTRA_FLAGS]"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$CONFIG" ]; then echo "$PREFIX"; exit 0; fi
 

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cpu_probe
 import ggml_source
 from setuptools import build_meta as setuptools_build
 
@@ -110,13 +111,15 @@ def _built(work: Path, key: str) -> Path:
     source = ggml_source.prepared_source(work)
     build, stage = work / "build", work / "stage"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    unusable = " ".join(cpu_probe.unusable_flags())  # what this CPU lists and cannot run
+    flags = [f"-DCMAKE_C_FLAGS={unusable}", f"-DCMAKE_CXX_FLAGS={unusable}"] if unusable else []
     configure = [
         "cmake", "-S", source, "-B", build, *generator,
         "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_INSTALL_PREFIX={stage}",
         "-DGGML_NATIVE=ON", "-DGGML_LLAMAFILE=ON",  # as shardwire's figures were measured
         "-DSKBUILD_STATE=wheel", f"-DSKBUILD_PLATLIB_DIR={stage}",  # where ggml-python's rules install
         "-DSKBUILD_PROJECT_NAME=ggml_python", f"-DSKBUILD_PROJECT_VERSION={ggml_source.BINDINGS[1]}",
-        *shlex.split(os.environ.get("CMAKE_ARGS", "")),
+        *flags, *shlex.split(os.environ.get("CMAKE_ARGS", "")),
     ]  # fmt: skip
     _run(configure, "configuring ggml (cmake)")
     _run(["cmake", "--build", build, "--parallel", str(os.cpu_count() or 1)], "compiling ggml")
@@ -126,10 +129,10 @@ def _built(work: Path, key: str) -> Path:
         raise BuildFailed(f"the build left no ggml library in {package / 'lib'}")
     for name in ("__init__.py", "ggml.py"):
         shutil.copy2(source / "ggml" / name, package / name)
-    flags = next(
+    cpu = next(
         (line.split(":", 1)[1].strip() for line in _cpu().splitlines() if line.startswith(("flags", "Features"))), ""
     )
-    (package / BUILD).write_text(f"{key}\nggml-python {ggml_source.LOCAL_VERSION}\ncpu flags: {flags}\n")
+    (package / BUILD).write_text(f"{key}\nggml-python {ggml_source.LOCAL_VERSION}\ncpu flags: {cpu}\n")
     return package
 
 

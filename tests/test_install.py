@@ -136,3 +136,17 @@ def test_kernels_built_for_another_cpu_are_refused_before_they_run(tmp_path):
     assert out.returncode == 0, out.stderr
     available, line = out.stdout.splitlines()
     assert available == "False" and "built on another CPU: this one lacks shardwire_imaginary_isa" in line
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="no C compiler here")
+def test_the_cpu_probe_turns_off_what_does_not_run():
+    """What this CPU lists and cannot run (AMX on some hosts) is found by running it once; both
+    shardwire's ggml and the llama.cpp it is measured against are built without it then."""
+    sys.path.insert(0, str(ROOT / "kernels"))
+    import cpu_probe
+
+    assert cpu_probe._runs("int main(void) { return 0; }", [])
+    assert not cpu_probe._runs("int main(void) { return 1; }", [])
+    assert not cpu_probe._runs("not C at all", [])
+    runs = cpu_probe._lists_amx() and cpu_probe._runs(cpu_probe.AMX_PROBE, ["-mamx-tile"])
+    assert cpu_probe.unusable_flags() == ([] if runs or not cpu_probe._lists_amx() else cpu_probe.NO_AMX)
