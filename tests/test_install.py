@@ -150,3 +150,19 @@ def test_the_cpu_probe_turns_off_what_does_not_run():
     assert not cpu_probe._runs("not C at all", [])
     runs = cpu_probe._lists_amx() and cpu_probe._runs(cpu_probe.AMX_PROBE, ["-mamx-tile"])
     assert cpu_probe.unusable_flags() == ([] if runs or not cpu_probe._lists_amx() else cpu_probe.NO_AMX)
+
+
+def test_a_long_reason_still_fits_the_line_a_worker_sends(monkeypatch):
+    """What stopped the build may be a compiler's whole complaint: the start line keeps its first
+    line, short enough for DEVICES, and the warning the rest of that line."""
+    from shardwire.quant import in_use
+    from shardwire.wire.messages import DeviceInfo, Devices
+
+    reason = "cmake exited with 1: " + "x" * 500 + "\n-- Configuring incomplete, errors occurred!"
+    monkeypatch.setattr(ggml_cpu, "available", lambda: False)
+    monkeypatch.setattr(ggml_cpu, "MISSING", reason)
+    line = compute_line("cpu")
+    assert line.startswith("PyTorch ") and "cmake exited with 1: xxx" in line and "Configuring" not in line
+    sent = Devices("w", "0.1.0", [DeviceInfo("cpu", 1, 2, "float32", False, {}, compute=line)])
+    assert Devices.parse(sent.to_wire()).devices[0].compute == line
+    assert "cmake exited with 1: xxx" in in_use.missing_kernels_warning()

@@ -244,7 +244,7 @@ EXAMPLES = [
         "0.1.0",
         [
             DeviceInfo("cpu", 1 << 30, 2 << 30, "bfloat16", True, {"Q4_K": "ggml", "F16": "dense"}, {"F16": "ggml"}),
-            DeviceInfo("cuda:0", 5, 9, "float16", False, {}),
+            DeviceInfo("cuda:0", 5, 9, "float16", False, {}, compute="PyTorch 2.13.0, CUDA 12.8, NVIDIA H100"),
         ],
     ),
     Assign(

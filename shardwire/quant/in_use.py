@@ -24,10 +24,18 @@ def compute_line(device: str) -> str:
     if device.startswith("cpu"):
         if ggml_cpu.available():
             return ggml_cpu.describe()
-        return f"PyTorch {torch.__version__} only (shardwire's CPU kernels are missing: {ggml_cpu.MISSING})"
+        return (
+            f"PyTorch {torch.__version__} only (shardwire's CPU kernels are missing: {_first_words(ggml_cpu.MISSING)})"
+        )
     if device.startswith("cuda"):
         return f"PyTorch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(device)}"
     return f"PyTorch {torch.__version__}, {device}"
+
+
+def _first_words(reason: str, most: int = 120) -> str:
+    """A reason's first line, cut to `most` characters (the line crosses the wire, capped there)."""
+    line = reason.splitlines()[0] if reason else ""
+    return line if len(line) <= most else line[: most - 3] + "..."
 
 
 def missing_kernels_warning() -> str | None:
@@ -37,7 +45,7 @@ def missing_kernels_warning() -> str | None:
     if ggml_cpu.MISSING.startswith("turned off"):
         why, remedy = ggml_cpu.MISSING, f"unset {ggml_cpu.OFF} to use them"
     else:
-        why = f"missing ({ggml_cpu.MISSING.splitlines()[0]})"
+        why = f"missing ({_first_words(ggml_cpu.MISSING, 400)})"
         remedy = f"with a C/C++ compiler and cmake installed, build them: {reinstall_command()}"
     return (
         f"shardwire's CPU kernels are {why}: CPU weights run on PyTorch's kernels, which decoded at "
