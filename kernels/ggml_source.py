@@ -332,8 +332,9 @@ def _sdist(name: str, version: str, sha256: str, into: Path) -> Path:
         env={k: v for k, v in os.environ.items() if "BACKEND_PATH" not in k},  # this hook's, not the sdist's
     )  # fmt: skip
     if done.returncode != 0:
-        errors = [line for line in done.stderr.splitlines() if not line.startswith("WARNING: Location")]
-        raise RuntimeError(f"pip could not download {name}=={version}: " + " ".join(errors[-3:]))
+        lines = done.stderr.splitlines()
+        errors = [line for line in lines if line.startswith("ERROR:")] or lines[-3:]
+        raise RuntimeError(f"pip could not download {name}=={version}: " + " ".join(errors))
     return into / f"{name.replace('-', '_')}-{version}.tar.gz"
 
 
