@@ -36,6 +36,7 @@ from .codecs import PLAIN
 from .packed import GGUFLinear
 
 OFF = "SHARDWIRE_GGML"  # =0: PyTorch's kernels only, as where ggml's could not be built
+BUILT = Path(__file__).resolve().parents[1] / "_ggml"  # what kernels/build_backend.py left (or NOT_BUILT)
 
 
 def _bindings():
@@ -52,7 +53,7 @@ def _bindings():
     except (OSError, RuntimeError) as e:  # the library is there and does not load
         return None, f"ggml's library does not load here ({e})"
     if not hasattr(_ggml, "lib"):
-        not_built = Path(__file__).resolve().parents[1] / "_ggml" / "NOT_BUILT"
+        not_built = BUILT / "NOT_BUILT"
         return None, not_built.read_text().strip() if not_built.is_file() else "this install was built without them"
     return _ggml, None
 
@@ -60,7 +61,7 @@ def _bindings():
 def _flags_lacking() -> list[str]:
     """The CPU flags the kernels were built with (shardwire/_ggml/BUILD) that this CPU lacks."""
     try:
-        built = (Path(__file__).resolve().parents[1] / "_ggml" / "BUILD").read_text().splitlines()
+        built = (BUILT / "BUILD").read_text().splitlines()
         info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return []

@@ -13,9 +13,9 @@ import torch
 from . import ggml_cpu
 
 # Decode of the 1B-layout Q4_0, Q8_0 and F16 files in one process against llama.cpp's on the same
-# files (an AMD EPYC with AVX2): PyTorch's kernels alone, and the kernels the install builds
-# (README, "Set-up"; benchmarks/results/zen3-pytorch-path and zen3-fast-path).
-WITHOUT_KERNELS, WITH_KERNELS = "0.24-0.63x", "0.99-1.05x"
+# files (an AMD EPYC with AVX2), installed by the README's command: PyTorch's kernels alone, and
+# the kernels the install builds (README, "Set-up"; benchmarks/results/zen3-readme-install*).
+WITHOUT_KERNELS, WITH_KERNELS = "0.25-0.63x", "0.99-1.03x"
 
 
 def compute_line(device: str) -> str:
