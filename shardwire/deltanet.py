@@ -12,8 +12,8 @@ same result through a few matrix products per 64 tokens); decode runs the recurr
 one step per token, never re-reading the history.
 
 Tensors are in the form llama.cpp's converter writes: A as -exp(A_log), and value heads in tiled
-order (value head h reads query/key head h % k_heads); from_transformers() brings a transformers
-checkpoint's tensors there.
+order (value head h reads query/key head h % k_heads); models/qwen35.from_transformers brings a
+transformers checkpoint's tensors there.
 """
 
 from __future__ import annotations
@@ -157,48 +157,3 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
         out[:, :, c] = q_from_start[:, :, c] @ state + within[:, :, c] @ u
         state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ u
     return out.reshape(B, H, n * chunk, -1)[:, :, :T], state.transpose(-1, -2)
-
-
-# A transformers checkpoint's tensors in the form llama.cpp's converter writes them
-
-
-def _tile_v_heads(cfg: ModelConfig, t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-    """Value heads along `dim` (each `width` wide) from grouped order (those of query/key head 0,
-    then of head 1...) to tiled order (the first of every group, then the second...)."""
-    r = cfg.ssm_v_heads // cfg.ssm_k_heads
-    if r == 1:
-        return t
-    shape = t.shape
-    return t.unflatten(dim, (cfg.ssm_k_heads, r, width)).transpose(dim, dim + 1).reshape(shape)
-
-
-def needs_float32(cfg: ModelConfig, name: str) -> bool:
-    """Whether from_transformers does arithmetic on this tensor (not only reorders it)."""
-    return cfg.hf_layout and (_is_offset_norm(name) or name.endswith(".ssm_a"))
-
-
-def _is_offset_norm(name: str) -> bool:
-    return name.endswith("norm.weight") and not name.endswith(".ssm_norm.weight")
-
-
-def from_transformers(cfg: ModelConfig, name: str, t: torch.Tensor, itemsize: int = 0) -> torch.Tensor:
-    """Tensor `name` of a transformers Qwen3.5 checkpoint (cfg.hf_layout) as llama.cpp's converter
-    writes it: norm gains 1 + w (but the delta-net's own), A = -exp(A_log), value heads tiled.
-    `itemsize`: t is raw rows of bytes, elements of that size (reorders only)."""
-    if not cfg.hf_layout:
-        return t
-    if _is_offset_norm(name):
-        return t + 1
-    short = name.split(".", 2)[-1]
-    qk = 2 * cfg.ssm_k_heads * cfg.ssm_k_dim
-    if short in ("attn_qkv.weight", "ssm_conv1d.weight"):
-        return torch.cat((t[:qk], _tile_v_heads(cfg, t[qk:], 0, cfg.ssm_v_dim)))
-    if short == "attn_gate.weight":
-        return _tile_v_heads(cfg, t, 0, cfg.ssm_v_dim)
-    if short in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
-        return _tile_v_heads(cfg, t, 0, 1)
-    if short == "ssm_a":
-        return _tile_v_heads(cfg, -t.exp(), 0, 1)
-    if short == "ssm_out.weight":
-        return _tile_v_heads(cfg, t, 1, cfg.ssm_v_dim * (itemsize or 1))
-    return t

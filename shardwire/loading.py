@@ -1,5 +1,5 @@
 """Build a Stage from stored tensors: read only its layers, decode or pack them, undo llama.cpp's
-Q/K order, bring a transformers Qwen3.5 checkpoint's tensors to the converter's form."""
+Q/K order, bring a transformers checkpoint's tensors to the converter's form (as its family says)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .deltanet import from_transformers, needs_float32
 from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
 from .formats.tensors import copied
 from .model import Elsewhere, Linear, Stage
+from .models import family_of
 from .plan import placed_apart
+from .quant import ggml_stage
 from .quant.codecs import PLAIN, raw_rows, to_torch
-from .quant.ggml_block import BlockGraphs, FeedForwardGraphs, StageGraph
 from .quant.ggml_cpu import GGMLExperts, RepackError, repacked_experts
-from .quant.ggml_deltanet import DeltaNetGraphs
 from .quant.kernels import kernels_on
 from .quant.packed import pack_matrix
 from .quant.policy import EMBEDDING, weight_formats
@@ -43,8 +42,9 @@ _FULL_PRECISION = ("rope_freqs.weight", ".ssm_a", ".ssm_dt.bias")
 def model_rows(cfg: ModelConfig, name: str, t: torch.Tensor, qk_interleaved: bool, itemsize: int = 0) -> torch.Tensor:
     """Rows of a stored tensor (decoded, or raw GGUF rows: blocks never cross rows) in model order;
     `itemsize`: raw rows of a plain type, elements of that many bytes."""
-    if cfg.hf_layout:
-        return from_transformers(cfg, name, t, itemsize)
+    family = family_of(cfg.arch)
+    if cfg.hf_layout and family.from_transformers is not None:
+        return family.from_transformers(cfg, name, t, itemsize)
     if qk_interleaved:
         kind = name.split(".")[-2]
         if kind == "attn_q":
@@ -57,7 +57,8 @@ def model_rows(cfg: ModelConfig, name: str, t: torch.Tensor, qk_interleaved: boo
 def decode_tensor(
     cfg: ModelConfig, info: TensorInfo, raw: np.ndarray, qk_interleaved: bool, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    if needs_float32(cfg, info.name):  # arithmetic on the stored values before rounding to dtype
+    # arithmetic on the stored values before rounding to dtype
+    if cfg.hf_layout and family_of(cfg.arch).needs_float32(cfg, info.name):
         t = model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape, torch.float32), qk_interleaved)
         return t if dtype is None else t.to(dtype)
     return model_rows(cfg, info.name, to_torch(raw, info.dtype, info.shape, dtype), qk_interleaved)
@@ -154,17 +155,8 @@ def build_stage(
     built.update(_experts_from_stacks(stacks, grouped, device, dtype))
     release_memory()
     stage = Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
-    if device.type == "cpu" and dtype == torch.float32:
-        for block in stage.blocks:
-            block.graphs = BlockGraphs.of(block, stage.inv_freq, cfg.rope_theta)
-            if block.graphs is None:  # a token mixer the block's graphs do not take: a delta-net's
-                block.feed = FeedForwardGraphs.of(block)
-                block.graphs = DeltaNetGraphs.of(block, block.feed)
-        stage.graph = StageGraph.of(
-            [block.graphs for block in stage.blocks],
-            *((stage.norm, stage.head) if last else (None, None)),
-            embed=stage.embed,
-        )
+    if ggml_stage.runs_in_graphs(stage):
+        ggml_stage.attach(stage, cfg.rope_theta)
     return stage
 
 

@@ -23,6 +23,7 @@ from .devices import attention_without_cudnn, release_memory
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
+from .models import BlockVariant, variant
 from .quant.ggml_graph import in_scratch, release_graph_memory
 
 
@@ -74,10 +75,15 @@ class Embedding(nn.Module):
         return self.table.rows(ids)
 
 
+def plain_inv_freq(cfg: ModelConfig, theta: float) -> torch.Tensor:
+    """Per-pair rotation frequencies of RoPE with base `theta`, unscaled."""
+    dim = cfg.rope_dim or cfg.head_dim
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
     """Per-pair rotation frequencies, with Llama 3.1 or linear scaling applied."""
-    dim = cfg.rope_dim or cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = plain_inv_freq(cfg, cfg.rope_theta)
     scaling = cfg.rope_scaling or {}
     if freq_factors is not None:
         return inv_freq / freq_factors.float()
@@ -118,6 +124,7 @@ class StepContext:
     n_keys: int
     inv_freq: torch.Tensor  # RoPE's frequencies
     dtype: torch.dtype  # the stage's compute dtype
+    local_inv_freq: torch.Tensor | None = None  # those of blocks with local RoPE (Gemma 3's sliding ones)
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -133,23 +140,29 @@ class StepContext:
             return None
         return (torch.arange(self.n_keys, device=self.positions.device) <= self.positions[:, :, None])[:, None]
 
-    @cached_property
-    def _angles(self) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = self.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+    def window_mask(self, window: int) -> torch.Tensor:
+        """mask, seeing only the last `window` positions (each row's own included)."""
+        keys = torch.arange(self.n_keys, device=self.positions.device)
+        p = self.positions[:, :, None]
+        return ((keys <= p) & (keys > p - window))[:, None]
+
+    def _angles(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self.positions[..., None].float() * inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         return (
             torch.cat((cos, cos), dim=-1)[:, :, None].to(self.dtype),
             torch.cat((-sin, sin), dim=-1)[:, :, None].to(self.dtype),
         )
 
-    @property
-    def cos(self) -> torch.Tensor:
-        return self._angles[0]
+    @cached_property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos, and sin with its first half negated (see apply_rope)."""
+        return self._angles(self.inv_freq)
 
-    @property
-    def sin(self) -> torch.Tensor:
-        """sin with its first half negated (see apply_rope)."""
-        return self._angles[1]
+    @cached_property
+    def local_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope, of the local frequencies."""
+        return self._angles(self.local_inv_freq)
 
     @cached_property
     def _positions32(self) -> array:
@@ -170,10 +183,12 @@ class Attention(nn.Module):
     """Grouped-query attention; `gated` (Qwen3.5): attn_q holds each head's queries then as many
     gate rows, and the output is scaled by sigmoid(gate) before the output projection."""
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], variant: BlockVariant):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.gated = cfg.gated_attention
+        self.gated = variant.mixer == "gated_attention"
+        self.window, self.local_rope = variant.window, variant.local_rope
+        self.scale = variant.query_scale or self.head_dim**-0.5
         names = ("attn_q", "attn_k", "attn_v")
         self.wqkv = fused([w[f"{n}.weight"] for n in names], [w.get(f"{n}.bias") for n in names])
         if self.wqkv is None:
@@ -199,25 +214,32 @@ class Attention(nn.Module):
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         Q = 2 * H if self.gated else H  # query rows, with the gate's
         qkv = qkv.view(B, T, Q + 2 * KV, D)
+        cos, sin = ctx.local_rope if self.local_rope else ctx.rope
         if self.q_norm is None and not self.gated:
-            qk = apply_rope(qkv[:, :, : H + KV], ctx.cos, ctx.sin)  # queries and keys in one go
+            qk = apply_rope(qkv[:, :, : H + KV], cos, sin)  # queries and keys in one go
         else:
             queries, keys = (qkv[:, :, 0:Q:2] if self.gated else qkv[:, :, :H]), qkv[:, :, Q : Q + KV]
             if self.q_norm is not None:
                 queries, keys = self.q_norm(queries), self.k_norm(keys)
-            qk = apply_rope(torch.cat((queries, keys), dim=2), ctx.cos, ctx.sin)
+            qk = apply_rope(torch.cat((queries, keys), dim=2), cos, sin)
         q = qk[:, :, :H].transpose(1, 2)
         k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, Q + KV :].transpose(1, 2)
         keys, values = cache.update(layer, k, v, ctx.at)
         half = cache.dtype == torch.float16
-        out = attention(q, keys, values, ctx, half).transpose(1, 2).reshape(B, T, H * D)
+        out = attention(q, keys, values, ctx, half, self.scale, self.window).transpose(1, 2).reshape(B, T, H * D)
         if self.gated:
             out = out * torch.sigmoid(qkv[:, :, 1:Q:2].reshape(B, T, H * D))
         return out
 
 
 def attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: StepContext, half: bool = False
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    ctx: StepContext,
+    half: bool = False,
+    scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Scaled dot-product attention of queries [B, H, T, D] over [B, KV, n, D]. In float32 on a
     CPU each query row is computed alone over exactly the keys it sees, as two small matrix
@@ -225,27 +247,33 @@ def attention(
     keys and values however it was cut into chunks and whatever part of it was cached, and a
     sequence decodes the same beside others as alone. `half` (keys and values cached in float16):
     the queries and the weights of the values rounded to float16 first, as llama.cpp's kernels
-    round what they multiply with its float16 cache (and as the CPU's ggml graphs do)."""
+    round what they multiply with its float16 cache (and as the CPU's ggml graphs do). Scores are
+    scaled by `scale` (default 1 / sqrt(D)); `window`: each query sees only the last that many
+    positions."""
     B, H, T, D = q.shape
     KV = keys.shape[1]
+    scale = scale or D**-0.5
     if q.dtype == torch.float32 and q.device.type == "cpu":
-        if B == 1 and T == 1:  # one sequence's decode step sees every key it was given
-            return _one_query(q[0, :, 0], keys[0], values[0], half).view(1, H, 1, D)
+        if B == 1 and T == 1:  # one sequence's decode step sees every key it was given (its window's)
+            seen = slice(-window, None) if window else slice(None)
+            return _one_query(q[0, :, 0], keys[0, :, seen], values[0, :, seen], half, scale).view(1, H, 1, D)
         out = torch.empty_like(q)
         for b, positions in enumerate(ctx.positions.tolist()):
             for t, p in enumerate(positions):
-                out[b, :, t] = _one_query(q[b, :, t], keys[b, :, : p + 1], values[b, :, : p + 1], half)
+                seen = slice(max(0, p + 1 - window) if window else 0, p + 1)
+                out[b, :, t] = _one_query(q[b, :, t], keys[b, :, seen], values[b, :, seen], half, scale)
         return out
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=H != KV)
+    mask = ctx.window_mask(window) if window else ctx.mask
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != KV, scale=scale)
 
 
-def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: bool) -> torch.Tensor:
+def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: bool, scale: float) -> torch.Tensor:
     """One query row's heads [H, D] over the keys and values it sees, [KV, n, D] each."""
     H, D = q.shape
     KV = keys.shape[0]
     if half:
         q = q.half().float()
-    scores = torch.matmul(q.reshape(KV, H // KV, D), keys.transpose(-1, -2)).mul_(D**-0.5)
+    scores = torch.matmul(q.reshape(KV, H // KV, D), keys.transpose(-1, -2)).mul_(scale)
     weights = scores.softmax(-1)
     if half:
         weights = weights.half().float()
@@ -271,9 +299,15 @@ def prefers_whole(module: nn.Module, rows: int) -> bool:
     return getattr(module, "prefers_whole", lambda rows: False)(rows)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x, inplace=False: F.gelu(x, approximate="tanh")}
+
+
 class FeedForward(nn.Module):
-    def __init__(self, gate: Weight, up: Weight, down: Weight):
+    """down(act(gate(x)) * up(x)), act as ACTIVATIONS names it."""
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight, activation: str = "silu"):
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         self.gate_up = fused([gate, up], [None, None])
         if self.gate_up is None:
             self.gate, self.up = linear(gate), linear(up)
@@ -292,7 +326,7 @@ class FeedForward(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate(x), self.up(x)
-        return self.down(F.silu(gate, inplace=True).mul_(up))  # the intermediates held twice, not 4x
+        return self.down(self.act(gate, inplace=True).mul_(up))  # the intermediates held twice, not 4x
 
 
 class MixtureOfExperts(nn.Module):
@@ -361,20 +395,29 @@ class MixtureOfExperts(nn.Module):
 
 
 class Block(nn.Module):
-    """A token mixer (attention, or a gated delta-net when `linear`) and a feed-forward, each
-    behind a norm and a residual; `layer` is the block's index among the stage's blocks of its
-    kind, which is where its cache (KV, or recurrent state) lives."""
+    """A token mixer (attention, or a gated delta-net) and a feed-forward, each behind a norm and a
+    residual, as its `variant` (models.BlockVariant) says; `layer` is the block's index among the
+    stage's blocks of its kind, which is where its cache (KV, or recurrent state) lives."""
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], layer: int = 0, linear: bool = False):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], variant: BlockVariant, layer: int = 0):
         super().__init__()
-        self.layer = layer
+        self.layer, self.variant = layer, variant
         self.attn_norm = RMSNorm(w["attn_norm.weight"], cfg.norm_eps)
-        self.attn = GatedDeltaNet(cfg, w) if linear else Attention(cfg, w)
+        if variant.mixer == "gated_delta_net":
+            self.attn = GatedDeltaNet(cfg, w)
+        else:
+            self.attn = Attention(cfg, w, variant)
         self.ffn_norm = RMSNorm(w["ffn_norm.weight"], cfg.norm_eps)
-        if "ffn_gate_inp.weight" in w:
+        if variant.ffn == "experts":
             self.ffn = MixtureOfExperts(cfg, w)
         else:
-            self.ffn = FeedForward(w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
+            gate_up_down = (w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
+            self.ffn = FeedForward(*gate_up_down, variant.activation)
+        # norms of the token mixer's and the feed-forward's outputs, before their residuals (Gemma)
+        self.post_attn_norm = self.post_ffn_norm = None
+        if variant.post_norms:
+            self.post_attn_norm = RMSNorm(w["post_attention_norm.weight"], cfg.norm_eps)
+            self.post_ffn_norm = RMSNorm(w["post_ffw_norm.weight"], cfg.norm_eps)
         # where ggml runs this block's rows: quant.ggml_block.BlockGraphs, or a delta-net's decode
         # steps and one sequence's prompt rows, quant.ggml_deltanet.DeltaNetGraphs
         self.graphs = None
@@ -388,12 +431,14 @@ class Block(nn.Module):
         row's keys and values still go into the cache."""
         if self.graphs is not None and self.graphs.takes(x):
             return self.graphs(x, cache, layer, ctx, last_only)
-        x = x + self.attn(self.attn_norm(x), cache, layer, ctx)
+        mixed = self.attn(self.attn_norm(x), cache, layer, ctx)
+        x = x + (mixed if self.post_attn_norm is None else self.post_attn_norm(mixed))
         if last_only:
             x = x[:, -1:]
         if self.feed is not None and self.feed.takes(x):
             return self.feed.feed(x)
-        return x + self.ffn(self.ffn_norm(x))
+        fed = self.ffn(self.ffn_norm(x))
+        return x + (fed if self.post_ffn_norm is None else self.post_ffn_norm(fed))
 
 
 IDLE_S = 0.5  # a thread that has run no step for this long gives back its scratch memory
@@ -435,8 +480,8 @@ class Stage(nn.Module):
             Block(
                 cfg,
                 {k.split(".", 2)[2]: t for k, t in weights.items() if k.startswith(f"blk.{i}.")},
+                variant(cfg, i),
                 layer=sum(k == linear for k in kinds[: i - start]),
-                linear=linear,
             )
             for i, linear in zip(range(start, end), kinds)
         )
@@ -454,6 +499,8 @@ class Stage(nn.Module):
                 t.dtype for n, t in weights.items() if isinstance(t, torch.Tensor) and n != "rope_freqs.weight"
             )
         self.register_buffer("inv_freq", rope_inv_freq(cfg, weights.get("rope_freqs.weight")), persistent=False)
+        local = cfg.local_rope_theta or None
+        self.register_buffer("local_inv_freq", local and plain_inv_freq(cfg, local), persistent=False)
         self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
         self.graph = None  # quant.ggml_block.StageGraph, where ggml runs a decode step of all the blocks
         self.cache: KVCache | None = None
@@ -506,6 +553,7 @@ class Stage(nn.Module):
             n_keys,
             self.inv_freq,
             self.dtype,
+            self.local_inv_freq,
         )
 
     def _prompt_piece(self, x: torch.Tensor) -> int | None:
@@ -570,6 +618,8 @@ class Stage(nn.Module):
         given = x
         if self.first:
             x = self.embed(torch.as_tensor(x).to(self.device))
+            if self.cfg.embedding_scale != 1.0:
+                x = x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
         else:
             x = x.to(self.device, self.dtype)
         ctx = self._context(slots, starts, x.shape[1], pages)
@@ -594,4 +644,6 @@ class Stage(nn.Module):
             return x
         if not all_logits:
             x = x[:, -1:]
-        return self.head(self.norm(x)).float()
+        logits = self.head(self.norm(x)).float()
+        cap = self.cfg.logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

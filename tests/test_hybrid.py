@@ -13,12 +13,13 @@ import torch
 from gguf import GGUFReader
 from test_cpu_kernels import stage_outputs
 
-from shardwire.config import ConfigError, ModelConfig
+from shardwire.config import ConfigError
 from shardwire.deltanet import GatedDeltaNet, chunked_delta_rule, recurrent_delta_rule
 from shardwire.engine import Engine, Request
 from shardwire.formats import ModelError, open_model
 from shardwire.kvcache import RecurrentState, stage_cache_nbytes
 from shardwire.loading import load_stage
+from shardwire.models import config_from_dict
 from shardwire.pipeline import LocalPipeline
 from shardwire.plan import PlanDevice, make_plan
 from shardwire.quant import ggml_block, ggml_cpu
@@ -256,9 +257,11 @@ def test_unsupported_settings_are_refused(tmp_path):
         open_model(folder)
     cfg = model_source("qwen35")[0]
     with pytest.raises(ConfigError, match="7 value heads are not a multiple of 2 key heads"):
-        ModelConfig.from_dict({**cfg.to_dict(), "ssm_v_heads": 7})
+        config_from_dict({**cfg.to_dict(), "ssm_v_heads": 7})
     with pytest.raises(ConfigError, match="qwen3 has no linear-attention blocks"):
-        ModelConfig.from_dict({**cfg.to_dict(), "arch": "qwen3"})
+        config_from_dict({**cfg.to_dict(), "arch": "qwen3"})
+    with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'"):
+        config_from_dict({**cfg.to_dict(), "arch": "gpt2"})
 
 
 def test_multi_token_prediction_tensors_are_skipped_with_a_message(tmp_path, caplog):

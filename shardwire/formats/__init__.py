@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import HYBRID_ARCHS, ConfigError, ModelConfig, from_gguf_metadata, from_hf_config
+from ..config import ConfigError, ModelConfig
+from ..models import block_of, family_of, from_gguf_metadata, from_hf_config
 from .gguf import GGUFError, read_gguf_model
 from .names import EXPERT_MATRICES, expert_name, expert_of
 from .safetensors import SafetensorsError, read_hf_folder
@@ -26,39 +25,6 @@ __all__ = [
 ]
 
 ModelError = (ConfigError, GGUFError, SafetensorsError, FileNotFoundError)
-log = logging.getLogger("shardwire.formats")
-
-_BLOCK = re.compile(r"^blk\.(\d+)\.")
-_REQUIRED_ATTENTION = (
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "ffn_norm.weight",
-)
-_REQUIRED_DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
-SHARED_EXPERT = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
-# A Qwen3.5 gated delta-net block's token mixer, and its gated attention block's
-_REQUIRED_DELTANET = (
-    "attn_norm.weight",
-    "attn_qkv.weight",
-    "attn_gate.weight",
-    "ssm_beta.weight",
-    "ssm_alpha.weight",
-    "ssm_conv1d.weight",
-    "ssm_a",
-    "ssm_dt.bias",
-    "ssm_norm.weight",
-    "ssm_out.weight",
-    "ffn_norm.weight",
-)
-_REQUIRED_GATED_ATTENTION = _REQUIRED_ATTENTION + ("attn_q_norm.weight", "attn_k_norm.weight")
-
-
-def block_of(name: str) -> int | None:
-    m = _BLOCK.match(name)
-    return int(m[1]) if m else None
 
 
 @dataclass
@@ -121,9 +87,9 @@ def open_model(path: str | Path) -> ModelFile:
         metadata, tensors = read_gguf_model(path)
         tensors = _experts_apart(tensors)
         cfg = from_gguf_metadata(metadata, set(tensors), str(path))
-        if cfg.arch in HYBRID_ARCHS:
-            tensors = _hybrid_names(cfg, tensors, path)
-        model = ModelFile(path, "gguf", cfg, tensors, metadata, qk_interleaved=cfg.arch in ("llama", "mistral"))
+        family = family_of(cfg.arch)
+        tensors = family.gguf_tensors(cfg, tensors, path)
+        model = ModelFile(path, "gguf", cfg, tensors, metadata, qk_interleaved=cfg.arch in family.qk_interleaved)
     else:
         raise FileNotFoundError(f"{path}: no such model file or folder")
     _check_tensors(model)
@@ -147,42 +113,8 @@ def _experts_apart(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     return out
 
 
-def _hybrid_names(cfg: ModelConfig, tensors: dict[str, TensorInfo], path: Path) -> dict[str, TensorInfo]:
-    """A qwen35 GGUF's tensors under shardwire's names: its pre-FFN norm is post_attention_norm
-    (ffn_norm here, as for every other model), the blocks of
-    multi-token prediction the converter appends past n_layers are left out."""
-    out, mtp = {}, 0
-    for name, info in tensors.items():
-        block = block_of(name)
-        if block is not None and block >= cfg.n_layers:
-            mtp += 1
-            continue
-        if name.endswith(".post_attention_norm.weight"):
-            name = name.replace(".post_attention_norm.", ".ffn_norm.")
-            info = info.renamed(name)
-        out[name] = info
-    if mtp:
-        log.info("%s: skipping %d tensors of multi-token-prediction blocks: shardwire does not run them", path, mtp)
-    return out
-
-
-def _FFN_SHAPES(cfg: ModelConfig, short: str, shared: int | None):
-    return {
-        "ffn_norm.weight": (cfg.dim,),
-        "ffn_gate_inp.weight": (cfg.n_experts, cfg.dim) if cfg.n_experts else None,
-        "ffn_gate_inp_shexp.weight": (1, cfg.dim) if shared else None,
-        "ffn_gate_shexp.weight": (shared, cfg.dim) if shared else None,
-        "ffn_up_shexp.weight": (shared, cfg.dim) if shared else None,
-        "ffn_down_shexp.weight": (cfg.dim, shared) if shared else None,
-        "ffn_gate.weight": (cfg.ffn_dim, cfg.dim),
-        "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
-        "ffn_down.weight": (cfg.dim, cfg.ffn_dim),
-    }.get(short)
-
-
 def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     """The shape a tensor of this name must have in a model of `cfg`; None for unknown names."""
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     if block_of(name) is None:
         return {
             "token_embd.weight": (cfg.vocab_size, cfg.dim),
@@ -197,67 +129,17 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
             return None
         f = cfg.expert_ffn_dim
         return (cfg.dim, f) if matrix == "ffn_down_exps" else (f, cfg.dim)
-    short = name.split(".", 2)[2]
-    shared = cfg.shared_expert_ffn_dim or None
-    if cfg.linear(block_of(name)):
-        v, hv = cfg.ssm_v_heads * cfg.ssm_v_dim, cfg.ssm_v_heads
-        return {
-            "attn_norm.weight": (cfg.dim,),
-            "attn_qkv.weight": (cfg.conv_channels, cfg.dim),
-            "attn_gate.weight": (v, cfg.dim),
-            "ssm_beta.weight": (hv, cfg.dim),
-            "ssm_alpha.weight": (hv, cfg.dim),
-            "ssm_conv1d.weight": (cfg.conv_channels, cfg.ssm_conv_kernel),
-            "ssm_a": (hv,),
-            "ssm_dt.bias": (hv,),
-            "ssm_norm.weight": (cfg.ssm_v_dim,),
-            "ssm_out.weight": (cfg.dim, v),
-        }.get(short, _FFN_SHAPES(cfg, short, shared))
-    if cfg.gated_attention and short == "attn_q.weight":
-        return (2 * q, cfg.dim)  # each head's queries, then its output gate
-    return {
-        "ffn_gate_inp.weight": (cfg.n_experts, cfg.dim) if cfg.n_experts else None,
-        "ffn_gate_inp_shexp.weight": (1, cfg.dim) if shared else None,
-        "ffn_gate_shexp.weight": (shared, cfg.dim) if shared else None,
-        "ffn_up_shexp.weight": (shared, cfg.dim) if shared else None,
-        "ffn_down_shexp.weight": (cfg.dim, shared) if shared else None,
-        "attn_norm.weight": (cfg.dim,),
-        "ffn_norm.weight": (cfg.dim,),
-        "attn_q.weight": (q, cfg.dim),
-        "attn_q.bias": (q,),
-        "attn_k.weight": (kv, cfg.dim),
-        "attn_k.bias": (kv,),
-        "attn_v.weight": (kv, cfg.dim),
-        "attn_v.bias": (kv,),
-        "attn_output.weight": (cfg.dim, q),
-        "attn_output.bias": (cfg.dim,),
-        "attn_q_norm.weight": (cfg.head_dim,),
-        "attn_k_norm.weight": (cfg.head_dim,),
-        "ffn_gate.weight": (cfg.ffn_dim, cfg.dim),
-        "ffn_up.weight": (cfg.ffn_dim, cfg.dim),
-        "ffn_down.weight": (cfg.dim, cfg.ffn_dim),
-    }.get(short)
+    return family_of(cfg.arch).block_shapes(cfg, block_of(name)).get(name.split(".", 2)[2])
 
 
 def required_tensors(cfg: ModelConfig, start: int, end: int, first: bool, last: bool) -> list[str]:
     """Tensors a stage holding blocks [start, end) cannot do without."""
     names = ["token_embd.weight"] if first else []
+    family = family_of(cfg.arch)
     for i in range(start, end):
-        if cfg.linear(i):
-            names += [f"blk.{i}.{s}" for s in _REQUIRED_DELTANET]
-        elif cfg.gated_attention:
-            names += [f"blk.{i}.{s}" for s in _REQUIRED_GATED_ATTENTION]
-        else:
-            names += [f"blk.{i}.{s}" for s in _REQUIRED_ATTENTION]
-        if cfg.arch in ("qwen3", "qwen3moe"):
-            names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+        names += [f"blk.{i}.{short}" for short in family.required(cfg, i)]
         if cfg.sparse(i):
-            names.append(f"blk.{i}.ffn_gate_inp.weight")
-            if cfg.shared_expert_ffn_dim:
-                names += [f"blk.{i}.{m}.weight" for m in SHARED_EXPERT]
             names += [expert_name(i, m, e) for e in range(cfg.n_experts) for m in EXPERT_MATRICES]
-        else:
-            names += [f"blk.{i}.{s}" for s in _REQUIRED_DENSE_FFN]
     if last:
         names += ["output_norm.weight", "token_embd.weight" if cfg.tied_embeddings else "output.weight"]
     return list(dict.fromkeys(names))

@@ -8,6 +8,7 @@ import re
 import struct
 from pathlib import Path
 
+from ..models import Family, family_of, hf_family, require
 from .names import EXPERT_MATRICES, expert_name
 from .tensors import TensorInfo
 
@@ -40,19 +41,9 @@ _BLOCK_NAMES = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "block_sparse_moe.gate": "ffn_gate_inp",  # (Mixtral)
-    # Qwen3.5's gated delta-net (values as transformers has them: see ModelConfig.hf_layout)
-    "linear_attn.in_proj_qkv": "attn_qkv",
-    "linear_attn.in_proj_z": "attn_gate",
-    "linear_attn.in_proj_b": "ssm_beta",
-    "linear_attn.in_proj_a": "ssm_alpha",
-    "linear_attn.conv1d": "ssm_conv1d",
-    "linear_attn.norm": "ssm_norm",
-    "linear_attn.out_proj": "ssm_out",
 }
-# Delta-net parameters that are neither a weight nor a bias
-_BLOCK_PARAMS = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
 _BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_PARAM_RE = re.compile(r"^model\.layers\.(\d+)\.(linear_attn\.\w+)$")
+_PARAM_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Qwen3.5's multimodal checkpoints keep the language model under model.language_model
 _LANGUAGE_MODEL = "model.language_model."
 # One matrix per expert, as transformers saves Qwen3-MoE and Mixtral checkpoints
@@ -74,25 +65,27 @@ class SafetensorsError(ValueError):
     """A safetensors file or Hugging Face folder that cannot be read."""
 
 
-def canonical_name(hf_name: str) -> str | None:
-    """The GGUF-style name of a Hugging Face parameter, or None for parameters we do not use."""
+def canonical_name(hf_name: str, family: Family) -> str | None:
+    """The GGUF-style name of a Hugging Face parameter of a model of `family` (whose own names come
+    first), or None for parameters we do not use."""
     if hf_name.startswith(_LANGUAGE_MODEL):
         hf_name = "model." + hf_name[len(_LANGUAGE_MODEL) :]
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _BLOCK_RE.match(hf_name)
-    if m and m[2] in _BLOCK_NAMES:
-        return f"blk.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    names = _BLOCK_NAMES | family.hf_block_names
+    if m and m[2] in names:
+        return f"blk.{m[1]}.{names[m[2]]}.{m[3]}"
     m = _PARAM_RE.match(hf_name)
-    if m and m[2] in _BLOCK_PARAMS:
-        return f"blk.{m[1]}.{_BLOCK_PARAMS[m[2]]}"
+    if m and m[2] in family.hf_block_params:
+        return f"blk.{m[1]}.{family.hf_block_params[m[2]]}"
     m = _EXPERT_RE.match(hf_name)
     if m and m[4] in _EXPERT_NAMES:
         return expert_name(int(m[1]), _EXPERT_NAMES[m[4]], int(m[3]))
     return None
 
 
-def canonical_tensors(info: TensorInfo) -> dict[str, TensorInfo]:
+def canonical_tensors(info: TensorInfo, family: Family) -> dict[str, TensorInfo]:
     """The canonical tensors a Hugging Face tensor holds: none, itself renamed, or (fused experts)
     one matrix per expert."""
     name = info.name
@@ -100,7 +93,7 @@ def canonical_tensors(info: TensorInfo) -> dict[str, TensorInfo]:
         name = "model." + name[len(_LANGUAGE_MODEL) :]
     m = _FUSED_EXPERTS_RE.match(name)
     if m is None:
-        name = canonical_name(name)
+        name = canonical_name(name, family)
         if name is None:
             return {}
         if name.endswith(".ssm_conv1d.weight") and len(info.shape) == 3 and info.shape[1] == 1:
@@ -122,6 +115,7 @@ def canonical_tensors(info: TensorInfo) -> dict[str, TensorInfo]:
 
 def hf_name(canonical: str, arch: str) -> str:
     """Inverse of canonical_name, for writing Hugging Face files of `arch`."""
+    family = family_of(arch)
     for hf, name in _GLOBAL_NAMES.items():
         if name == canonical:
             return hf
@@ -131,11 +125,12 @@ def hf_name(canonical: str, arch: str) -> str:
         kinds = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         kind = dict(zip(EXPERT_MATRICES, kinds))[parts[2]]
         return f"model.layers.{parts[1]}.{moe}.experts.{parts[3]}.{kind}.weight"
-    for hf, param in _BLOCK_PARAMS.items():
+    for hf, param in family.hf_block_params.items():
         if canonical == f"blk.{parts[1]}.{param}":
             return f"model.layers.{parts[1]}.{hf}"
     _, layer, short, kind = parts
-    hf_short = f"{moe}.gate" if short == "ffn_gate_inp" else {v: k for k, v in _BLOCK_NAMES.items()}[short]
+    names = _BLOCK_NAMES | family.hf_block_names
+    hf_short = f"{moe}.gate" if short == "ffn_gate_inp" else {v: k for k, v in names.items()}[short]
     return f"model.layers.{layer}.{hf_short}.{kind}"
 
 
@@ -183,6 +178,7 @@ def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise SafetensorsError(f"{config_path}: invalid JSON ({e})") from None
+    family = hf_family(require(config, "model_type", str(config_path)), str(config_path))
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
         weight_map = json.loads(index_path.read_text()).get("weight_map", {})
@@ -199,7 +195,7 @@ def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
         for info in read_safetensors_header(file).values():
             skipped_mtp += info.name.startswith("mtp.")
             try:
-                tensors.update(canonical_tensors(info))
+                tensors.update(canonical_tensors(info, family))
             except ValueError as e:
                 raise SafetensorsError(str(e)) from None
     if skipped_mtp:

@@ -19,9 +19,10 @@ import numpy as np
 
 from .. import __version__
 from ..cache import WeightCache, default_cache_dir
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
 from ..constrain import Vocabulary
 from ..devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
+from ..models import config_from_dict
 from ..quant.in_use import compute_line
 from ..quant.kernels import kernels_on
 from ..quant.measure import fastest_formats, prompt_products, row_products
@@ -338,7 +339,7 @@ class Worker:
 
     def _assign(self, conn: Connection, assign: Assign, request: int) -> None:
         try:
-            cfg = ModelConfig.from_dict(assign.config)
+            cfg = config_from_dict(assign.config)
             check_assign(assign, cfg, self.devices, self.mem)
         except (PlanRejected, ConfigError) as e:
             conn.send_error("plan", f"worker {self.worker_id} rejects the plan: {e}", request=request)

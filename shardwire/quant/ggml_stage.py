@@ -1,0 +1,83 @@
+"""ggml's graphs on a stage: which blocks they take, and the stage's one-graph decode step.
+
+The graphs implement the block variants in IMPLEMENTED and nothing else. A block of another
+variant (another activation, norms after the mixer, a sliding window, a field of BlockVariant
+this table has not heard of) is refused with a log line and runs on the PyTorch modules, which
+implement every variant the families declare: a family the graphs do not know computes slower,
+never differently."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+
+import torch
+
+from ..models import BlockVariant
+from .ggml_block import BlockGraphs, FeedForwardGraphs, StageGraph
+from .ggml_deltanet import DeltaNetGraphs
+
+log = logging.getLogger("shardwire.ggml")
+
+# BlockVariant field -> the values the graphs compute
+IMPLEMENTED = {
+    "mixer": ("attention", "gated_attention", "gated_delta_net"),
+    "qk_norm": (False, True),
+    "ffn": ("dense", "experts"),
+    "activation": ("silu",),
+    "routing": ("", "softmax_top_k", "softmax_top_k_normalized"),
+    "shared_expert": (False, True),
+    "post_norms": (False,),
+    "window": (0,),
+    "local_rope": (False,),
+    "query_scale": (0.0,),
+}
+
+
+def refusal(variant: BlockVariant) -> str | None:
+    """Why the graphs do not run blocks of `variant`; None where they do."""
+    lacking = [
+        f"{f.name}={getattr(variant, f.name)!r}"
+        for f in fields(variant)
+        if getattr(variant, f.name) not in IMPLEMENTED.get(f.name, ())
+    ]
+    return f"ggml's graphs do not implement {', '.join(lacking)}" if lacking else None
+
+
+def attach(stage, rope_base: float) -> None:
+    """Give each block of `stage` (float32, on the CPU) its graphs where ggml implements its variant
+    and can run its weights as held, and the stage its decode graph where every block has them."""
+    refused = {}
+    for i, block in zip(range(stage.start, stage.end), stage.blocks):
+        why = refusal(block.variant)
+        if why is not None:
+            refused.setdefault((block.variant, why), []).append(i)
+            continue
+        block.graphs = BlockGraphs.of(block, stage.inv_freq, rope_base)
+        if block.graphs is None:  # a token mixer the block's graphs do not take: a delta-net's
+            block.feed = FeedForwardGraphs.of(block)
+            block.graphs = DeltaNetGraphs.of(block, block.feed)
+    for (variant, why), blocks in refused.items():
+        log.info("blocks %s (%s) run on PyTorch's modules: %s", _ranges(blocks), variant, why)
+    cfg = stage.cfg
+    if cfg.embedding_scale != 1.0 or cfg.logit_softcap:  # what the stage graph's embedding and head do not do
+        return
+    stage.graph = StageGraph.of(
+        [block.graphs for block in stage.blocks],
+        *((stage.norm, stage.head) if stage.last else (None, None)),
+        embed=stage.embed,
+    )
+
+
+def runs_in_graphs(stage) -> bool:
+    return stage.device.type == "cpu" and stage.dtype == torch.float32
+
+
+def _ranges(blocks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], blocks[0]
+    for prev, cur in zip(blocks, blocks[1:] + [None]):
+        if cur != prev + 1:
+            out.append(f"{start}-{prev}" if prev > start else str(start))
+            start = cur
+    return ", ".join(out)
