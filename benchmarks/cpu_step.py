@@ -23,11 +23,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from shardwire.backends.ggml.block import _matrices  # noqa: E402
 from shardwire.devices import default_dtype, parse_dtype, stored_precision_dtype  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.loading import load_stage  # noqa: E402
 from shardwire.quant import ggml_cpu  # noqa: E402
-from shardwire.quant.ggml_block import _matrices  # noqa: E402
 from shardwire.quant.ggml_cpu import ggml  # noqa: E402
 from shardwire.quant.measure import cpu_model, fastest_formats  # noqa: E402
 
@@ -38,7 +38,7 @@ def products_alone(stage) -> float:
     """Seconds for every matrix the stage multiplies in a decode step, one row each, in one graph."""
     matrices = []
     for i, block in enumerate(stage.blocks):  # the blocks' own graphs name every matrix they multiply
-        g = block.graphs
+        g = block.runner
         if g is None:
             raise SystemExit(f"block {i} runs no ggml graphs: nothing to compare against")
         matrices += [*g.qkv, g.out, *g.ffn.matrices]

@@ -44,7 +44,7 @@ def load(path: Path, dtype: str):
     expert = sum(model.tensors[f"blk.0.{m}.0.weight"].nbytes for m in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     per_token = expert * model.config.n_experts_used * model.config.n_layers
     kind = type(stage.blocks[0].ffn.grouped or stage.blocks[0].ffn.experts[0].down).__name__
-    if stage.graph is not None:
+    if stage.runner is not None:
         kind += ", the step one ggml graph"
     return stage, per_token, kind
 

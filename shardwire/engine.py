@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .backends import IDLE_S
 from .constrain import Grammar, RowConstraint, vocabulary_of
 from .kvcache import PAGE, pages_for
-from .model import IDLE_S
 from .pages import PagePool, prefix_hashes
 from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams

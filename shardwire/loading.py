@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import backends
 from .config import ModelConfig
 from .devices import large_allocations_unmapped, release_memory
 from .formats import ModelFile, TensorInfo, TensorReader
@@ -18,11 +19,10 @@ from .formats.tensors import copied
 from .model import Elsewhere, Linear, Stage
 from .models import family_of
 from .plan import placed_apart
-from .quant import ggml_stage
 from .quant.codecs import PLAIN, raw_rows, to_torch
 from .quant.ggml_cpu import GGMLExperts, RepackError, repacked_experts
 from .quant.kernels import kernels_on
-from .quant.packed import pack_matrix
+from .quant.pack import pack_matrix
 from .quant.policy import EMBEDDING, weight_formats
 
 
@@ -155,8 +155,7 @@ def build_stage(
     built.update(_experts_from_stacks(stacks, grouped, device, dtype))
     release_memory()
     stage = Stage(cfg, start, end, built, first, last, embedding=embedding, dtype=dtype).to(device)
-    if ggml_stage.runs_in_graphs(stage):
-        ggml_stage.attach(stage, cfg.rope_theta)
+    backends.attach(stage)
     return stage
 
 

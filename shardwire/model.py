@@ -19,12 +19,11 @@ from torch import nn
 
 from .config import ModelConfig
 from .deltanet import GatedDeltaNet
-from .devices import attention_without_cudnn, release_memory
+from .devices import attention_without_cudnn
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
 from .linear import Linear, Weight, fused, linear
 from .models import BlockVariant, variant
-from .quant.ggml_graph import in_scratch, release_graph_memory
 
 
 class RMSNorm(nn.Module):
@@ -115,7 +114,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class StepContext:
     """What every block of a forward pass shares: where the new tokens go and what they see.
     What only PyTorch's attention uses (positions as a tensor, the mask, RoPE's angles) is
-    computed on first use: a step that ggml's graphs take whole never needs it."""
+    computed on first use: a step that a backend's runner takes whole never needs it."""
 
     rows: slice | torch.Tensor  # the sequences' slots (recurrent state)
     at: Addresses  # where their keys and values go and are read from
@@ -170,7 +169,7 @@ class StepContext:
 
     @property
     def positions_at(self) -> int:
-        """The address of the positions as int32, [B * T] (for ggml)."""
+        """The address of the positions as int32, [B * T] (for a backend's runners)."""
         return self._positions32.buffer_info()[0]
 
     @cached_property
@@ -280,7 +279,7 @@ def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: 
     return torch.matmul(weights, values).view(H, D)
 
 
-# On a CPU a prompt chunk goes through a block's feed-forward (its ggml graphs, quant/ggml_block.py,
+# On a CPU a prompt chunk goes through a block's feed-forward (a backend's runner, backends/ggml,
 # or the modules) in pieces of rows, where a matrix does not prefer whole chunks (it is dequantized
 # for each product, or elsewhere). Each piece unpacks every weight block once, so larger pieces read
 # prompts faster (1B Q4_K_M, a 512-token prompt: 256-row pieces 1.17x the 64-row ones); the piece's gate, up and
@@ -418,10 +417,10 @@ class Block(nn.Module):
         if variant.post_norms:
             self.post_attn_norm = RMSNorm(w["post_attention_norm.weight"], cfg.norm_eps)
             self.post_ffn_norm = RMSNorm(w["post_ffw_norm.weight"], cfg.norm_eps)
-        # where ggml runs this block's rows: quant.ggml_block.BlockGraphs, or a delta-net's decode
-        # steps and one sequence's prompt rows, quant.ggml_deltanet.DeltaNetGraphs
-        self.graphs = None
-        self.feed = None  # quant.ggml_block.FeedForwardGraphs, where ggml runs the feed-forward half alone
+        # where a backend runs this block's rows (backends.BlockRunner), or its feed-forward half
+        # alone after the modules' token mixer (backends.FeedRunner)
+        self.runner = None
+        self.feed_runner = None
 
     def forward(
         self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext, last_only: bool = False
@@ -429,28 +428,16 @@ class Block(nn.Module):
         """x [B, T, dim] -> [B, T, dim], or only each sequence's last position [B, 1, dim] where
         nothing reads the others (the model's last block, logits of the last position): every
         row's keys and values still go into the cache."""
-        if self.graphs is not None and self.graphs.takes(x):
-            return self.graphs(x, cache, layer, ctx, last_only)
+        if self.runner is not None and self.runner.takes(x):
+            return self.runner(x, cache, layer, ctx, last_only)
         mixed = self.attn(self.attn_norm(x), cache, layer, ctx)
         x = x + (mixed if self.post_attn_norm is None else self.post_attn_norm(mixed))
         if last_only:
             x = x[:, -1:]
-        if self.feed is not None and self.feed.takes(x):
-            return self.feed.feed(x)
+        if self.feed_runner is not None and self.feed_runner.takes(x):
+            return self.feed_runner.feed(x)
         fed = self.ffn(self.ffn_norm(x))
         return x + (fed if self.post_ffn_norm is None else self.post_ffn_norm(fed))
-
-
-IDLE_S = 0.5  # a thread that has run no step for this long gives back its scratch memory
-
-
-def release_scratch() -> None:
-    """This thread's graph intermediates and the heap's free pages go back to the system, once its
-    stages have run no step for IDLE_S. Not after each prompt chunk: the next chunk or prompt would
-    map and zero every page of them again (~700 page faults a 64-token prompt of the small F32
-    model); llama.cpp keeps its compute buffer for good."""
-    release_graph_memory()
-    release_memory()
 
 
 class Stage(nn.Module):
@@ -502,7 +489,8 @@ class Stage(nn.Module):
         local = cfg.local_rope_theta or None
         self.register_buffer("local_inv_freq", local and plain_inv_freq(cfg, local), persistent=False)
         self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
-        self.graph = None  # quant.ggml_block.StageGraph, where ggml runs a decode step of all the blocks
+        self.runner = None  # backends.StageRunner, where a backend runs a decode step of all the blocks
+        self.backend = None  # the backend whose runners it has (backends.attach)
         self.cache: KVCache | None = None
         self.ctx = 0  # positions a sequence may reach, set with the cache
         self.kv_dtype: torch.dtype | None = None  # keys and values: kvcache.kv_dtype(dtype) unless set
@@ -557,13 +545,13 @@ class Stage(nn.Module):
         )
 
     def _prompt_piece(self, x: torch.Tensor) -> int | None:
-        """Where ggml's graphs take every block's rows a piece at a time: the rows of a prompt
+        """Where the blocks' runners take every block's rows a piece at a time: the rows of a prompt
         chunk that go through all the blocks before the next ones do (so that the activations
         held at once are a piece's, not a chunk's)."""
-        graphs = [block.graphs for block in self.blocks]
-        if self.cache.recurrent is not None or not graphs or any(g is None or not g.takes(x) for g in graphs):
+        runners = [block.runner for block in self.blocks]
+        if self.cache.recurrent is not None or not runners or any(r is None or not r.takes(x) for r in runners):
             return None
-        pieces = {g.piece for g in graphs}
+        pieces = {r.piece for r in runners}
         piece = pieces.pop() if len(pieces) == 1 else None
         return piece if piece is not None and x.shape[1] > piece else None
 
@@ -601,14 +589,14 @@ class Stage(nn.Module):
         all_logits)."""
         if self.cache is None:
             raise RuntimeError("allocate_cache() before forward()")
-        graph = self.graph
-        if graph is not None and graph.takes(x, self.cache) and (graph.logits or not self.last):
-            # a decode step that ggml's graph runs whole, with no PyTorch call on the way
+        runner = self.runner
+        if runner is not None and runner.takes(x, self.cache) and (runner.logits or not self.last):
+            # a decode step that the backend runs whole, with no PyTorch call on the way
             ctx, recurrent = self._context(slots, starts, 1, pages), self.cache.recurrent
             if recurrent is None:
-                return graph(x, self.cache, ctx)
+                return runner(x, self.cache, ctx)
             recurrent.begin(slots, starts, 1)
-            out = graph(x, self.cache, ctx)
+            out = runner(x, self.cache, ctx)
             recurrent.end()
             return out
         with torch.inference_mode():
@@ -627,16 +615,16 @@ class Stage(nn.Module):
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])
         last_only = self.last and not all_logits  # the head reads the last position alone
-        if self.graph is not None and self.graph.takes(x, self.cache):
-            x = self.graph(x, self.cache, ctx)
-            if self.graph.logits:
+        if self.runner is not None and self.runner.takes(x, self.cache):
+            x = self.runner(x, self.cache, ctx)
+            if self.runner.logits:
                 return x
         elif (piece := self._prompt_piece(x)) is not None:
             out = x if x is not given else torch.empty_like(x)
             x = self._in_pieces(x, slots, starts, pages, piece, out, last_only)
         else:
             x = self._through_blocks(x, ctx, last_only)
-        if in_scratch(x):  # the last block's output, which the next block to run overwrites
+        if self.backend is not None and self.backend.borrowed(x):  # what the next block to run overwrites
             x = x.clone()
         if recurrent is not None:
             recurrent.end()

@@ -16,10 +16,11 @@ from typing import Callable, Protocol, runtime_checkable
 import psutil
 import torch
 
+from .backends import release_scratch
 from .constrain import Matchers, RowConstraint, Vocabulary
 from .devices import free_memory
 from .kvcache import pool_pages
-from .model import Stage, release_scratch
+from .model import Stage
 from .quant.in_use import compute_line
 from .sampling import Sampled, SamplingParams, sample
 

@@ -281,7 +281,7 @@ def workspace_bytes(
     cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype, device_type: str, dequant_per_value: int = 0
 ) -> int:
     """Peak activations of one prefill chunk: the FFN's gate and up (SwiGLU in place; on a CPU a
-    piece of the chunk's rows at a time, quant/ggml_block.py), attention scores, logits, the residual
+    piece of the chunk's rows at a time, backends/ggml/block.py), attention scores, logits, the residual
     stream's few copies, and where matrices are dequantized a chunk of rows at a time
     (`dequant_per_value` bytes each) those rows and the product's pieces, which are joined in a
     copy. A CPU computes attention one query row at a time (model.attention): its scores are a

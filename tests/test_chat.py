@@ -7,7 +7,7 @@ from conftest import shared_path
 from shardwire.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
 from shardwire.chat_templates import BUILTIN
 from shardwire.formats.gguf import read_gguf
-from shardwire.tokenizer import Tokenizer
+from shardwire.tokenizer import tokenizer_from_gguf
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -102,7 +102,7 @@ def test_matches_transformers(source, add_generation_prompt):
 
 
 def test_qwen2_vocab_template_and_tokens():
-    tok = Tokenizer.from_gguf_metadata(_metadata("qwen2"))
+    tok = tokenizer_from_gguf(_metadata("qwen2"))
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == (
         "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
@@ -119,7 +119,7 @@ def test_chatml_fallback():
     )
     assert render_chat(None, messages[:1], add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
     md = {k: v for k, v in _metadata("gpt-2").items() if k != "tokenizer.chat_template"}
-    assert Tokenizer.from_gguf_metadata(md).apply_chat_template(messages[:1]) == render_chat(None, messages[:1])
+    assert tokenizer_from_gguf(md).apply_chat_template(messages[:1]) == render_chat(None, messages[:1])
 
 
 def test_broken_templates():

@@ -9,12 +9,13 @@ import pytest
 import torch
 from test_quant import matrix
 
-from shardwire import model as model_module
+from shardwire import backends
+from shardwire.backends.ggml import block as ggml_block
 from shardwire.devices import default_dtype, stored_precision_dtype
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
-from shardwire.quant import ggml_block, ggml_cpu, measure, policy
-from shardwire.quant import packed as packing
+from shardwire.quant import ggml_cpu, measure, policy
+from shardwire.quant.pack import pack_matrix
 
 from models import PROMPT, model_path
 from resident import resident_bytes
@@ -31,8 +32,8 @@ def test_a_repacked_matrix_multiplies_as_its_stored_blocks(stored):
     if not ggml_cpu.repackable(stored, 512, 64):
         pytest.skip(f"ggml has no repacked {stored} layout on this CPU")
     _, raw, ref = matrix(stored, rows=64)
-    repacked = packing.pack_matrix(raw, stored, "repacked", "cpu", torch.float32)
-    plain = packing.pack_matrix(raw, stored, "ggml", "cpu", torch.float32)
+    repacked = pack_matrix(raw, stored, "repacked", "cpu", torch.float32)
+    plain = pack_matrix(raw, stored, "ggml", "cpu", torch.float32)
     assert repacked.fmt == "repacked" and plain.fmt == "ggml"
     # the stage counts its bytes (parameters): the stored size, held once
     assert sum(p.nbytes for p in repacked.parameters()) == raw.numel()
@@ -111,7 +112,7 @@ def q4_k_prompt_in_both_layouts():
     tokens = torch.tensor([(PROMPT * 4)[:40]])
     out = {}
     for fmt, stage in stages.items():
-        assert stage.blocks[0].graphs is not None
+        assert stage.blocks[0].runner is not None
         stage.allocate_cache(1, 64)
         out[fmt] = stage(tokens, [0], [0], all_logits=True), stage(torch.tensor([[7]]), [0], [40])
     return out, stages
@@ -120,9 +121,9 @@ def q4_k_prompt_in_both_layouts():
 @needs_repack
 def test_a_shape_the_repacked_layout_does_not_take_keeps_the_stored_blocks():
     _, raw, _ = matrix("Q4_0", rows=12)  # rows interleave 8 at a time
-    module = packing.pack_matrix(raw, "Q4_0", "repacked", "cpu", torch.float32)
+    module = pack_matrix(raw, "Q4_0", "repacked", "cpu", torch.float32)
     assert module.fmt == "ggml"
-    stored = packing.pack_matrix(raw, "Q4_0", "gguf", "cpu", torch.float32)
+    stored = pack_matrix(raw, "Q4_0", "gguf", "cpu", torch.float32)
     assert torch.equal(module.gather(torch.arange(12)), stored.gather(torch.arange(12)))
 
 
@@ -152,11 +153,11 @@ def test_the_measurement_times_the_repacked_layout_where_ggml_has_one():
 def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
     """Logits of a 3-token prompt, then decode steps of 2 and of 9 sequences (the second more rows
     than the graphs take), with or without the blocks' graphs."""
-    kept, kept_stage = [(b.graphs, b.feed) for b in stage.blocks], stage.graph
+    kept, kept_stage = [(b.runner, b.feed_runner) for b in stage.blocks], stage.runner
     if not use_graphs:
-        stage.graph = None
+        stage.runner = None
         for b in stage.blocks:
-            b.graphs = b.feed = None
+            b.runner = b.feed_runner = None
     try:
         stage.allocate_cache(9, 32)
         out = [stage(torch.tensor([PROMPT[:3]]), [0], [0])]
@@ -164,9 +165,9 @@ def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
         out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [4, 1, 0, 0, 0, 0, 0, 0, 0]))
         return out
     finally:
-        stage.graph = kept_stage
+        stage.runner = kept_stage
         for b, (graphs, feed) in zip(stage.blocks, kept):
-            b.graphs, b.feed = graphs, feed
+            b.runner, b.feed_runner = graphs, feed
 
 
 @needs_ggml
@@ -189,8 +190,8 @@ def test_block_graphs_give_what_the_modules_give(name, stored, fastest):
     mixture-of-experts ones (routing, the chosen experts and the shared expert in the graph)."""
     model = open_model(model_path(name, stored))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest=fastest, dtype=torch.float32)
-    assert all(isinstance(b.graphs, ggml_block.BlockGraphs) for b in stage.blocks)
-    assert isinstance(stage.graph, ggml_block.StageGraph)
+    assert all(isinstance(b.runner, ggml_block.BlockGraphs) for b in stage.blocks)
+    assert isinstance(stage.runner, ggml_block.StageGraph)
     with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
     # ggml quantizes a quantized weight's activations to 8 bits: a last-bit difference between the
     # two computations may round one code the other way, which moves the logits up to ~1e-3 of
@@ -209,7 +210,7 @@ def test_a_dense_stage_decodes_in_one_graph_as_its_blocks_graphs_do():
     module give, bit for bit, for 3 sequences of different lengths in one step."""
     model = open_model(model_path("qwen2", "Q8_0"))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q8_0": "ggml"})
-    assert isinstance(stage.graph, ggml_block.StageGraph) and stage.graph.logits  # the final norm and head too
+    assert isinstance(stage.runner, ggml_block.StageGraph) and stage.runner.logits  # the final norm and head too
     stage.allocate_cache(6, 32)
     lengths = [5, 9, 2]
     for slot, n in enumerate(lengths):
@@ -217,9 +218,9 @@ def test_a_dense_stage_decodes_in_one_graph_as_its_blocks_graphs_do():
             stage(torch.tensor([PROMPT[:n]]), [copy], [0])
     step = [[PROMPT[n]] for n in lengths]
     one_graph = stage(step, [0, 1, 2], lengths)
-    kept, stage.graph = stage.graph, None
+    kept, stage.runner = stage.runner, None
     by_blocks = stage(torch.tensor(step), [3, 4, 5], lengths)
-    stage.graph = kept
+    stage.runner = kept
     assert torch.equal(one_graph, by_blocks)
     k, v = stage.cache.k, stage.cache.v
     for slot, n in enumerate(lengths):
@@ -234,7 +235,7 @@ def test_a_first_stage_graph_reads_the_token_embedding_as_the_module_does(stored
     the logits and cache of a decode step (one sequence, and two) are the module embedding's."""
     model = open_model(model_path("llama", stored))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={stored: "ggml"})
-    assert stage.graph is not None and stage.graph.table is not None
+    assert stage.runner is not None and stage.runner.table is not None
     stage.allocate_cache(4, 32)
     for slot in range(4):
         stage(torch.tensor([PROMPT[:5]]), [slot], [0])
@@ -242,9 +243,9 @@ def test_a_first_stage_graph_reads_the_token_embedding_as_the_module_does(stored
     for ids in ([[PROMPT[5]]], [[PROMPT[5]], [PROMPT[6]]]):
         rows = len(ids)
         read[True] = stage(ids, list(range(rows)), [5] * rows)
-        kept, stage.graph = stage.graph, None
+        kept, stage.runner = stage.runner, None
         read[False] = stage(torch.tensor(ids), list(range(2, 2 + rows)), [5] * rows)
-        stage.graph = kept
+        stage.runner = kept
         assert torch.equal(read[True], read[False])
         k = stage.cache.k
         assert torch.equal(k[:, :, 5 : 5 + 1], k[:, :, 64 + 5 : 64 + 5 + 1])
@@ -258,9 +259,9 @@ def test_a_sequence_on_scattered_pages_decodes_as_on_consecutive_ones(graphs):
     model = open_model(model_path("llama", "F16"))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F16": "ggml"})
     if not graphs:
-        stage.graph = None
+        stage.runner = None
         for b in stage.blocks:
-            b.graphs = None
+            b.runner = None
     stage.allocate_cache(2, 64, n_pages=8)
     prompt = PROMPT + PROMPT[:4]  # 20 positions: two pages a sequence
     layouts = {"consecutive": ([0, 1], [2, 3]), "scattered": ([7, 5], [6, 4])}
@@ -315,7 +316,7 @@ def test_a_token_outside_the_vocabulary_is_refused_before_the_graph_runs():
 def test_blocks_get_graphs_only_on_cpu_in_float32():
     model = open_model(model_path("llama", "Q8_0"))
     stage = load_stage(model, 0, 2, weights="fast", fastest={"Q8_0": "ggml"}, dtype=torch.bfloat16)
-    assert all(b.graphs is None for b in stage.blocks)
+    assert all(b.runner is None for b in stage.blocks)
 
 
 @needs_ggml
@@ -361,7 +362,7 @@ def test_a_prompt_leaves_the_keys_and_values_its_tokens_leave_when_decoded(piece
     model = open_model(model_path("llama", "Q4_0"))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"Q4_0": "repacked"})
     for block in stage.blocks:
-        block.graphs.piece = piece or block.graphs.piece
+        block.runner.piece = piece or block.runner.piece
     n, ctx = 600, 608  # longer than PyTorch's fused attention takes keys in one block
     stage.allocate_cache(3, ctx)
     tokens = torch.tensor([(PROMPT * 40)[:n]])
@@ -391,14 +392,14 @@ def test_the_last_block_finishes_only_the_position_the_head_reads(graphs):
     for stage in stages:
         stage.allocate_cache(1, 128)
         for block in stage.blocks:
-            block.graphs.piece = 16
+            block.runner.piece = 16
             if not graphs:
-                block.graphs = None
+                block.runner = None
         last = stage.blocks[-1]
         last.ffn.register_forward_hook(lambda m, args, out: finished.append(args[0].shape[1]))
         if graphs:
-            finish = last.graphs.finish
-            last.graphs.finish = lambda x, attn, gate=None: finished.append(x.shape[1]) or finish(x, attn, gate)
+            finish = last.runner.finish
+            last.runner.finish = lambda x, attn, gate=None: finished.append(x.shape[1]) or finish(x, attn, gate)
     tokens = torch.tensor([(PROMPT * 10)[:100]])
     every = stages[0](tokens, [0], [0], all_logits=True)
     assert sum(finished) == 100
@@ -431,7 +432,7 @@ def test_graph_intermediates_take_memory_only_while_they_are_read():
     with it; after a prompt's step the arena's pages are given back."""
     import threading
 
-    from shardwire.quant import ggml_graph
+    from shardwire.backends.ggml import graph as ggml_graph
 
     n = 1 << 16
     x = torch.randn(n)
@@ -483,10 +484,10 @@ def test_a_local_engine_keeps_its_scratch_between_steps_and_gives_it_back_when_i
     try:
         for _ in range(2):
             engine.submit(Request(PROMPT[:12], GREEDY, max_tokens=3, ignore_eos=True)).result()
-            arenas = {g.arena for b in stage.blocks for kept in b.graphs._built.values() for g in kept.values()}
-            arenas |= {g.arena for g in stage.graph._built.values()}  # the decode steps'
+            arenas = {g.arena for b in stage.blocks for kept in b.runner._built.values() for g in kept.values()}
+            arenas |= {g.arena for g in stage.runner._built.values()}  # the decode steps'
             assert arenas and all(resident_bytes(a.memory.ctypes.data, a.nbytes) > 0 for a in arenas)
-            time.sleep(model_module.IDLE_S + 0.5)
+            time.sleep(backends.IDLE_S + 0.5)
             assert all(resident_bytes(a.memory.ctypes.data, a.nbytes) == 0 for a in arenas)
     finally:
         engine.close()
@@ -497,21 +498,21 @@ def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_
     """Each block of a prompt chunk takes the thread's scratch for what passes between its graphs
     (not fresh allocations, which the OS maps and zeroes page by page each time); it stays
     resident for the next chunk, until release_scratch (which an idle thread calls)."""
-    from shardwire.quant import ggml_graph
+    from shardwire.backends.ggml import graph as ggml_graph
 
     model = open_model(model_path("llama", "Q4_0"))
     stage = load_stage(model, 0, model.config.n_layers - 1, weights="fast", fastest={"Q4_0": "repacked"})
     stage.allocate_cache(2, 128)
     seen = {}
     for block in stage.blocks:
-        store = block.graphs.store
+        store = block.runner.store
 
         def noted(x, *args, store=store):
             queries, gate = store(x, *args)
             seen.setdefault("queries", set()).add(queries.data_ptr())
             return queries, gate
 
-        block.graphs.store = noted
+        block.runner.store = noted
     tokens = torch.tensor([PROMPT[:12]])
     hidden = stage(tokens, [0], [0])
     kept = hidden.clone()
@@ -521,7 +522,7 @@ def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_
     buffers = ggml_graph._local.scratch
     assert {"queries", "attention"} <= buffers.keys()
     assert all(resident_bytes(b.memory.ctypes.data, b.nbytes) > 0 for b in buffers.values())
-    model_module.release_scratch()
+    backends.release_scratch()
     for buffer in buffers.values():
         assert resident_bytes(buffer.memory.ctypes.data, buffer.nbytes) == 0
     a = ggml_graph.scratch("attention", 2, 8)
@@ -540,7 +541,7 @@ def test_a_prompt_in_pieces_leaves_a_later_stage_its_input():
     for stage in (first, later):
         stage.allocate_cache(1, 128)
         for block in stage.blocks:
-            block.graphs.piece = 16
+            block.runner.piece = 16
     tokens = torch.tensor([(PROMPT * 10)[:100]])
     hidden = first(tokens, [0], [0])
     kept = hidden.clone()
@@ -549,7 +550,7 @@ def test_a_prompt_in_pieces_leaves_a_later_stage_its_input():
     whole = load_stage(model, 0, n, weights="fast", fastest={"Q4_0": "repacked"})
     whole.allocate_cache(1, 128)
     for block in whole.blocks:
-        block.graphs.piece = 16
+        block.runner.piece = 16
     assert torch.equal(logits, whole(tokens, [0], [0], all_logits=True))
 
 

@@ -22,6 +22,7 @@ from shardwire.pipeline import LocalPipeline
 from shardwire.quant import codecs, policy
 from shardwire.quant import packed as packing
 from shardwire.quant.kernels import kernels_on
+from shardwire.quant.pack import pack_matrix
 from shardwire.sampling import GREEDY
 from shardwire_kit.writer import quantize
 
@@ -88,10 +89,10 @@ def test_packed_matrix_on_the_device_multiplies_like_its_weights(dtype, fmt, row
     products of 1, 9 and 300 rows (the kernel, a batch, a prefill chunk) equal x @ W^T."""
     w, raw = stored(dtype, rows, cols)
     ref = codecs.unpack(raw, dtype).dequantize()
-    module = packing.pack_matrix(raw, dtype, fmt, DEVICE, torch.bfloat16)
+    module = pack_matrix(raw, dtype, fmt, DEVICE, torch.bfloat16)
     assert all(p.device == torch.device(DEVICE) for p in module.parameters())
     held = module(torch.eye(cols, device=DEVICE, dtype=torch.bfloat16)).t().float().cpu()
-    want = packing.pack_matrix(raw, dtype, fmt, "cpu", torch.float32).gather(torch.arange(rows))
+    want = pack_matrix(raw, dtype, fmt, "cpu", torch.float32).gather(torch.arange(rows))
     if fmt == "gguf" or (dtype, fmt) in EXACT:
         assert close(held, want, 1e-2)
     else:  # requantized: about as far from the stored weights as the CPU's rounding
@@ -117,9 +118,9 @@ def test_a_matrix_packed_in_chunks_of_rows_on_the_device_is_one_matrix(dtype, fm
     """Large matrices are packed a chunk of rows at a time and the chunks' packed tensors joined:
     on CUDA the layout's first axis is tiles of 8 rows, so chunks of 64 rows join as one matrix."""
     _, raw = stored(dtype, 200, 64)
-    whole = packing.pack_matrix(raw, dtype, fmt, DEVICE, torch.bfloat16)
+    whole = pack_matrix(raw, dtype, fmt, DEVICE, torch.bfloat16)
     monkeypatch.setattr(packing, "CHUNK_ELEMENTS", 64 * 64)
-    chunked = packing.pack_matrix(raw, dtype, fmt, DEVICE, torch.bfloat16)
+    chunked = pack_matrix(raw, dtype, fmt, DEVICE, torch.bfloat16)
     for a, b in zip(whole.planes, chunked.planes):
         assert torch.equal(a, b)
     assert torch.equal(whole.sz, chunked.sz)

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from shardwire.backends import IDLE_S
 from shardwire.engine import Engine, Request
 from shardwire.kvcache import pool_pages
-from shardwire.model import IDLE_S
 from shardwire.pipeline import PipelineError, Step, StepResult
 from shardwire.sampling import GREEDY, Sampled, SamplingParams
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 from test_model import greedy_tokens, our_logits
 
+from shardwire.backends import ggml as ggml_backend
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.models import BlockVariant
-from shardwire.quant import ggml_cpu, ggml_stage
+from shardwire.quant import ggml_cpu
 
 from models import models_dir
 from test_distributed import assert_same, distributed, single_process, worker_pool  # noqa: F401
@@ -81,18 +82,18 @@ def test_ggml_refuses_every_block_says_so_and_the_modules_compute_it(caplog):
     model = open_model(gemma3("gguf"))
     with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
         stage = load_stage(model, 0, model.config.n_layers)
-    assert stage.graph is None and all(block.graphs is None and block.feed is None for block in stage.blocks)
+    assert stage.runner is None and all(block.runner is None and block.feed_runner is None for block in stage.blocks)
     said = [r.getMessage() for r in caplog.records]
     assert any("blocks 0-4, 6" in line and "window=4" in line and "gelu_tanh" in line for line in said), said
     assert any(line.startswith("blocks 5 (") and "post_norms=True" in line for line in said), said
 
 
 def test_a_variant_the_graphs_do_not_implement_is_refused_a_known_one_taken():
-    assert ggml_stage.refusal(BlockVariant()) is None
-    assert ggml_stage.refusal(BlockVariant(mixer="gated_delta_net", ffn="experts", routing="softmax_top_k")) is None
-    assert "activation='gelu_tanh'" in ggml_stage.refusal(BlockVariant(activation="gelu_tanh"))
-    assert "window=128" in ggml_stage.refusal(BlockVariant(window=128))
-    assert "query_scale=0.1" in ggml_stage.refusal(BlockVariant(query_scale=0.1))
+    assert ggml_backend.refusal(BlockVariant()) is None
+    assert ggml_backend.refusal(BlockVariant(mixer="gated_delta_net", ffn="experts", routing="softmax_top_k")) is None
+    assert "activation='gelu_tanh'" in ggml_backend.refusal(BlockVariant(activation="gelu_tanh"))
+    assert "window=128" in ggml_backend.refusal(BlockVariant(window=128))
+    assert "query_scale=0.1" in ggml_backend.refusal(BlockVariant(query_scale=0.1))
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ import torch
 from gguf import GGUFReader
 from test_cpu_kernels import stage_outputs
 
+from shardwire.backends.ggml import block as ggml_block
+from shardwire.backends.ggml.deltanet import DeltaNetGraphs
 from shardwire.config import ConfigError
 from shardwire.deltanet import GatedDeltaNet, chunked_delta_rule, recurrent_delta_rule
 from shardwire.engine import Engine, Request
@@ -22,8 +24,7 @@ from shardwire.loading import load_stage
 from shardwire.models import config_from_dict
 from shardwire.pipeline import LocalPipeline
 from shardwire.plan import PlanDevice, make_plan
-from shardwire.quant import ggml_block, ggml_cpu
-from shardwire.quant.ggml_deltanet import DeltaNetGraphs
+from shardwire.quant import ggml_cpu
 from shardwire.sampling import SamplingParams
 from shardwire_kit.writer import gguf_config, write_gguf
 
@@ -116,11 +117,11 @@ def test_a_delta_net_blocks_rows_run_in_ggml_as_the_modules_run_them(name, store
     of 8 and 1) are the modules'."""
     stage = whole(model_path(name, stored), weights="fast", fastest={stored: "ggml", "F32": "ggml"})
     linear = [b for b in stage.blocks if isinstance(b.attn, GatedDeltaNet)]
-    assert linear and all(isinstance(b.graphs, DeltaNetGraphs) for b in linear)
-    assert all(isinstance(b.feed, ggml_block.FeedForwardGraphs) for b in linear)
-    assert isinstance(stage.graph, ggml_block.StageGraph) and stage.graph.logits
+    assert linear and all(isinstance(b.runner, DeltaNetGraphs) for b in linear)
+    assert all(isinstance(b.feed_runner, ggml_block.FeedForwardGraphs) for b in linear)
+    assert isinstance(stage.runner, ggml_block.StageGraph) and stage.runner.logits
     for b in linear:
-        b.feed.piece = 8
+        b.feed_runner.piece = 8
     with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
     for a, b in zip(with_graphs, without):
         assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
@@ -137,18 +138,18 @@ def test_a_delta_net_decode_step_leaves_each_slot_the_state_the_modules_leave(na
     copy of it, and the logits theirs."""
     stage = whole(model_path(name, stored), weights="fast", fastest={stored: "ggml", "F32": "ggml"})
     if not one_graph:
-        stage.graph = None
+        stage.runner = None
     for b in stage.blocks:
-        if b.feed is not None:
-            b.feed.piece = 2
+        if b.feed_runner is not None:
+            b.feed_runner.piece = 2
     stage.allocate_cache(6, 32)
     prompt = torch.tensor([PROMPT[:5]])
     step = torch.tensor([[PROMPT[5]], [PROMPT[6]]])
     read = [stage(prompt, [slot], [0]) for slot in (0, 2)]
     in_graphs = stage(step, [2, 0], [5, 5])
-    stage.graph = None
+    stage.runner = None
     for b in stage.blocks:
-        b.graphs = b.feed = None
+        b.runner = b.feed_runner = None
     read_by_modules = [stage(prompt, [slot], [0]) for slot in (3, 5)]
     by_modules = stage(step, [5, 3], [5, 5])
     for ours, theirs in ((read[0], read_by_modules[0]), (in_graphs, by_modules)):

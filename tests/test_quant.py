@@ -17,6 +17,7 @@ from shardwire.pipeline import LocalPipeline
 from shardwire.plan import PlanDevice, make_plan
 from shardwire.quant import codecs, ggml_cpu, measure, policy
 from shardwire.quant import packed as packing
+from shardwire.quant.pack import pack_matrix
 from shardwire.quant.policy import weight_formats, weight_nbytes
 from shardwire.sampling import GREEDY
 from shardwire_kit.writer import quantize
@@ -59,7 +60,7 @@ GGML = ["ggml"] if ggml_cpu.available() else []
 )
 def test_packed_matmul_equals_dequantized_matmul(dtype, fmt):
     w, raw, ref = matrix(dtype)
-    module = packing.pack_matrix(raw, dtype, fmt, "cpu", torch.float32)
+    module = pack_matrix(raw, dtype, fmt, "cpu", torch.float32)
     packed = module.gather(torch.arange(w.shape[0]))
     own = rms(ref - torch.from_numpy(w))
     added = rms(packed - ref) / own
@@ -89,7 +90,7 @@ def test_rows_and_row_chunks_agree(fmt, monkeypatch):
     same weights, across layout blocks and the padded tail."""
     monkeypatch.setattr(packing, "CHUNK_ELEMENTS", 64 * 64)  # 64-row chunks of a 64-column matrix
     w, raw, ref = matrix("Q8_0", rows=200, cols=64)
-    module = packing.pack_matrix(raw, "Q8_0", fmt, "cpu", torch.float32)
+    module = pack_matrix(raw, "Q8_0", fmt, "cpu", torch.float32)
     exact = module.gather(torch.arange(200))
     whole = exact.to(module.compute_dtype)
     chunks = torch.cat([module.dequantize(a, min(a + 64, 200)) for a in range(0, 200, 64)])
@@ -349,7 +350,7 @@ def test_a_stage_on_ggml_kernels_computes_like_the_dense_float32_stage(weight_ty
 @pytest.mark.parametrize("dtype", ["Q4_K", "Q8_0"])
 def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
     w, raw, ref = matrix(dtype)
-    module = packing.pack_matrix(raw, dtype, "ggml", "cpu", torch.float32)
+    module = pack_matrix(raw, dtype, "ggml", "cpu", torch.float32)
     assert module.gemm_rows == measure.gemm_rows(dtype, torch.float32)
     x = torch.randn(40, w.shape[1])
     module.gemm_rows = None

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shardwire.backends import IDLE_S
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
-from shardwire.model import IDLE_S
 from shardwire.pipeline import Row
 from shardwire.quant import ggml_cpu
 from shardwire.sampling import GREEDY
@@ -192,7 +192,7 @@ def test_an_idle_stage_gives_back_the_scratch_memory_of_its_steps():
             row = Row(0, start, tokens, GREEDY, pages=stage.own_pages(0, start + len(tokens)))
             enqueue(ring, coordinator, Forward.of_rows("p", start, [row]), [tokens])
             coordinator.recv()  # its result
-        (graph,) = stage.graph._built.values()  # the decode step's, which ran on this thread
+        (graph,) = stage.runner._built.values()  # the decode step's, which ran on this thread
         arena = graph.arena
         assert resident_bytes(arena.memory.ctypes.data, arena.nbytes) > 0
         started = time.monotonic()

@@ -8,7 +8,7 @@ import pytest
 from conftest import shared_path
 
 from shardwire.formats.gguf import read_gguf
-from shardwire.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from shardwire.tokenizer import Tokenizer, TokenizerError, load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_folder
 from shardwire.tokenizer.hf import HFTokenizer
 
 VOCABS = ["llama-spm", "llama-bpe", "qwen2", "phi-3", "gpt-2"]
@@ -26,7 +26,7 @@ def _metadata(name: str) -> dict:
 
 
 def vocab(name: str) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(_metadata(name))
+    return tokenizer_from_gguf(_metadata(name))
 
 
 def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
@@ -108,7 +108,7 @@ def test_bos_eos(name, add_bos, bos):
 
 def test_add_eos_from_metadata():
     md = dict(_metadata("llama-spm"), **{"tokenizer.ggml.add_eos_token": True})
-    tok = Tokenizer.from_gguf_metadata(md)
+    tok = tokenizer_from_gguf(md)
     assert tok.encode("Hi")[0] == 1 and tok.encode("Hi")[-1] == 2
     assert tok.decode(tok.encode("Hi")) == " Hi"
 
@@ -192,13 +192,13 @@ def test_encode_speed():
 def test_errors():
     md = dict(_metadata("gpt-2"))
     with pytest.raises(TokenizerError, match="'rwkv-world'"):
-        Tokenizer.from_gguf_metadata(dict(md, **{"tokenizer.ggml.model": "rwkv-world"}))
+        tokenizer_from_gguf(dict(md, **{"tokenizer.ggml.model": "rwkv-world"}))
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model"):
-        Tokenizer.from_gguf_metadata({"general.architecture": "llama"})
+        tokenizer_from_gguf({"general.architecture": "llama"})
     with pytest.raises(TokenizerError, match="tokenizer.ggml.tokens"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
+        tokenizer_from_gguf({"tokenizer.ggml.model": "gpt2"})
     with pytest.raises(TokenizerError, match="'no-such-pre'"):
-        Tokenizer.from_gguf_metadata(dict(md, **{"tokenizer.ggml.pre": "no-such-pre"}))
+        tokenizer_from_gguf(dict(md, **{"tokenizer.ggml.pre": "no-such-pre"}))
     tok = vocab("gpt-2")
     for bad in ([50257], [-1], [1, 2, 10**9]):
         with pytest.raises(TokenizerError, match="out of range"):
@@ -210,7 +210,7 @@ def test_errors():
 
 def test_missing_pre_is_default():
     md = {k: v for k, v in _metadata("gpt-2").items() if k != "tokenizer.ggml.pre"}
-    tok = Tokenizer.from_gguf_metadata(md)
+    tok = tokenizer_from_gguf(md)
     # llama.cpp's default splits digits in threes and punctuation runs apart
     assert [tok.decode([i]) for i in tok.encode("x1234567", add_special=False)] == ["x", "123", "456", "7"]
 
@@ -247,7 +247,7 @@ def test_hf_folder(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template})
     )
-    tok = Tokenizer.from_hf_folder(tmp_path)
+    tok = tokenizer_from_hf_folder(tmp_path)
     assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (0, 1, True, False)
     assert tok.chat_template == template and {1, 3} <= tok.stop_ids
     for text in ["hello world", "the quick brown fox 🦙 über", *MULTIBYTE]:
@@ -268,7 +268,7 @@ def test_hf_folder(tmp_path):
 
 def test_hf_folder_without_tokenizer_json(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer.json"):
-        Tokenizer.from_hf_folder(tmp_path)
+        tokenizer_from_hf_folder(tmp_path)
 
 
 def test_gguf_metadata_with_huggingface_json():
@@ -288,7 +288,7 @@ def test_gguf_metadata_with_huggingface_json():
         "tokenizer.ggml.add_bos_token": True,
         "tokenizer.chat_template": "{{ messages[0]['content'] }}",
     }
-    tok = Tokenizer.from_gguf_metadata(md)
+    tok = tokenizer_from_gguf(md)
     ids = tok.encode("abc cab, ab!")
     assert ids == [0, *hf.encode("abc cab, ab!", add_special_tokens=False).ids]
     assert chars.index("abc") in ids and tok.decode(ids) == "abc cab, ab!"

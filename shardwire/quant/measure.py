@@ -27,11 +27,11 @@ import torch
 
 from ..devices import TORCH_DTYPES, large_allocations_unmapped
 from ..enums import PRODUCT_SOURCES, QUANT_TYPES, STORED_TYPES, WEIGHT_FORMATS
-from ..model import Linear
+from ..linear import Linear
 from . import ggml_cpu, load
 from .codecs import stored_nbytes
 from .kernels import kernels_on
-from .packed import pack_matrix
+from .packed import pack_plain
 from .policy import FAST, PRODUCT_FORMATS
 
 log = logging.getLogger("shardwire.measure")
@@ -130,7 +130,7 @@ def _candidates(stored: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     raw = torch.zeros(SHAPE[0], stored_nbytes(stored, SHAPE) // SHAPE[0], dtype=torch.uint8)
     out = {"dense": Linear(torch.zeros(SHAPE, dtype=dtype))}
     if stored in FAST and kernels_on("cpu"):
-        out[FAST[stored]] = pack_matrix(raw, stored, FAST[stored], "cpu", dtype)
+        out[FAST[stored]] = pack_plain(raw, stored, FAST[stored], "cpu", dtype)
     if ggml_cpu.available():
         out["ggml"] = ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype)
     try:

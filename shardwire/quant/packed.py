@@ -206,6 +206,12 @@ class GGUFLinear(PackedLinear):
 # GGUF matrices -> packed modules
 
 
+def in_features(raw: torch.Tensor, stored: str) -> int:
+    """Columns of a matrix whose stored rows are `raw`."""
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[stored]]
+    return raw.shape[1] // type_size * block
+
+
 def _row_chunks(g: Groups):
     step = rows_per_chunk(g.q.shape[1])
     for a in range(0, g.q.shape[0], step):
@@ -268,38 +274,14 @@ def _int4_module(g: Groups, chunks, coefs, device: torch.device, dtype: torch.dt
     return Int4Linear([torch.cat(p) for p in planes], sz, coefs, N, K, dtype)
 
 
-def pack_matrix(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.dtype) -> PackedLinear:
+def pack_plain(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.dtype) -> PackedLinear:
     """Stored rows of a matrix (uint8 [N, bytes per row], rows already in model order) -> its
-    module in format `fmt` on `device`; `dtype` is the stage's compute dtype. The module keeps
-    the type it was stored as in `.stored`."""
-    module = _pack(raw, stored, fmt, device, dtype)
-    module.stored = stored
-    return module
-
-
-def _pack(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.dtype) -> PackedLinear:
+    module in one of this module's formats (gguf, int8, int8x2, int4) on `device`; `dtype` is the
+    stage's compute dtype. quant.pack.pack_matrix takes ggml's formats too."""
     device = torch.device(device)
-    K = (
-        raw.shape[1]
-        // GGML_QUANT_SIZES[GGMLQuantizationType[stored]][1]
-        * GGML_QUANT_SIZES[GGMLQuantizationType[stored]][0]
-    )
     raw = raw.to(device)
     if fmt == "gguf":
-        return GGUFLinear(raw, stored, K, dtype)
-    if fmt == "repacked":
-        from .ggml_cpu import RepackedLinear, RepackError
-
-        try:
-            return RepackedLinear(raw, stored, K, dtype)
-        except RepackError:  # a shape this CPU's layout does not take: the stored blocks serve as
-            # they are, in memory of the module's own (rows for a repack may view the mapped file)
-            return _pack(raw.clone(), stored, "ggml", device, dtype)
-    if fmt == "ggml":
-        from .ggml_cpu import GGMLLinear  # it builds on GGUFLinear
-        from .measure import gemm_rows  # it times this function's modules
-
-        return GGMLLinear(raw, stored, K, dtype, gemm_rows(stored, dtype) if device.type == "cpu" else None)
+        return GGUFLinear(raw, stored, in_features(raw, stored), dtype)
     g = unpack(raw, stored)
     if fmt == "int8":
         qs, scales = [], []

@@ -7,6 +7,14 @@ a whole tokenizer.json (a Hugging Face folder, or GGUF metadata with `tokenizer.
 through the `tokenizers` library instead.
 """
 
-from .base import StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
+from .base import StreamDecoder, Tokenizer, TokenizerError
+from .load import load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_folder
 
-__all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "load_tokenizer"]
+__all__ = [
+    "Tokenizer",
+    "StreamDecoder",
+    "TokenizerError",
+    "load_tokenizer",
+    "tokenizer_from_gguf",
+    "tokenizer_from_hf_folder",
+]

@@ -3,8 +3,6 @@ load_tokenizer, which picks the implementation for a model file."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..chat import render_chat
 from .pretokenize import clean_spaces
 
@@ -116,27 +114,3 @@ class Tokenizer:
             if not 0 <= i < self.vocab_size:
                 raise TokenizerError(f"token id {i} out of range for a vocabulary of {self.vocab_size}")
         return ids
-
-    @classmethod
-    def from_gguf_metadata(cls, metadata: dict) -> "Tokenizer":
-        from .hf import HFTokenizer
-        from .llamacpp import LlamaCppTokenizer
-
-        if "tokenizer.huggingface.json" in metadata:
-            return HFTokenizer.from_gguf_metadata(metadata)
-        return LlamaCppTokenizer(metadata)
-
-    @classmethod
-    def from_hf_folder(cls, folder) -> "Tokenizer":
-        from .hf import HFTokenizer
-
-        return HFTokenizer.from_folder(Path(folder))
-
-
-def load_tokenizer(model) -> Tokenizer:
-    """The tokenizer of a shardwire.formats.ModelFile."""
-    if model.format == "gguf":
-        return Tokenizer.from_gguf_metadata(model.metadata)
-    if model.format == "hf":
-        return Tokenizer.from_hf_folder(model.path)
-    raise TokenizerError(f"{model.path}: no tokenizer for model format {model.format!r}")

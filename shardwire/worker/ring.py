@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..backends import IDLE_S, release_scratch
 from ..config import ModelConfig
 from ..constrain import Matchers
 from ..devices import release_memory
-from ..model import IDLE_S, Stage, release_scratch
+from ..model import Stage
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
 from ..wire.conn import Connection, RemoteError

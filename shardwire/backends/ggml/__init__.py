@@ -1,4 +1,5 @@
-"""ggml's graphs on a stage: which blocks they take, and the stage's one-graph decode step.
+"""The ggml backend: a stage's blocks as ggml graphs on a CPU in float32 (block.py, deltanet.py,
+graph.py), which blocks they take, and the stage's one-graph decode step.
 
 The graphs implement the block variants in IMPLEMENTED and nothing else. A block of another
 variant (another activation, norms after the mixer, a sliding window, a field of BlockVariant
@@ -13,9 +14,10 @@ from dataclasses import fields
 
 import torch
 
-from ..models import BlockVariant
-from .ggml_block import BlockGraphs, FeedForwardGraphs, StageGraph
-from .ggml_deltanet import DeltaNetGraphs
+from ...models import BlockVariant
+from .block import BlockGraphs, FeedForwardGraphs, StageGraph
+from .deltanet import DeltaNetGraphs
+from .graph import in_scratch, release_graph_memory
 
 log = logging.getLogger("shardwire.ggml")
 
@@ -44,7 +46,19 @@ def refusal(variant: BlockVariant) -> str | None:
     return f"ggml's graphs do not implement {', '.join(lacking)}" if lacking else None
 
 
-def attach(stage, rope_base: float) -> None:
+def applies(stage) -> bool:
+    return stage.device.type == "cpu" and stage.dtype == torch.float32
+
+
+def borrowed(x: torch.Tensor) -> bool:
+    return in_scratch(x)
+
+
+def release() -> None:
+    release_graph_memory()
+
+
+def attach(stage) -> None:
     """Give each block of `stage` (float32, on the CPU) its graphs where ggml implements its variant
     and can run its weights as held, and the stage its decode graph where every block has them."""
     refused = {}
@@ -53,24 +67,20 @@ def attach(stage, rope_base: float) -> None:
         if why is not None:
             refused.setdefault((block.variant, why), []).append(i)
             continue
-        block.graphs = BlockGraphs.of(block, stage.inv_freq, rope_base)
-        if block.graphs is None:  # a token mixer the block's graphs do not take: a delta-net's
-            block.feed = FeedForwardGraphs.of(block)
-            block.graphs = DeltaNetGraphs.of(block, block.feed)
+        block.runner = BlockGraphs.of(block, stage.inv_freq, stage.cfg.rope_theta)
+        if block.runner is None:  # a token mixer the block's graphs do not take: a delta-net's
+            block.feed_runner = FeedForwardGraphs.of(block)
+            block.runner = DeltaNetGraphs.of(block, block.feed_runner)
     for (variant, why), blocks in refused.items():
         log.info("blocks %s (%s) run on PyTorch's modules: %s", _ranges(blocks), variant, why)
     cfg = stage.cfg
     if cfg.embedding_scale != 1.0 or cfg.logit_softcap:  # what the stage graph's embedding and head do not do
         return
-    stage.graph = StageGraph.of(
-        [block.graphs for block in stage.blocks],
+    stage.runner = StageGraph.of(
+        [block.runner for block in stage.blocks],
         *((stage.norm, stage.head) if stage.last else (None, None)),
         embed=stage.embed,
     )
-
-
-def runs_in_graphs(stage) -> bool:
-    return stage.device.type == "cpu" and stage.dtype == torch.float32
 
 
 def _ranges(blocks: list[int]) -> str:

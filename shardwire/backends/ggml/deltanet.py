@@ -21,8 +21,10 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from . import ggml_cpu
-from .ggml_block import (
+from ...deltanet import L2_EPS, GatedDeltaNet
+from ...quant import ggml_cpu
+from ...quant.ggml_cpu import ggml, least_recently_used
+from .block import (
     KEPT,
     FeedForwardGraphs,
     _f32,
@@ -36,8 +38,7 @@ from .ggml_block import (
     recurrent_addresses,
     slot_ids,
 )
-from .ggml_cpu import ggml, least_recently_used
-from .ggml_graph import MAX_ROWS, PROMPT, Graph
+from .graph import MAX_ROWS, PROMPT, Graph
 
 
 class DeltaNetGraphs:
@@ -45,8 +46,6 @@ class DeltaNetGraphs:
     `feed` is its feed-forward half, which prompts run in ggml after the modules' mixer."""
 
     def __init__(self, block: nn.Module, projections: list[_Matrix], out: _Matrix, feed: FeedForwardGraphs):
-        from ..deltanet import L2_EPS
-
         net = block.attn
         self.feed = feed
         self.attn_norm, self.eps_attn = _f32(block.attn_norm.weight), block.attn_norm.eps
@@ -66,8 +65,6 @@ class DeltaNetGraphs:
     def of(cls, block: nn.Module, feed: FeedForwardGraphs | None) -> "DeltaNetGraphs | None":
         """The step graph of a delta-net block whose matrices ggml can run as held and whose
         feed-forward half runs in ggml (`feed`)."""
-        from ..deltanet import GatedDeltaNet
-
         net = block.attn
         if feed is None or not ggml_cpu.available() or not isinstance(net, GatedDeltaNet) or net.k_dim != net.v_dim:
             return None

@@ -8,7 +8,7 @@ A decode step is a few rows against every weight of the model. Run one PyTorch o
 a time, its ~20 calls per block cost more than their arithmetic (PyTorch's dispatch, its code
 cold after each block's weights went through the caches: 170 us a block at 1B width), and every
 matrix starts its stream from a cold prefetcher. So a decode step of a stage whose blocks all
-decode in graphs (these, and Qwen3.5's delta-net blocks, quant.ggml_deltanet) is one graph
+decode in graphs (these, and Qwen3.5's delta-net blocks, deltanet.py) is one graph
 (StageGraph), as llama.cpp's is; other stages run a block as two graphs.
 
 A prompt chunk goes through the same kernels in pieces of rows where every matrix multiplies a
@@ -34,10 +34,11 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from . import ggml_cpu
-from .ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
-from .ggml_graph import MAX_ROWS, PROMPT, Graph, scratch, scratch_beside
-from .packed import GGUFLinear
+from ...model import Attention, FeedForward, Linear, MixtureOfExperts, ffn_piece_rows, prefers_whole
+from ...quant import ggml_cpu
+from ...quant.ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
+from ...quant.packed import GGUFLinear
+from .graph import MAX_ROWS, PROMPT, Graph, scratch, scratch_beside
 
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces
 FIRST_KEYS = 256  # keys a graph's attention is first built for; doubled as its sequences grow
@@ -69,8 +70,6 @@ def _matrices(module: nn.Module, rows: list[int] | None = None) -> list[_Matrix]
     """`module` as ggml matrices, split into consecutive row ranges of the given sizes (a fused
     dense projection holds several; None: one of all its rows); None if ggml cannot run it as it
     is held."""
-    from ..model import Linear
-
     bias = getattr(module, "bias", None)
     if isinstance(module, RepackedLinear):
         found = [_Matrix(module._qtype, module.in_features, module.out_features, 0, bias, module._weight)]
@@ -246,8 +245,6 @@ class _Sparse:
 
 
 def _feed_forward(ffn: nn.Module) -> "_Dense | _Sparse | None":
-    from ..model import FeedForward, MixtureOfExperts
-
     if isinstance(ffn, FeedForward):
         return _Dense.of(ffn)
     return _Sparse.of(ffn) if isinstance(ffn, MixtureOfExperts) else None
@@ -258,8 +255,6 @@ def _piece(ffn, modules: list[nn.Module]) -> int | None:
     feed-forward's width, and fewer than those from which one of `modules` measured faster
     dequantized into a GEMM (which the modules would do with a whole chunk); None where even the
     fewest rows would rather go whole (to another device)."""
-    from ..model import ffn_piece_rows, prefers_whole
-
     piece = ffn_piece_rows(ffn.hidden) // MAX_ROWS * MAX_ROWS
     while piece > MAX_ROWS and any(prefers_whole(m, piece) for m in modules):
         piece -= MAX_ROWS
@@ -375,8 +370,6 @@ class BlockGraphs(FeedForwardGraphs):
     def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float) -> "BlockGraphs | None":
         """The graphs for a block with attention and a feed-forward ggml can run as held (dense,
         or experts held as one GGMLExperts); its stage's RoPE frequencies and base."""
-        from ..model import Attention
-
         attn = block.attn
         if not ggml_cpu.available() or not isinstance(attn, Attention):
             return None
@@ -706,7 +699,7 @@ class StageGraph:
     and data fetched from memory again), as much as the arithmetic of a small model's block."""
 
     def __init__(self, blocks: list, head: tuple | None, table: _Matrix | None = None):
-        self.blocks = blocks  # BlockGraphs, and DeltaNetGraphs (quant.ggml_deltanet)
+        self.blocks = blocks  # BlockGraphs, and DeltaNetGraphs (deltanet.py)
         self.attending = [b for b in blocks if isinstance(b, BlockGraphs)]
         self.mixing = [b for b in blocks if not isinstance(b, BlockGraphs)]
         self.dim = blocks[0].dim
