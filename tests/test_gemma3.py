@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model import greedy_tokens, our_logits
+from test_model import BACKENDS, greedy_tokens, our_logits
 
 from shardwire.backends import ggml as ggml_backend
 from shardwire.formats import open_model
@@ -57,15 +57,16 @@ def reference(softcap: float = 0.0):
     return logits, generated[len(PROMPT) :]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)  # the parity matrix of test_model.py, Gemma 3's row
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 @pytest.mark.parametrize("form", ["hf", "gguf"])
-def test_logits_and_greedy_tokens_match_transformers(form, softcap):
+def test_logits_and_greedy_tokens_match_transformers(form, softcap, backend):
     ref_logits, ref_tokens = reference(softcap)
     path = gemma3(form, softcap)
-    ours = our_logits(path, PROMPT)
+    ours = our_logits(path, PROMPT, backend)
     spread = float(ref_logits.max() - ref_logits.min())
     assert float((ours - ref_logits).abs().max()) <= 1e-4 * spread
-    assert greedy_tokens(path, PROMPT, 16) == ref_tokens
+    assert greedy_tokens(path, PROMPT, 16, backend) == ref_tokens
 
 
 def test_the_gguf_and_the_folder_read_as_one_model():

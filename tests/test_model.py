@@ -1,14 +1,19 @@
-"""Our forward pass against transformers on the same weights, for every supported architecture."""
+"""Our forward pass against transformers on the same weights, for every family's test models, on
+every backend this machine has (the reference path, PyTorch's modules, everywhere; ggml's graphs
+where ggml is built): the backend parity matrix."""
 
 import os
 
 import pytest
 import torch
 
+from shardwire import backends
+from shardwire.backends import ggml as ggml_backend
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
+from shardwire.quant import ggml_cpu
 from shardwire.sampling import GREEDY
 
 from models import NAMES, PROMPT, hf_path, model_path
@@ -22,23 +27,38 @@ def reference(name: str):
     return model.eval()
 
 
-def float32_stage(path):
+BACKENDS = ["reference", "ggml"]
+
+
+def float32_stage(path, backend: str | None = None):
     """Every block in float32, its keys and values too (by default they are kept in float16,
-    as llama.cpp keeps them), to compare with transformers' float32 to within rounding."""
+    as llama.cpp keeps them), to compare with transformers' float32 to within rounding; on the
+    `backend` given (None: whichever the stage chooses), the blocks' matrices held as it takes them."""
     model = open_model(path)
-    stage = load_stage(model, 0, model.config.n_layers)
+    if backend == "ggml":
+        if not ggml_cpu.available():
+            pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
+        stored = {t.dtype: "ggml" for t in model.tensors.values()}
+        stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest=stored)
+        assert stage.backend is ggml_backend
+        for block in stage.blocks:  # each block on ggml where it implements the block's variant
+            assert (block.runner is not None) == (ggml_backend.refusal(block.variant) is None), block.variant
+    else:
+        stage = load_stage(model, 0, model.config.n_layers)
+    if backend == "reference":
+        backends.detach(stage)
     stage.kv_dtype = torch.float32
     return stage
 
 
-def our_logits(path, ids):
-    stage = float32_stage(path)
+def our_logits(path, ids, backend: str | None = None):
+    stage = float32_stage(path, backend)
     stage.allocate_cache(1, 128)
     return stage(torch.tensor([ids]), [0], [0], all_logits=True)[0]
 
 
-def greedy_tokens(path, ids, n):
-    pipeline = LocalPipeline([float32_stage(path)], n_slots=1, ctx=128)
+def greedy_tokens(path, ids, n, backend: str | None = None):
+    pipeline = LocalPipeline([float32_stage(path, backend)], n_slots=1, ctx=128)
     engine = Engine(pipeline)
     try:
         handle = engine.submit(Request(ids, GREEDY, max_tokens=n))
@@ -75,14 +95,17 @@ def assert_same_greedy(ref, ours: list[int], theirs: list[int]) -> None:
             return
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("form", ["gguf", "safetensors"])
-def test_logits_and_greedy_match_transformers(arch, form):
+def test_logits_and_greedy_match_transformers(arch, form, backend):
     name, ref_logits, ref_tokens, ref = arch
     path = model_path(name, "F32") if form == "gguf" else hf_path(name)
-    ours = our_logits(path, PROMPT)
+    ours = our_logits(path, PROMPT, backend)
     spread = float(ref_logits.max() - ref_logits.min())
     assert float((ours - ref_logits).abs().max()) <= 1e-4 * spread
-    assert_same_greedy(ref, greedy_tokens(path, PROMPT, 32), ref_tokens)
+    if backend != "reference":
+        assert float((ours - our_logits(path, PROMPT, "reference")).abs().max()) <= 1e-4 * spread
+    assert_same_greedy(ref, greedy_tokens(path, PROMPT, 32, backend), ref_tokens)
 
 
 @pytest.mark.parametrize("weight_type", ["F16", "Q8_0", "Q4_0", "Q4_K"])
