@@ -27,8 +27,8 @@ import llguidance
 import numpy as np
 import torch
 
-MAX_GRAMMAR_BYTES = 128 << 10  # a request's schema or grammar text
-MAX_VOCAB = 1 << 20
+from .wire.messages import MAX_GRAMMAR_BYTES, MAX_VOCAB, RowConstraint
+
 VOCABULARY_WAIT = 30.0  # how long a sampling worker waits for the vocabulary it was promised
 # llguidance's fuel and size limits bound the time to compile a grammar and to compute each mask.
 LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=200_000, verbose_errors=False)
@@ -181,42 +181,6 @@ class Grammar:
 
 
 # -- what a row tells the sampler ---------------------------------------------------------------
-
-
-@dataclass
-class RowConstraint:
-    key: str  # the grammar's sha256
-    consumed: int  # generated tokens the matcher has consumed when this row samples
-    grammar: str | None = None  # with tokens: (re)build the matcher and consume them first
-    tokens: list[int] | None = None
-
-    def to_dict(self) -> dict:
-        out = {"key": self.key, "consumed": self.consumed}
-        if self.grammar is not None:
-            out.update(grammar=self.grammar, tokens=list(self.tokens or []))
-        return out
-
-    @classmethod
-    def from_dict(cls, d) -> "RowConstraint":
-        if not isinstance(d, dict) or set(d) - {"key", "consumed", "grammar", "tokens"}:
-            raise ValueError("a row constraint is {key, consumed[, grammar, tokens]}")
-        key, consumed, grammar, tokens = d.get("key"), d.get("consumed"), d.get("grammar"), d.get("tokens")
-        if not isinstance(key, str) or len(key) != 64:
-            raise ValueError("a row constraint's key is a sha256 in hex")
-        if not isinstance(consumed, int) or isinstance(consumed, bool) or not 0 <= consumed < 1 << 31:
-            raise ValueError("a row constraint's consumed count must be a non-negative int")
-        if grammar is not None:
-            if not isinstance(grammar, str) or len(grammar) > 4 * MAX_GRAMMAR_BYTES:
-                raise ValueError("a row constraint's grammar is too long")
-            if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in tokens
-            ):
-                raise ValueError("a row constraint's tokens must be a list of token ids")
-            if len(tokens) != consumed:
-                raise ValueError("a row constraint rebuilds its matcher from exactly `consumed` tokens")
-        elif tokens is not None:
-            raise ValueError("a row constraint carries tokens only with its grammar")
-        return cls(key, consumed, grammar, tokens)
 
 
 # -- matchers, next to the sampler ---------------------------------------------------------------

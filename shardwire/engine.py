@@ -24,7 +24,7 @@ from typing import Iterator
 
 from .backends import IDLE_S
 from .constrain import Grammar, RowConstraint, vocabulary_of
-from .kvcache import PAGE, pages_for
+from .enums import PAGE, pages_for
 from .pages import PagePool, prefix_hashes
 from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from .sampling import Sampled, SamplingParams

@@ -25,3 +25,9 @@ PRODUCT_SOURCES = ("shardwire", "ggml")
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 STORED_TYPES = PLAIN_TYPES + QUANT_TYPES
+
+PAGE = 16  # positions per KV page: what a sequence's cache grows by and prefix reuse shares
+
+
+def pages_for(n_positions: int) -> int:
+    return -(-n_positions // PAGE)

@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 
 from .config import ModelConfig
+from .enums import PAGE, pages_for
 
 
 def kv_dtype(compute: torch.dtype) -> torch.dtype:
@@ -19,13 +20,6 @@ def kv_dtype(compute: torch.dtype) -> torch.dtype:
     keeps them in float16, as llama.cpp does by default (half the memory; attention reads them
     back in float32); otherwise the compute dtype."""
     return torch.float16 if compute == torch.float32 else compute
-
-
-PAGE = 16  # positions per KV page: what a sequence's cache grows by and prefix reuse shares
-
-
-def pages_for(n_positions: int) -> int:
-    return -(-n_positions // PAGE)
 
 
 def counting(n: int) -> array:

@@ -20,8 +20,9 @@ from torch import nn
 from .config import ModelConfig
 from .deltanet import GatedDeltaNet
 from .devices import attention_without_cudnn
+from .enums import pages_for
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
-from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pages_for, pool_pages
+from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pool_pages
 from .linear import Linear, Weight, fused, linear
 from .models import BlockVariant, variant
 

@@ -16,9 +16,10 @@ import torch
 from .config import ModelConfig
 from .deltanet import CHUNK
 from .devices import parse_dtype
+from .enums import PAGE
 from .formats import ModelFile
 from .formats.tensors import COPY_PIECE
-from .kvcache import PAGE, pool_pages, stage_cache_nbytes
+from .kvcache import pool_pages, stage_cache_nbytes
 from .model import ffn_piece_rows
 from .quant.codecs import stored_nbytes
 from .quant.packed import CHUNK_ELEMENTS

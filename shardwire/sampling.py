@@ -10,11 +10,13 @@ import hashlib
 import math
 import struct
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import cached_property
 
 import numpy as np
 import torch
+
+from .wire.messages import Sampled
 
 MAX_LOGIT_BIAS = 1024  # entries; they travel with every step
 
@@ -101,13 +103,6 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@dataclass
-class Sampled:
-    token: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def uniform(seed: int, position: int) -> float:

@@ -26,8 +26,8 @@ from shardwire.backend import Backend, ServerSettings
 from shardwire.chat_templates import BUILTIN
 from shardwire.cors import CorsPolicy
 from shardwire.engine import Engine, Request
+from shardwire.enums import PAGE
 from shardwire.formats import open_model
-from shardwire.kvcache import PAGE
 from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams

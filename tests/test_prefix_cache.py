@@ -8,8 +8,8 @@ import threading
 
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
+from shardwire.enums import PAGE
 from shardwire.formats import open_model
-from shardwire.kvcache import PAGE
 from shardwire.loading import load_stage
 from shardwire.pages import PagePool, prefix_hashes
 from shardwire.pipeline import LocalPipeline

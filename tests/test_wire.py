@@ -2,13 +2,14 @@
 
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 import msgpack
 import pytest
 
-from shardwire.sampling import Sampled
 from shardwire.wire import auth
 from shardwire.wire.conn import AuthError, Connection, connect, server_handshake
 from shardwire.wire.frames import (
@@ -43,6 +44,7 @@ from shardwire.wire.messages import (
     Ready,
     Release,
     Result,
+    Sampled,
     StageReport,
     StageSpec,
     TensorSpec,
@@ -473,3 +475,42 @@ def test_a_closed_connection_is_readable_so_that_recv_reports_it():
     with pytest.raises((OSError, ConnectionError)):
         conn.recv()
     theirs.close()
+
+
+def test_message_numbers_and_the_protocol_version_are_pinned():
+    """Both sides of a link agree on these numbers: changing one is a new PROTOCOL_VERSION, with a
+    line of its history in frames.py."""
+    assert PROTOCOL_VERSION == 6
+    assert {m.name: m.value for m in MessageType} == {
+        "HELLO": 1,
+        "CHALLENGE": 2,
+        "AUTH": 3,
+        "WELCOME": 4,
+        "ERROR": 5,
+        "DESCRIBE": 6,
+        "DEVICES": 7,
+        "ASSIGN": 8,
+        "NEED": 9,
+        "WEIGHTS": 10,
+        "READY": 11,
+        "FORWARD": 12,
+        "RESULT": 13,
+        "FREE": 14,
+        "PING": 15,
+        "PONG": 16,
+        "RELEASE": 17,
+        "OK": 18,
+        "VOCAB": 19,
+    }
+
+
+def test_the_wire_imports_neither_torch_nor_the_grammar_library():
+    """wire/ is a leaf: the standard library, msgpack and shardwire.enums (and state, for TLS files)."""
+    code = (
+        "import sys, shardwire.wire.messages, shardwire.wire.conn, shardwire.wire.tls\n"
+        "own = ('shardwire.wire', 'shardwire.enums', 'shardwire.state')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'llguidance')"
+        " or m.startswith('shardwire.') and not m.startswith(own)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -24,8 +24,10 @@ import msgpack
 
 MAGIC = b"SHWR"
 # 2: DEVICES reports kernels, ASSIGN carries prefill_chunk; 3: ASSIGN stages carry -ot overrides;
-# 4: VOCAB, and FORWARD rows may carry grammar constraints
-PROTOCOL_VERSION = 5
+# 4: VOCAB, and FORWARD rows may carry grammar constraints; 5: FORWARD rows carry their KV page
+# tables; 6: DEVICES names each device's kernels (compute), ASSIGN's model config carries the
+# fields of the families' registry (sliding window, local RoPE, query and embedding scales, logit cap)
+PROTOCOL_VERSION = 6
 _FIXED = struct.Struct("<4sHHHHQIQ")
 FIXED_SIZE = _FIXED.size
 

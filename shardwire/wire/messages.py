@@ -18,11 +18,65 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..constrain import MAX_VOCAB, RowConstraint
-from ..enums import COMPUTE_DTYPES, PAYLOAD_DTYPES, PRODUCT_SOURCES, STAGE_WEIGHT_MODES, STORED_TYPES, WEIGHT_FORMATS
-from ..kvcache import pages_for
-from ..sampling import Sampled
+from ..enums import (
+    COMPUTE_DTYPES,
+    PAYLOAD_DTYPES,
+    PRODUCT_SOURCES,
+    STAGE_WEIGHT_MODES,
+    STORED_TYPES,
+    WEIGHT_FORMATS,
+    pages_for,
+)
 from .frames import Frame, FrameError, MessageType
+
+MAX_GRAMMAR_BYTES = 128 << 10  # a request's schema or grammar text
+MAX_VOCAB = 1 << 20
+
+
+@dataclass
+class Sampled:
+    """A token the last stage sampled, with its logprob and the top alternatives where asked."""
+
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RowConstraint:
+    key: str  # the grammar's sha256
+    consumed: int  # generated tokens the matcher has consumed when this row samples
+    grammar: str | None = None  # with tokens: (re)build the matcher and consume them first
+    tokens: list[int] | None = None
+
+    def to_dict(self) -> dict:
+        out = {"key": self.key, "consumed": self.consumed}
+        if self.grammar is not None:
+            out.update(grammar=self.grammar, tokens=list(self.tokens or []))
+        return out
+
+    @classmethod
+    def from_dict(cls, d) -> "RowConstraint":
+        if not isinstance(d, dict) or set(d) - {"key", "consumed", "grammar", "tokens"}:
+            raise ValueError("a row constraint is {key, consumed[, grammar, tokens]}")
+        key, consumed, grammar, tokens = d.get("key"), d.get("consumed"), d.get("grammar"), d.get("tokens")
+        if not isinstance(key, str) or len(key) != 64:
+            raise ValueError("a row constraint's key is a sha256 in hex")
+        if not isinstance(consumed, int) or isinstance(consumed, bool) or not 0 <= consumed < 1 << 31:
+            raise ValueError("a row constraint's consumed count must be a non-negative int")
+        if grammar is not None:
+            if not isinstance(grammar, str) or len(grammar) > 4 * MAX_GRAMMAR_BYTES:
+                raise ValueError("a row constraint's grammar is too long")
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in tokens
+            ):
+                raise ValueError("a row constraint's tokens must be a list of token ids")
+            if len(tokens) != consumed:
+                raise ValueError("a row constraint rebuilds its matcher from exactly `consumed` tokens")
+        elif tokens is not None:
+            raise ValueError("a row constraint carries tokens only with its grammar")
+        return cls(key, consumed, grammar, tokens)
+
 
 MAX_ROWS = 4096
 MAX_DIM = 1 << 20
