@@ -21,7 +21,7 @@ from aiohttp import web
 from . import __version__
 from .backend import BACKEND, Backend, Run, check_model, failure, json_body, open_stream, parse_off_loop, skip_ids
 from .chat import CHATML_TEMPLATE
-from .engine import PromptProgress
+from .engine import PromptProgress, SlotView
 from .metrics import CONTENT_TYPE_LATEST, render
 from .openai_api import APIError, Choice, Job, bad_request, chat_messages, chat_text, text_job, unavailable
 from .tools import ToolError, parse_tools
@@ -410,14 +410,14 @@ def _default_params(backend: Backend) -> dict:
     }
 
 
-def _slot(backend: Backend, slot: int, sequence) -> dict:
+def _slot(backend: Backend, slot: int, view: SlotView | None) -> dict:
     """llama-server's shape: a slot's request (params, next_token as a list of one) only while it
     has one."""
-    out = {"id": slot, "n_ctx": backend.ctx, "speculative": False, "is_processing": sequence is not None}
-    if sequence is None:
+    out = {"id": slot, "n_ctx": backend.ctx, "speculative": False, "is_processing": view is not None}
+    if view is None:
         return out
-    request = sequence.request
-    n_decoded = sequence.handle.stats.completion_tokens
+    request = view.request
+    n_decoded = view.stats.completion_tokens
     return {
         **out,
         "id_task": -1,
@@ -432,12 +432,6 @@ def _slot(backend: Backend, slot: int, sequence) -> dict:
             }
         ],
     }
-
-
-def _running(engine) -> dict:
-    """slot -> its sequence. The engine has no public per-slot view: a copy of its table (one
-    C-level dict copy, safe against the engine thread changing it)."""
-    return dict(getattr(engine, "_running", {}))
 
 
 async def props(request: web.Request) -> web.Response:
@@ -475,8 +469,8 @@ async def slots(request: web.Request) -> web.Response:
         )
     backend = request.app[BACKEND]
     engine = backend.ready_engine()
-    running = _running(engine)
-    states = [_slot(backend, i, running.get(i)) for i in range(engine.pipeline.n_slots)]
+    in_use = engine.slots_in_use
+    states = [_slot(backend, i, in_use.get(i)) for i in range(engine.pipeline.n_slots)]
     if request.query.get("fail_on_no_slot") and all(s["is_processing"] for s in states):
         raise unavailable("no slot available", "no_slot_available")
     return web.json_response(states)

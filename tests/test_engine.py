@@ -535,6 +535,26 @@ def test_cancel_a_running_request_frees_its_slot_once_its_step_is_back(make_engi
     assert sequences(engine) == (1, 0, 0) and engine.slots()["kv"]["in_use"] == 0
 
 
+def test_a_slots_request_is_published_while_it_runs_and_withdrawn_when_its_slot_is_free(make_engine):
+    """Engine.slots_in_use, read from another thread as /slots reads it: the request in each busy
+    slot and its live token count, replaced whole by the engine thread."""
+    pipe = FakePipeline(n_slots=2, hold=True)
+    engine = make_engine(pipe)
+    request = req([1, 2, 3], max_tokens=50)
+    handle = engine.submit(request)
+    pipe.wait_pending(1)
+    (view,) = engine.slots_in_use.values()
+    assert view.slot == 0 and view.request is request and view.stats.completion_tokens == 0
+    pipe.answer_all()
+    pipe.wait_pending(1)
+    assert engine.slots_in_use[0].stats.completion_tokens == 1
+    with pytest.raises(TypeError):
+        engine.slots_in_use[1] = view  # a snapshot: only the engine thread replaces it
+    handle.cancel()
+    pipe.answer_all()
+    wait_until(lambda: not engine.slots_in_use, what="the slot withdrawn")
+
+
 def test_cancel_a_waiting_request(make_engine):
     pipe = FakePipeline(n_slots=1, hold=True)
     engine = make_engine(pipe)

@@ -20,14 +20,16 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from types import MappingProxyType
+from typing import Iterator, Mapping
 
-from .backends import IDLE_S
-from .constrain import Grammar, RowConstraint, vocabulary_of
-from .enums import PAGE, pages_for
-from .pages import PagePool, prefix_hashes
-from .pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
-from .sampling import Sampled, SamplingParams
+from ..backends import IDLE_S
+from ..constrain import Grammar, RowConstraint, vocabulary_of
+from ..enums import PAGE, pages_for
+from ..pages import PagePool, prefix_hashes
+from ..pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
+from ..sampling import Sampled, SamplingParams
+from .output import Output
 
 log = logging.getLogger("shardwire.engine")
 
@@ -98,6 +100,16 @@ class Stats:
         return (self.completion_tokens - 1) / elapsed if elapsed > 0 and self.completion_tokens > 1 else 0.0
 
 
+@dataclass(frozen=True)
+class SlotView:
+    """A slot's request as any thread may read it (Engine.slots_in_use); its stats are the
+    request's own, which the engine thread updates as tokens come."""
+
+    slot: int
+    request: Request
+    stats: Stats
+
+
 @dataclass
 class Counters:
     """What the engine has done since it started (for /metrics; read from any thread)."""
@@ -136,7 +148,7 @@ class Handle:
 
 
 class _Sequence:
-    def __init__(self, handle: Handle, slot: int, detok, stop_ids: frozenset[int]):
+    def __init__(self, handle: Handle, slot: int, output: Output):
         self.handle, self.request, self.slot = handle, handle.request, slot
         self.tokens = list(handle.request.prompt)
         self.n_prompt = len(self.tokens)
@@ -144,8 +156,7 @@ class _Sequence:
         self.interrupted = False  # its pipeline broke; it waits to be replayed
         self.fruitless_replays = 0  # replays since its last new token
         self.decoded_in: list[tuple[int, int]] = []  # per generated token: (step id, row) that first fed it
-        self.detok, self.stop_ids = detok, stop_ids
-        self.pending_text = ""
+        self.output = output
         self.finished = False
         self.cancelled = False
         self.pages: list[int] = []  # its page table: page i holds positions [i * PAGE, (i + 1) * PAGE)
@@ -169,6 +180,8 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[Handle] = []
         self._running: dict[int, _Sequence] = {}  # slot -> sequence
+        # slot -> SlotView of the sequence in it: replaced whole by the engine thread on each change
+        self.slots_in_use: Mapping[int, SlotView] = MappingProxyType({})
         self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
         self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
@@ -318,10 +331,9 @@ class Engine:
         i = 0
         while i < len(self._waiting) and self._free_slots:
             handle = self._waiting[i]
-            tokenizer = self.tokenizer
-            detok = tokenizer.stream_decoder(after=handle.request.prompt) if tokenizer is not None else None
-            stop_ids = frozenset() if handle.request.ignore_eos or tokenizer is None else tokenizer.stop_ids
-            seq = _Sequence(handle, self._free_slots[0], detok, stop_ids)
+            request = handle.request
+            output = Output(self.tokenizer, request.prompt, request.stop, request.ignore_eos)
+            seq = _Sequence(handle, self._free_slots[0], output)
             seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
                 handle.prefix_hashes = seq.hashes  # not hashed again on the next pass
@@ -330,6 +342,7 @@ class Engine:
             del self._waiting[i]
             self._free_slots.pop(0)
             self._running[seq.slot] = seq
+            self._publish_slots()
             handle.stats.cached_tokens = seq.n_cached
             self.pages.hits += seq.n_cached
             self.pages.misses += seq.n_prompt - seq.n_cached
@@ -553,38 +566,12 @@ class Engine:
         seq.fruitless_replays = 0
         handle.tokens.append(token)
         stats.completion_tokens = seq.n_generated
-        if token in seq.stop_ids:
-            self._emit(seq, "", sampled)
-            self._finish(seq, "stop")
-            return
-        text = seq.detok.feed(token) if seq.detok is not None else ""
-        released, stopped = self._release_text(seq, text)
-        self._emit(seq, released, sampled)
+        text, stopped = seq.output.token(token)
+        self._emit(seq, text, sampled)
         if stopped:
-            seq.detok = None  # what follows the stop string is not shown
             self._finish(seq, "stop")
         elif seq.n_generated >= seq.request.max_tokens or len(seq.tokens) >= self.pipeline.ctx:
             self._finish(seq, "length")
-
-    @staticmethod
-    def _release_text(seq: _Sequence, text: str) -> tuple[str, bool]:
-        """Text safe to show now, holding back what may be the start of a stop string."""
-        stops = seq.request.stop
-        if not stops:
-            return text, False
-        pending = seq.pending_text + text
-        hits = [pending.find(s) for s in stops if s and s in pending]
-        if hits:
-            seq.pending_text = ""
-            return pending[: min(hits)], True
-        hold = 0
-        for s in stops:
-            for n in range(min(len(s) - 1, len(pending)), 0, -1):
-                if pending.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        seq.pending_text = pending[len(pending) - hold :] if hold else ""
-        return pending[: len(pending) - hold], False
 
     @staticmethod
     def _progress(seq: _Sequence, processed: int) -> None:
@@ -600,7 +587,7 @@ class Engine:
         seq.finished = True
         tail = ""
         if reason in ("stop", "length"):
-            tail = seq.pending_text + (seq.detok.flush() if seq.detok is not None else "")
+            tail = seq.output.tail()
         self._finish_handle(seq.handle, reason, error, tail)
         if seq.in_flight == 0:
             self._release(seq)
@@ -613,9 +600,14 @@ class Engine:
                 self.pages.computed(self._filling(seq, len(seq.tokens) - 1), ok=True)
             self._release_pages(seq)
             del self._running[seq.slot]
+            self._publish_slots()
             self.pipeline.free(seq.slot)
             self._free_slots.append(seq.slot)
             self._free_slots.sort()
+
+    def _publish_slots(self) -> None:
+        views = {slot: SlotView(slot, seq.request, seq.handle.stats) for slot, seq in self._running.items()}
+        self.slots_in_use = MappingProxyType(views)
 
     def _release_pages(self, seq: _Sequence) -> None:
         self.pages.release(seq.pages)
