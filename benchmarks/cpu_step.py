@@ -26,10 +26,10 @@ sys.path.insert(0, str(HERE))
 from shardwire.backends.ggml.block import _matrices  # noqa: E402
 from shardwire.devices import default_dtype, parse_dtype, stored_precision_dtype  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
-from shardwire.loading import load_stage  # noqa: E402
-from shardwire.quant import ggml_cpu  # noqa: E402
-from shardwire.quant.ggml_cpu import ggml  # noqa: E402
-from shardwire.quant.measure import cpu_model, fastest_formats  # noqa: E402
+from shardwire.weights import ggml_cpu  # noqa: E402
+from shardwire.weights.ggml_cpu import ggml  # noqa: E402
+from shardwire.weights.loading import load_stage  # noqa: E402
+from shardwire.weights.measure import cpu_model, fastest_formats  # noqa: E402
 
 import models  # noqa: E402
 

@@ -181,7 +181,7 @@ def _python_with_shardwire() -> None:
     """Re-run under SHARDWIRE_PYTHON when this interpreter lacks shardwire or what it needs (a #!
     python3 start; PYTHONPATH may name a checkout that a Python without its packages then finds)."""
     try:
-        import shardwire.cli  # noqa: F401
+        import shardwire.cli.main  # noqa: F401
     except ImportError:
         python = os.environ.get("SHARDWIRE_PYTHON")
         if not python or os.environ.get("LLAMA_SERVER_SHIM_REEXEC"):

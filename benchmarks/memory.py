@@ -56,7 +56,7 @@ def held_bytes(path: Path, system: str, n_workers: int) -> list[int]:
     split for equal devices), the head on the last; the embedding on shardwire's first worker
     (llama.cpp's server keeps it)."""
     from shardwire.formats import open_model
-    from shardwire.plan import split_blocks_evenly
+    from shardwire.pipeline.plan import split_blocks_evenly
 
     model = open_model(path)
     counts, start, out = split_blocks_evenly(model.config.n_layers, [1.0] * n_workers), 0, []

@@ -28,8 +28,8 @@ sys.path.insert(0, str(HERE.parent))
 from run import machine_info  # noqa: E402
 
 from shardwire.formats import open_model  # noqa: E402
-from shardwire.loading import load_stage  # noqa: E402
-from shardwire.quant.measure import fastest_formats  # noqa: E402
+from shardwire.weights.loading import load_stage  # noqa: E402
+from shardwire.weights.measure import fastest_formats  # noqa: E402
 
 import models  # noqa: E402
 

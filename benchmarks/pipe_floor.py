@@ -59,8 +59,8 @@ def _load(path: str, part: str):
 
     from shardwire.devices import TORCH_DTYPES, default_dtype
     from shardwire.formats import open_model
-    from shardwire.loading import load_stage
-    from shardwire.quant.measure import fastest_formats
+    from shardwire.weights.loading import load_stage
+    from shardwire.weights.measure import fastest_formats
 
     torch.set_num_threads(1)
     model = open_model(path)

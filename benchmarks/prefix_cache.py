@@ -196,7 +196,7 @@ def whole_contexts_bytes(model: Path) -> list[int]:
 
     from shardwire.formats import open_model
     from shardwire.kvcache import KVCache, pages_for
-    from shardwire.plan import split_blocks_evenly
+    from shardwire.pipeline.plan import split_blocks_evenly
 
     cfg = open_model(model).config
     return [

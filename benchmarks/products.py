@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
-from shardwire.quant import ggml_cpu
-from shardwire.quant.codecs import stored_nbytes
-from shardwire.quant.measure import cpu_model
+from shardwire.weights import ggml_cpu
+from shardwire.weights.codecs import stored_nbytes
+from shardwire.weights.measure import cpu_model
 
 SHAPE = (5632, 2048)  # [out, in]: the 1B layout's gate and up projections
 THEIRS = {  # the ggml kernel each of shardwire's products stands in for

@@ -81,9 +81,9 @@ def compute_only(model_path: Path, n_workers: int, threads: int, steps: int) -> 
     import torch
 
     from shardwire.formats import open_model
-    from shardwire.loading import load_stage
     from shardwire.model import Stage
-    from shardwire.plan import split_blocks
+    from shardwire.pipeline.plan import split_blocks
+    from shardwire.weights.loading import load_stage
     from shardwire_kit.synthetic import random_model
 
     torch.set_num_threads(threads)

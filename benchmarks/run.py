@@ -690,7 +690,7 @@ def machine_info() -> dict:
     except ImportError:
         pass
     try:
-        from shardwire.quant import ggml_cpu
+        from shardwire.weights import ggml_cpu
 
         info["ggml"] = ggml_cpu.build() or "none (PyTorch's kernels)"
     except ImportError:

@@ -1,6 +1,6 @@
 // shardwire: which of shardwire's products (a prompt chunk's: vnni_gemm.cpp, float_gemm.cpp,
 // kquant_gemm.cpp; one row's: gemv.cpp) this build has, and which of them run. Each is taken only
-// where it was timed faster than the kernel it stands in for on this CPU (shardwire/quant/measure.py
+// where it was timed faster than the kernel it stands in for on this CPU (shardwire/weights/measure.py
 // switches them with shardwire_products_use); a build for a CPU without AVX-512 has none. Switching
 // one off gives its products back to tinyBLAS, the repack buffer's GEMM, the tiled products or
 // ggml's dot products on the next graph computed: the work sizes planned cover either.
@@ -9,7 +9,7 @@
 
 #include <atomic>
 
-enum : unsigned {  // one bit a product; shardwire/quant/ggml_cpu.py names them by rows and stored type
+enum : unsigned {  // one bit a product; shardwire/weights/ggml_cpu.py names them by rows and stored type
     SHARDWIRE_Q8_0 = 1u << 0,
     SHARDWIRE_Q4_0X8 = 1u << 1,  // Q4_0 held repacked
     SHARDWIRE_F32 = 1u << 2,

@@ -58,7 +58,7 @@ def default_dtype(device: str) -> str:
         return "bfloat16"
     if device == "mps":
         return "float16"
-    from .quant import ggml_cpu
+    from .weights import ggml_cpu
 
     if ggml_cpu.available():
         return "float32"  # as llama.cpp's CPU backend: weights stay as stored, activations in float32

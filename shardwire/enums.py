@@ -7,18 +7,18 @@ COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 # Bytes per element of a FORWARD payload: int32 token ids, or hidden states in a compute dtype.
 PAYLOAD_DTYPES = {"int32": 4, "float32": 4, "float16": 2, "bfloat16": 2}
 
-# How quantized weights live on a device (quant/policy.py): what a user may ask for, and what a
+# How quantized weights live on a device (weights/policy.py): what a user may ask for, and what a
 # stage is built with once the plan has resolved "auto" to one of the others.
 WEIGHT_MODES = ("auto", "fast", "dequant", "packed", "compact")
 STAGE_WEIGHT_MODES = ("fast", "dequant", "packed", "compact")
 
-# How a weight matrix lives on its device (quant/): dense in the compute dtype, PyTorch's packed
+# How a weight matrix lives on its device (weights/): dense in the compute dtype, PyTorch's packed
 # kernels' layouts, the stored blocks dequantized before use, the stored blocks under ggml's kernels,
 # or those blocks in ggml's repacked layout for the CPU.
 WEIGHT_FORMATS = ("dense", "int4", "int8x2", "int8", "gguf", "ggml", "repacked")
 
 # Whose product multiplies a prompt chunk (or one row) where shardwire's ggml has one of its own for
-# a stored type (quant/measure.py own_products): shardwire's, or ggml's own kernel.
+# a stored type (weights/measure.py own_products): shardwire's, or ggml's own kernel.
 PRODUCT_SOURCES = ("shardwire", "ggml")
 
 # Tensor types as GGUF stores them.

@@ -1,4 +1,4 @@
-"""Weight matrices as modules: a dense Linear, or a packed one (quant/packed.py) in its place, and
+"""Weight matrices as modules: a dense Linear, or a packed one (weights/packed.py) in its place, and
 projections of the same input fused into one product."""
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ class Linear(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-Weight = torch.Tensor | nn.Module  # a dense tensor, or a packed module from quant/packed.py
+Weight = torch.Tensor | nn.Module  # a dense tensor, or a packed module from weights/packed.py
 
 
 def linear(weight: Weight, bias: torch.Tensor | None = None) -> nn.Module:
-    """A Linear for a dense weight; a packed weight (quant.PackedLinear) already is one."""
+    """A Linear for a dense weight; a packed weight (weights/packed.PackedLinear) already is one."""
     if isinstance(weight, torch.Tensor):
         return Linear(weight, bias)
     if bias is not None:

@@ -337,7 +337,7 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
         super().__init__()
         self.router = linear(w["ffn_gate_inp.weight"])
-        # all experts in one module that runs each row's chosen ones (quant/ggml_cpu.GGMLExperts),
+        # all experts in one module that runs each row's chosen ones (weights/ggml_cpu.GGMLExperts),
         # or one FeedForward per expert
         self.grouped = w.get(GROUPED_EXPERTS)
         if self.grouped is None:
@@ -444,7 +444,7 @@ class Block(nn.Module):
 class Stage(nn.Module):
     """Blocks [start, end), plus the token embedding if first and the norm + head if last.
 
-    Weights are dense tensors or packed modules (quant/packed.py); `embedding` is the token table when
+    Weights are dense tensors or packed modules (weights/packed.py); `embedding` is the token table when
     it is held apart from the head (a packed head of a tied model may serve as both)."""
 
     def __init__(

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardwire.cache import default_cache_dir
+from shardwire.weights.cache import default_cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 import ggml_source  # noqa: E402

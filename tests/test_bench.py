@@ -77,7 +77,7 @@ def test_relay_refuses_other_addresses():
 
 
 def test_bench_single_process(capsys):
-    from shardwire.cli import main
+    from shardwire.cli.main import main
 
     path = model_path("llama", "F32")
     assert main(["bench", str(path), "-p", "16", "-n", "4", "-r", "2", "-t", "1", "--streams", "2", "-o", "json"]) == 0
@@ -86,9 +86,9 @@ def test_bench_single_process(capsys):
     assert set(tests) == {"pp16", "tg4", "tg4x2"}
     assert all(len(t["samples_ns"]) == 2 and t["avg_ts"] > 0 for t in tests.values())
     assert report["peak_rss"] > 0 and report["workers"] == []
-    from shardwire.quant import ggml_cpu
-    from shardwire.quant.in_use import compute_line
-    from shardwire.quant.measure import fastest_formats
+    from shardwire.weights import ggml_cpu
+    from shardwire.weights.in_use import compute_line
+    from shardwire.weights.measure import fastest_formats
 
     assert report["compute"] == [f"kernels on cpu: {compute_line('cpu')}"]
     fastest = fastest_formats("cpu", "float32")["F32"]  # whichever format this machine measured fastest
@@ -134,7 +134,7 @@ def test_the_report_gives_the_ratio_of_each_interleaved_pair_of_invocations():
 def test_the_product_benchmark_times_both_kernels_and_names_the_cpu(capsys, monkeypatch, rows, kind):
     import products
 
-    from shardwire.quant import ggml_cpu
+    from shardwire.weights import ggml_cpu
 
     used = ggml_cpu.own_products_used(kind)
     monkeypatch.setattr(sys, "argv", ["products.py", "--rows", str(rows), "--gbytes", "0.02", "--rounds", "2"])

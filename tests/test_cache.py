@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import shardwire.cache as cache_module
-from shardwire.cache import HashIndex, WeightCache, default_cache_dir, sha256
+import shardwire.weights.cache as cache_module
 from shardwire.formats import TensorInfo, TensorReader
+from shardwire.weights.cache import HashIndex, WeightCache, default_cache_dir, sha256
 
 
 def digest_of(data: bytes) -> str:

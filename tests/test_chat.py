@@ -4,9 +4,9 @@ from functools import lru_cache
 import pytest
 from conftest import shared_path
 
-from shardwire.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
-from shardwire.chat_templates import BUILTIN
 from shardwire.formats.gguf import read_gguf
+from shardwire.serving.chat import CHATML_TEMPLATE, ChatTemplateError, render_chat
+from shardwire.serving.chat_templates import BUILTIN
 from shardwire.tokenizer import tokenizer_from_gguf
 
 LLAMA3_TEMPLATE = (
@@ -156,7 +156,7 @@ class _Llama3:
 
 
 def test_a_last_assistant_message_is_a_prefill_the_reply_continues():
-    from shardwire.openai_api import APIError, chat_text
+    from shardwire.serving.openai_api import APIError, chat_text
 
     asked = [{"role": "user", "content": "What is the best book"}]
     head = "<|start_header_id|>user<|end_header_id|>\n\nWhat is the best book<|eot_id|>"

@@ -9,10 +9,10 @@ import torch
 
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import GREEDY
 from shardwire.tokenizer import load_tokenizer
+from shardwire.weights.loading import load_stage
 
 from models import model_path
 from workers import WorkerProcess

@@ -24,12 +24,12 @@ from shardwire.constrain import (
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
-from shardwire.openai_api import APIError, parse_chat, parse_completion
 from shardwire.pipeline import LocalPipeline
-from shardwire.quant.in_use import compute_line
 from shardwire.sampling import SamplingParams
+from shardwire.serving.openai_api import APIError, parse_chat, parse_completion
 from shardwire.tokenizer import load_tokenizer
+from shardwire.weights.in_use import compute_line
+from shardwire.weights.loading import load_stage
 
 from models import PROMPT, hf_path, model_path
 from test_server import ServeProcess, call

@@ -13,9 +13,9 @@ from shardwire import backends
 from shardwire.backends.ggml import block as ggml_block
 from shardwire.devices import default_dtype, stored_precision_dtype
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
-from shardwire.quant import ggml_cpu, measure, policy
-from shardwire.quant.pack import pack_matrix
+from shardwire.weights import ggml_cpu, measure, policy
+from shardwire.weights.loading import load_stage
+from shardwire.weights.pack import pack_matrix
 
 from models import PROMPT, model_path
 from resident import resident_bytes
@@ -416,7 +416,7 @@ def test_the_last_block_finishes_only_the_position_the_head_reads(graphs):
 
 def _chain(g, n: int, steps: int):
     """x -> x * 2 -> + x -> * 2 -> ... (`steps` operations), into "out"."""
-    from shardwire.quant.ggml_cpu import ggml
+    from shardwire.weights.ggml_cpu import ggml
 
     x = g.fields.data(ggml.ggml_new_tensor_1d(g.ctx, ggml.GGML_TYPE_F32, n), "x")
     y = x

@@ -16,14 +16,14 @@ from shardwire.coordinator.launch import local_pipeline
 from shardwire.devices import parse_dtype
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.model import Linear
 from shardwire.pipeline import LocalPipeline
-from shardwire.quant import codecs, policy
-from shardwire.quant import packed as packing
-from shardwire.quant.kernels import kernels_on
-from shardwire.quant.pack import pack_matrix
 from shardwire.sampling import GREEDY
+from shardwire.weights import codecs, policy
+from shardwire.weights import packed as packing
+from shardwire.weights.kernels import kernels_on
+from shardwire.weights.loading import load_stage
+from shardwire.weights.pack import pack_matrix
 from shardwire_kit.writer import quantize
 
 from models import PROMPT, model_path

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # worker processes
 
 pytest.importorskip("glassllm")
 
-from shardwire.quant.in_use import compute_line  # noqa: E402
+from shardwire.weights.in_use import compute_line  # noqa: E402
 
 PROMPT = "Alice was beginning to get very tired"
 

@@ -6,9 +6,9 @@ from test_cli import run
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams
+from shardwire.weights.loading import load_stage
 from shardwire.wire.tls import TRUST_ON_FIRST_USE
 
 from models import PROMPT, hf_path, model_path

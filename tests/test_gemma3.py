@@ -14,9 +14,9 @@ from test_model import BACKENDS, greedy_tokens, our_logits
 
 from shardwire.backends import ggml as ggml_backend
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.models import BlockVariant
-from shardwire.quant import ggml_cpu
+from shardwire.weights import ggml_cpu
+from shardwire.weights.loading import load_stage
 
 from models import models_dir
 from test_distributed import assert_same, distributed, single_process, worker_pool  # noqa: F401

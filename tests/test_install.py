@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwire.quant import ggml_cpu
-from shardwire.quant.in_use import WITHOUT_KERNELS, compute_line
+from shardwire.weights import ggml_cpu
+from shardwire.weights.in_use import WITHOUT_KERNELS, compute_line
 
 from workers import WorkerProcess
 
@@ -123,7 +123,7 @@ def test_kernels_built_for_another_cpu_are_refused_before_they_run(tmp_path):
     build = copy / "_ggml" / "BUILD"
     build.write_text(build.read_text().replace("cpu flags:", "cpu flags: shardwire_imaginary_isa"))
     probe = (
-        "from shardwire.quant import ggml_cpu, in_use; print(ggml_cpu.available()); print(in_use.compute_line('cpu'))"
+        "from shardwire.weights import ggml_cpu, in_use; print(ggml_cpu.available()); print(in_use.compute_line('cpu'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe],
@@ -155,7 +155,7 @@ def test_the_cpu_probe_turns_off_what_does_not_run():
 def test_a_long_reason_still_fits_the_line_a_worker_sends(monkeypatch):
     """What stopped the build may be a compiler's whole complaint: the start line keeps its first
     line, short enough for DEVICES, and the warning the rest of that line."""
-    from shardwire.quant import in_use
+    from shardwire.weights import in_use
     from shardwire.wire.messages import DeviceInfo, Devices
 
     reason = "cmake exited with 1: " + "x" * 500 + "\n-- Configuring incomplete, errors occurred!"

@@ -22,17 +22,17 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardwire.backend import Backend, ServerSettings
-from shardwire.chat_templates import BUILTIN
-from shardwire.cors import CorsPolicy
 from shardwire.engine import Engine, Request
 from shardwire.enums import PAGE
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import SamplingParams
-from shardwire.server import create_app
+from shardwire.serving.app import create_app
+from shardwire.serving.chat_templates import BUILTIN
+from shardwire.serving.cors import CorsPolicy
+from shardwire.serving.state import Backend, ServerSettings
 from shardwire.tokenizer import load_tokenizer
+from shardwire.weights.loading import load_stage
 
 from models import model_path
 

@@ -53,7 +53,7 @@ def test_f32_and_f16_files_give_llama_cpp_greedy_tokens_by_default(tmp_path_fact
     measured fastest: the same greedy continuation as llama.cpp."""
     from shardwire.devices import default_dtype, stored_precision_dtype
     from shardwire.formats import open_model
-    from shardwire.quant.measure import fastest_formats
+    from shardwire.weights.measure import fastest_formats
     from shardwire_kit.glassllm import convert_glassllm
 
     path = convert_glassllm(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwire.quant import load, measure
+from shardwire.weights import load, measure
 
 from workers import WorkerProcess
 

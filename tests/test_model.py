@@ -11,10 +11,10 @@ from shardwire import backends
 from shardwire.backends import ggml as ggml_backend
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
-from shardwire.quant import ggml_cpu
 from shardwire.sampling import GREEDY
+from shardwire.weights import ggml_cpu
+from shardwire.weights.loading import load_stage
 
 from models import NAMES, PROMPT, hf_path, model_path
 

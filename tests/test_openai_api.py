@@ -8,7 +8,8 @@ import time
 import pytest
 
 from shardwire.engine import Event
-from shardwire.openai_api import (
+from shardwire.sampling import SamplingParams
+from shardwire.serving.openai_api import (
     MAX_CHOICES,
     MAX_STOPS,
     SYSTEM_FINGERPRINT,
@@ -24,7 +25,6 @@ from shardwire.openai_api import (
     unavailable,
     usage,
 )
-from shardwire.sampling import SamplingParams
 
 BOS = 1
 

@@ -6,7 +6,7 @@ import torch
 
 from shardwire.formats import open_model
 from shardwire.kvcache import KVCache
-from shardwire.plan import (
+from shardwire.pipeline.plan import (
     PlanDevice,
     PlanError,
     PlannedStage,

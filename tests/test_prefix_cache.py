@@ -8,12 +8,12 @@ import threading
 
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
+from shardwire.engine.pages import PagePool, prefix_hashes
 from shardwire.enums import PAGE
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
-from shardwire.pages import PagePool, prefix_hashes
 from shardwire.pipeline import LocalPipeline
 from shardwire.sampling import GREEDY
+from shardwire.weights.loading import load_stage
 
 from models import PROMPT, model_path
 from test_distributed import worker_pool  # noqa: F401 -- a fixture

@@ -12,14 +12,14 @@ from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.enums import WEIGHT_FORMATS
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline
-from shardwire.plan import PlanDevice, make_plan
-from shardwire.quant import codecs, ggml_cpu, measure, policy
-from shardwire.quant import packed as packing
-from shardwire.quant.pack import pack_matrix
-from shardwire.quant.policy import weight_formats, weight_nbytes
+from shardwire.pipeline.plan import PlanDevice, make_plan
 from shardwire.sampling import GREEDY
+from shardwire.weights import codecs, ggml_cpu, measure, policy
+from shardwire.weights import packed as packing
+from shardwire.weights.loading import load_stage
+from shardwire.weights.pack import pack_matrix
+from shardwire.weights.policy import weight_formats, weight_nbytes
 from shardwire_kit.writer import quantize
 
 from models import PROMPT, model_path

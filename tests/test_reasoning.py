@@ -2,10 +2,10 @@
 
 import pytest
 
-from shardwire.chat import render_chat
 from shardwire.engine import Event
-from shardwire.openai_api import Choice, chat_text, chunk_choice, parse_chat, response, usage
-from shardwire.reasoning import ReasoningSplit
+from shardwire.serving.chat import render_chat
+from shardwire.serving.openai_api import Choice, chat_text, chunk_choice, parse_chat, response, usage
+from shardwire.serving.reasoning import ReasoningSplit
 
 THINK = ("<think>", "</think>")
 # the shapes of Qwen3's template (the block only when thinking is off) and DeepSeek-R1's (it
@@ -88,8 +88,8 @@ def test_a_chat_answer_carries_its_reasoning_apart_whole_and_streamed():
 def test_server_flags_become_template_variables_a_request_adds_to():
     from argparse import Namespace
 
-    from shardwire.backend import ServerSettings
-    from shardwire.serve import template_kwargs
+    from shardwire.cli.serve import template_kwargs
+    from shardwire.serving.state import ServerSettings
 
     kwargs = template_kwargs(Namespace(chat_template_kwargs='{"style": "brief"}', reasoning="off"))
     assert kwargs == {"style": "brief", "enable_thinking": False}
@@ -107,7 +107,7 @@ def test_server_flags_become_template_variables_a_request_adds_to():
 
 @pytest.mark.parametrize("kwargs", [["enable_thinking"], {"messages": []}, {"add_generation_prompt": False}])
 def test_template_variables_that_are_not_an_object_or_rename_the_templates_own_are_400s(kwargs):
-    from shardwire.openai_api import APIError
+    from shardwire.serving.openai_api import APIError
 
     with pytest.raises(APIError) as e:
         chat_text(Templated(QWEN3), [{"role": "user", "content": "Hi"}], {"chat_template_kwargs": kwargs})

@@ -8,10 +8,10 @@ import pytest
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
 from shardwire.pipeline import LocalPipeline, PipelineError, StepResult
-from shardwire.plan import PlanDevice, make_plan
+from shardwire.pipeline.plan import PlanDevice, make_plan
 from shardwire.sampling import SamplingParams
+from shardwire.weights.loading import load_stage
 from shardwire_kit.synthetic import write_random_llama
 
 from freezable_relay import FreezableRelay

@@ -25,11 +25,11 @@ from test_tools import QWEN25_TEMPLATE, WEATHER  # noqa: E402
 from shardwire.devices import default_dtype  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
-from shardwire.loading import load_stage  # noqa: E402
 from shardwire.pipeline import LocalPipeline, PipelineError  # noqa: E402
-from shardwire.quant.measure import fastest_formats  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
 from shardwire.tokenizer import load_tokenizer  # noqa: E402
+from shardwire.weights.loading import load_stage  # noqa: E402
+from shardwire.weights.measure import fastest_formats  # noqa: E402
 
 from models import model_path  # noqa: E402
 from workers import WorkerProcess  # noqa: E402
@@ -489,7 +489,7 @@ def test_generation_failing_on_a_gone_worker_is_503_and_the_server_stays_up(mode
     """The HTTP side of a failure (in process, over a pipeline that fails every step)."""
     from aiohttp import ClientSession, web
 
-    from shardwire.server import Backend, create_app
+    from shardwire.serving.app import Backend, create_app
 
     async def scenario():
         backend = Backend("m", load_tokenizer(open_model(model)), set(), {})

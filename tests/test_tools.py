@@ -12,11 +12,11 @@ import pytest
 
 from shardwire.engine import Engine
 from shardwire.formats import open_model
-from shardwire.loading import load_stage
-from shardwire.openai_api import APIError, Choice, chunk_choice, parse_chat, response, tool_stream
 from shardwire.pipeline import LocalPipeline
+from shardwire.serving.openai_api import APIError, Choice, chunk_choice, parse_chat, response, tool_stream
+from shardwire.serving.tools import LLAMA3, MISTRAL, ToolStream, call_syntax, parse_tool_calls
 from shardwire.tokenizer import load_tokenizer
-from shardwire.tools import LLAMA3, MISTRAL, ToolStream, call_syntax, parse_tool_calls
+from shardwire.weights.loading import load_stage
 
 from models import model_path
 
@@ -551,7 +551,7 @@ def test_a_forced_tool_choice_makes_the_model_call_it_over_http(qwen):
     write a valid call, returned as tool_calls whole and streamed."""
     from aiohttp import ClientSession, web
 
-    from shardwire.server import Backend, create_app
+    from shardwire.serving.app import Backend, create_app
 
     path = model_path("qwen2", "F32")
     m = open_model(path)

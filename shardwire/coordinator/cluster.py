@@ -11,11 +11,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..cache import HashIndex, default_cache_dir
 from ..devices import stored_precision_dtype
 from ..formats import ModelFile, TensorReader
 from ..pipeline import PipelineError
-from ..plan import Plan, PlanDevice, PlanError, PlannedStage, make_plan
+from ..pipeline.plan import Plan, PlanDevice, PlanError, PlannedStage, make_plan
+from ..weights.cache import HashIndex, default_cache_dir
 from ..wire.conn import AuthError, connect
 from ..wire.messages import Assign, Describe, Devices, Release
 from ..wire.tls import TRUST_ON_FIRST_USE, ClientTLS, ServerTLS, TLSError, generate_certificate

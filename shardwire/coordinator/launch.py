@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..cli.security import add_client_tls_args, client_tls, resolve_token
 from ..devices import (
     check_device,
     default_devices,
@@ -18,13 +19,12 @@ from ..devices import (
     torch_device,
 )
 from ..formats import ModelFile
-from ..loading import load_stage
 from ..pipeline import LocalPipeline, Pipeline
-from ..plan import PlanDevice, make_plan, parse_overrides
-from ..quant.in_use import compute_line, missing_kernels_warning
-from ..quant.kernels import kernels_on
-from ..quant.measure import fastest_formats, prompt_products, provenance, row_products
-from ..security import add_client_tls_args, client_tls, resolve_token
+from ..pipeline.plan import PlanDevice, make_plan, parse_overrides
+from ..weights.in_use import compute_line, missing_kernels_warning
+from ..weights.kernels import kernels_on
+from ..weights.loading import load_stage
+from ..weights.measure import fastest_formats, prompt_products, provenance, row_products
 from .cluster import Cluster
 
 log = logging.getLogger("shardwire.launch")

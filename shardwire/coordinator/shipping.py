@@ -7,7 +7,7 @@ import sys
 
 from ..formats import ModelFile, TensorReader
 from ..pipeline import PipelineError
-from ..plan import PlannedStage
+from ..pipeline.plan import PlannedStage
 from ..wire.conn import RemoteError
 from ..wire.frames import FrameError
 from ..wire.messages import Assign, Need, NextHop, OverrideSpec, Ready, StageSpec, TensorSpec, Weights

@@ -26,10 +26,10 @@ from typing import Iterator, Mapping
 from ..backends import IDLE_S
 from ..constrain import Grammar, RowConstraint, vocabulary_of
 from ..enums import PAGE, pages_for
-from ..pages import PagePool, prefix_hashes
 from ..pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from ..sampling import Sampled, SamplingParams
 from .output import Output
+from .pages import PagePool, prefix_hashes
 
 log = logging.getLogger("shardwire.engine")
 

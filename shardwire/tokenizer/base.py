@@ -3,7 +3,7 @@ load_tokenizer, which picks the implementation for a model file."""
 
 from __future__ import annotations
 
-from ..chat import render_chat
+from ..serving.chat import render_chat
 from .pretokenize import clean_spaces
 
 

@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import CacheWriter, WeightCache
 from ..formats import TensorInfo, TensorReader
+from ..weights.cache import CacheWriter, WeightCache
 from ..wire.conn import Connection
 from ..wire.frames import FrameError
 from ..wire.messages import SOURCE_KINDS, Assign, Need, TensorSpec, Weights

@@ -35,9 +35,9 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from ...model import Attention, FeedForward, Linear, MixtureOfExperts, ffn_piece_rows, prefers_whole
-from ...quant import ggml_cpu
-from ...quant.ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
-from ...quant.packed import GGUFLinear
+from ...weights import ggml_cpu
+from ...weights.ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
+from ...weights.packed import GGUFLinear
 from .graph import MAX_ROWS, PROMPT, Graph, scratch, scratch_beside
 
 KEPT = 8  # graphs a block keeps built per kind: decode's row counts, a prompt's pieces

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ...deltanet import L2_EPS, GatedDeltaNet
-from ...quant import ggml_cpu
-from ...quant.ggml_cpu import ggml, least_recently_used
+from ...weights import ggml_cpu
+from ...weights.ggml_cpu import ggml, least_recently_used
 from .block import (
     KEPT,
     FeedForwardGraphs,

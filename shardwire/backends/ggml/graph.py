@@ -13,8 +13,8 @@ import weakref
 import numpy as np
 import torch
 
-from ...quant import ggml_cpu
-from ...quant.ggml_cpu import ggml
+from ...weights import ggml_cpu
+from ...weights.ggml_cpu import ggml
 
 MAX_ROWS = 8  # rows (sequences of a decode step) a graph takes in one go; more are a prompt's pieces
 ALIGN = 64

@@ -7,13 +7,13 @@ import logging
 import os
 import sys
 
-from . import __version__
-from .coordinator.launch import add_cluster_args
-from .cors import CorsPolicy
-from .enums import COMPUTE_DTYPES, WEIGHT_MODES
-from .pipeline import PipelineError
+from .. import __version__
+from ..coordinator.launch import add_cluster_args
+from ..enums import COMPUTE_DTYPES, WEIGHT_MODES
+from ..pipeline import PipelineError
+from ..serving.cors import CorsPolicy
+from ..worker.ring import SPIN_S
 from .security import add_worker_tls_args, resolve_token, server_tls
-from .worker.ring import SPIN_S
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -320,11 +320,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .devices import default_dtype
-    from .quant.in_use import missing_kernels_warning
-    from .quant.measure import forget_measurements, provenance
-    from .wire.frames import Limits
-    from .worker import Worker
+    from ..devices import default_dtype
+    from ..weights.in_use import missing_kernels_warning
+    from ..weights.measure import forget_measurements, provenance
+    from ..wire.frames import Limits
+    from ..worker import Worker
 
     tls = server_tls(args)
     if args.remeasure:
@@ -371,7 +371,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .wire.tls import generate_certificate
+    from ..wire.tls import generate_certificate
 
     cert, key, fingerprint = generate_certificate(Path(args.out), args.host, args.days, args.name)
     print(f"certificate: {cert}\nprivate key: {key}\nfingerprint: {fingerprint}")
@@ -398,8 +398,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .coordinator.launch import plan_only
-    from .formats import open_model
+    from ..coordinator.launch import plan_only
+    from ..formats import open_model
 
     print(plan_only(open_model(args.model), args))
     return 0

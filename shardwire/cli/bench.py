@@ -64,12 +64,12 @@ def _stats(samples_ns: list[int], tokens: int) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .coordinator.launch import build_pipeline
-    from .devices import set_threads
-    from .engine import Engine, Request
-    from .formats import open_model
-    from .quant.measure import cpu_model
-    from .sampling import GREEDY
+    from ..coordinator.launch import build_pipeline
+    from ..devices import set_threads
+    from ..engine import Engine, Request
+    from ..formats import open_model
+    from ..sampling import GREEDY
+    from ..weights.measure import cpu_model
 
     if args.repetitions < 1:
         raise ValueError("-r must be at least 1")
@@ -167,8 +167,8 @@ def weight_formats(pipeline, cluster) -> list[str]:
     machines or choices are never mixed up."""
     if cluster is not None:
         return [f"{s.weights} ({s.device.held(s.formats)})" for s in cluster.plan.stages]
-    from .model import Linear
-    from .quant import ggml_cpu
+    from ..model import Linear
+    from ..weights import ggml_cpu
 
     products = {
         kind: {t: "shardwire" if t in ggml_cpu.own_products_used(kind) else "ggml" for t in ggml_cpu.own_products(kind)}
@@ -185,7 +185,7 @@ def compute_lines(pipeline, cluster) -> list[str]:
     """For each device the stages run on, the kernels that compute there."""
     if cluster is not None:
         return cluster.plan.compute_lines()
-    from .quant.in_use import compute_line
+    from ..weights.in_use import compute_line
 
     return [f"kernels on {d}: {compute_line(d)}" for d in dict.fromkeys(str(s.device) for s in pipeline.stages)]
 
@@ -198,7 +198,7 @@ def _held(module, products: dict[str, dict[str, str]]) -> str:
     """How one weight module is held: its stored type and kernel ("Q4_0:repacked"; with whose
     products take one row and its prompt chunks: "F16:ggml/shardwire-gemv/shardwire-gemm"; a block's experts as one:
     "Q4_K/Q4_K/Q6_K experts:ggml"), or the dtype of a dense matrix ("float32:dense")."""
-    from .quant.policy import held_label
+    from ..weights.policy import held_label
 
     if not hasattr(module, "stored"):
         return f"{_name(module.weight.dtype)}:dense"

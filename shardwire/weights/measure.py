@@ -189,7 +189,7 @@ def measure(dtype: str) -> dict[str, dict]:
 
 
 def _cache_file() -> Path:
-    from ..cache import default_cache_dir
+    from .cache import default_cache_dir
 
     return default_cache_dir() / "kernels.json"
 

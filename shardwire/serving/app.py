@@ -10,7 +10,7 @@
     POST /v1/chat/completions/input_tokens            (llama-server's: the prompt's length in tokens)
 
 The app answers from the start; serve.py loads the model behind it (/health answers 503 until
-every stage is ready). Every request becomes engine Requests (backend.py runs them); the engine's
+every stage is ready). Every request becomes engine Requests (state.py runs them); the engine's
 thread batches all running sequences into each decode step and hands their events to the event
 loop with call_soon_threadsafe, so no handler blocks it. A client that goes away cancels its
 sequences, which frees their KV cache slots on every worker.
@@ -24,20 +24,8 @@ import logging
 
 from aiohttp import web
 
+from ..coordinator.links import parse_address
 from . import llama_server_api as native
-from .backend import (
-    BACKEND,
-    Backend,
-    Run,
-    check_model,
-    error_response,
-    failure,
-    json_body,
-    open_stream,
-    parse_off_loop,
-    skip_ids,
-)
-from .coordinator.links import parse_address
 from .cors import CorsPolicy, allow_cors
 from .metrics import registry_for
 from .openai_api import (
@@ -52,10 +40,22 @@ from .openai_api import (
     tool_stream,
     unavailable,
 )
+from .state import (
+    BACKEND,
+    Backend,
+    Run,
+    check_model,
+    error_response,
+    failure,
+    json_body,
+    open_stream,
+    parse_off_loop,
+    skip_ids,
+)
 
 __all__ = ["Backend", "create_app"]
 
-log = logging.getLogger("shardwire.server")
+log = logging.getLogger("shardwire.serving.app")
 
 API_KEY = web.AppKey("api_key", object)
 MAX_BODY = 32 << 20  # a long prompt as JSON; aiohttp's default of 1 MiB is ~250k characters

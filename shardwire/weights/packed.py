@@ -277,7 +277,7 @@ def _int4_module(g: Groups, chunks, coefs, device: torch.device, dtype: torch.dt
 def pack_plain(raw: torch.Tensor, stored: str, fmt: str, device, dtype: torch.dtype) -> PackedLinear:
     """Stored rows of a matrix (uint8 [N, bytes per row], rows already in model order) -> its
     module in one of this module's formats (gguf, int8, int8x2, int4) on `device`; `dtype` is the
-    stage's compute dtype. quant.pack.pack_matrix takes ggml's formats too."""
+    stage's compute dtype. weights/pack.pack_matrix takes ggml's formats too."""
     device = torch.device(device)
     raw = raw.to(device)
     if fmt == "gguf":

@@ -1,6 +1,6 @@
 """What the HTTP handlers serve (the model, its tokenizer, the engine once loaded, the server's
 flags) and how one API request runs on the engine: its engine handles, their events merged into
-one asyncio queue, and what is counted when it ends. Shared by the OpenAI endpoints (server.py)
+one asyncio queue, and what is counted when it ends. Shared by the OpenAI endpoints (app.py)
 and llama-server's native ones (llama_server_api.py)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .coordinator import Cluster
-from .engine import Engine, Event
+from ..coordinator import Cluster
+from ..engine import Engine, Event
+from ..pipeline import Pipeline
 from .metrics import Totals
 from .openai_api import APIError, Job, bad_request, unavailable, usage
-from .pipeline import Pipeline
 
-log = logging.getLogger("shardwire.server")
+log = logging.getLogger("shardwire.serving.app")
 
 BACKEND = web.AppKey("backend", object)  # the app's Backend
 

@@ -7,10 +7,10 @@ import logging
 import os
 from pathlib import Path
 
-from .state import STATE_ENV, state_dir
-from .wire.tls import TRUST_ON_FIRST_USE, ClientTLS, KnownHosts, ServerTLS, normalize_pin, own_certificate
+from ..state import STATE_ENV, state_dir
+from ..wire.tls import TRUST_ON_FIRST_USE, ClientTLS, KnownHosts, ServerTLS, normalize_pin, own_certificate
 
-log = logging.getLogger("shardwire.security")
+log = logging.getLogger("shardwire.cli.security")
 
 TOKEN_ENV = "SHARDWIRE_TOKEN"
 

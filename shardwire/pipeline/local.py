@@ -16,13 +16,13 @@ from typing import Callable, Protocol, runtime_checkable
 import psutil
 import torch
 
-from .backends import release_scratch
-from .constrain import Matchers, RowConstraint, Vocabulary
-from .devices import free_memory
-from .kvcache import pool_pages
-from .model import Stage
-from .quant.in_use import compute_line
-from .sampling import Sampled, SamplingParams, sample
+from ..backends import release_scratch
+from ..constrain import Matchers, RowConstraint, Vocabulary
+from ..devices import free_memory
+from ..kvcache import pool_pages
+from ..model import Stage
+from ..sampling import Sampled, SamplingParams, sample
+from ..weights.in_use import compute_line
 
 
 @dataclass

@@ -19,14 +19,14 @@ import sys
 import threading
 import time
 
-from .coordinator import Cluster
-from .engine import Engine, Request
-from .formats import open_model
+from ..coordinator import Cluster
+from ..engine import Engine, Request
+from ..formats import open_model
+from ..tokenizer import load_tokenizer
+from ..wire.tls import ClientTLS
 from .generate import sampling_from_args, speeds, stream
-from .tokenizer import load_tokenizer
-from .wire.tls import ClientTLS
 
-log = logging.getLogger("shardwire.demo")
+log = logging.getLogger("shardwire.cli.demo")
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+) \(TLS (sha256:[0-9a-f]{64})")
 

@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ModelConfig
-from .deltanet import CHUNK
-from .devices import parse_dtype
-from .enums import PAGE
-from .formats import ModelFile
-from .formats.tensors import COPY_PIECE
-from .kvcache import pool_pages, stage_cache_nbytes
-from .model import ffn_piece_rows
-from .quant.codecs import stored_nbytes
-from .quant.packed import CHUNK_ELEMENTS
-from .quant.policy import EMBEDDING, WeightModeError, held_label, modes_for, weight_formats, weight_nbytes
+from ..config import ModelConfig
+from ..deltanet import CHUNK
+from ..devices import parse_dtype
+from ..enums import PAGE
+from ..formats import ModelFile
+from ..formats.tensors import COPY_PIECE
+from ..kvcache import pool_pages, stage_cache_nbytes
+from ..model import ffn_piece_rows
+from ..weights.codecs import stored_nbytes
+from ..weights.packed import CHUNK_ELEMENTS
+from ..weights.policy import EMBEDDING, WeightModeError, held_label, modes_for, weight_formats, weight_nbytes
 
 
 class PlanError(ValueError):
@@ -258,7 +258,7 @@ def split_blocks_by_bytes(block_bytes: list[int], weights: list[float]) -> list[
 # compute dtype). Dense and repacked weights multiply a chunk as they are held, and so do ggml's
 # in float32, where a block's graphs take a prompt a piece at a time (the plan assumes ggml's
 # kernels do; a CPU that measured a dequantized GEMM faster for a type at a piece's rows,
-# quant/measure.gemm_rows, takes the whole chunk that way and needs this too).
+# weights/measure.gemm_rows, takes the whole chunk that way and needs this too).
 DEQUANT_BYTES_PER_VALUE = 16
 GGML_DEQUANT_BYTES_PER_VALUE = 4
 

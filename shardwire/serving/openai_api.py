@@ -1,7 +1,7 @@
 """OpenAI's request and response shapes: parse a JSON body into engine Requests, and build the
 JSON answers (whole or as stream chunks) from what the engine produced.
 
-Pure functions over dicts; the HTTP side lives in server.py.
+Pure functions over dicts; the HTTP side lives in app.py.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from . import __version__
-from .constrain import ConstraintError, Grammar, vocabulary_of
-from .engine import Event, Request
+from .. import __version__
+from ..constrain import ConstraintError, Grammar, vocabulary_of
+from ..engine import Event, Request
+from ..sampling import MAX_LOGIT_BIAS, SamplingParams
 from .reasoning import ReasoningSplit, close_thinking, opens_thinking, tags_of
-from .sampling import MAX_LOGIT_BIAS, SamplingParams
 from .tools import ToolError, ToolSpec, ToolStream, history_message, parse_tools
 
 MAX_CHOICES = 128  # prompts x n in one request

@@ -17,7 +17,7 @@ import hashlib
 import heapq
 from collections import OrderedDict
 
-from .enums import PAGE
+from ..enums import PAGE
 
 
 def prefix_hashes(tokens: list[int], n_pages: int, known: list[bytes] | None = None) -> list[bytes]:

@@ -74,7 +74,7 @@ def matrix_format(
     fastest: Mapping[str, str],
 ) -> str:
     """How a weight matrix stored as `stored` lives on a device: 'dense' or a packed format.
-    `fastest` is what the device measured for decode (quant/measure.py; empty where nothing was
+    `fastest` is what the device measured for decode (weights/measure.py; empty where nothing was
     measured): fast takes it, and compact runs its stored blocks through ggml where ggml won."""
     if mode not in STAGE_WEIGHT_MODES:
         raise WeightModeError(f"a stage is built with one of {', '.join(STAGE_WEIGHT_MODES)}, not {mode!r}")

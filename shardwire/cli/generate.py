@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .coordinator.launch import build_pipeline
-from .devices import set_threads
-from .engine import Engine, Handle, Request
-from .formats import open_model
-from .sampling import SamplingParams
-from .tokenizer import load_tokenizer
+from ..coordinator.launch import build_pipeline
+from ..devices import set_threads
+from ..engine import Engine, Handle, Request
+from ..formats import open_model
+from ..sampling import SamplingParams
+from ..tokenizer import load_tokenizer
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -10,20 +10,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import backends
-from .config import ModelConfig
-from .devices import large_allocations_unmapped, release_memory
-from .formats import ModelFile, TensorInfo, TensorReader
-from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
-from .formats.tensors import copied
-from .model import Elsewhere, Linear, Stage
-from .models import family_of
-from .plan import placed_apart
-from .quant.codecs import PLAIN, raw_rows, to_torch
-from .quant.ggml_cpu import GGMLExperts, RepackError, repacked_experts
-from .quant.kernels import kernels_on
-from .quant.pack import pack_matrix
-from .quant.policy import EMBEDDING, weight_formats
+from .. import backends
+from ..config import ModelConfig
+from ..devices import large_allocations_unmapped, release_memory
+from ..formats import ModelFile, TensorInfo, TensorReader
+from ..formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, expert_of
+from ..formats.tensors import copied
+from ..model import Elsewhere, Linear, Stage
+from ..models import family_of
+from ..pipeline.plan import placed_apart
+from .codecs import PLAIN, raw_rows, to_torch
+from .ggml_cpu import GGMLExperts, RepackError, repacked_experts
+from .kernels import kernels_on
+from .pack import pack_matrix
+from .policy import EMBEDDING, weight_formats
 
 
 def undo_qk_interleave(t, n_heads: int):
@@ -95,7 +95,7 @@ def build_stage(
     overrides: list[Placement] = (),
     release: Callable[[TensorInfo], None] | None = None,
 ) -> Stage:
-    """`weights`: the stage's mode (quant/policy.py: fast | dequant | packed | compact), as the
+    """`weights`: the stage's mode (weights/policy.py: fast | dequant | packed | compact), as the
     plan resolved it; `fastest`: the formats the device measured fastest, as the plan used them;
     `overrides`: where -ot keeps some block matrices instead (the first pattern that matches);
     `release(info)`, where given, is called once a tensor's stored bytes are used, so that their

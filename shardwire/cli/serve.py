@@ -13,15 +13,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .backend import ServerSettings
-from .chat_templates import chosen_template
-from .coordinator.launch import build_pipeline
-from .cors import CorsPolicy
-from .devices import set_threads
-from .engine import Engine
-from .formats import open_model
-from .server import Backend, create_app
-from .tokenizer import load_tokenizer
+from ..coordinator.launch import build_pipeline
+from ..devices import set_threads
+from ..engine import Engine
+from ..formats import open_model
+from ..serving.app import Backend, create_app
+from ..serving.chat_templates import chosen_template
+from ..serving.cors import CorsPolicy
+from ..serving.state import ServerSettings
+from ..tokenizer import load_tokenizer
 
 
 def run_serve(args: argparse.Namespace) -> int:

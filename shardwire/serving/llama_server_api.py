@@ -5,7 +5,7 @@
     POST /tokenize, POST /detokenize, POST /apply-template
     GET  /props, GET /slots, GET /metrics (with --metrics)
 
-Requests run on the same engine and plumbing as the OpenAI endpoints (backend.py); the sampling
+Requests run on the same engine and plumbing as the OpenAI endpoints (state.py); the sampling
 defaults here are llama.cpp's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05) under the
 server's flags, as llama-server has them.
 """
@@ -18,12 +18,12 @@ import time
 import psutil
 from aiohttp import web
 
-from . import __version__
-from .backend import BACKEND, Backend, Run, check_model, failure, json_body, open_stream, parse_off_loop, skip_ids
+from .. import __version__
+from ..engine import PromptProgress, SlotView
 from .chat import CHATML_TEMPLATE
-from .engine import PromptProgress, SlotView
 from .metrics import CONTENT_TYPE_LATEST, render
 from .openai_api import APIError, Choice, Job, bad_request, chat_messages, chat_text, text_job, unavailable
+from .state import BACKEND, Backend, Run, check_model, failure, json_body, open_stream, parse_off_loop, skip_ids
 from .tools import ToolError, parse_tools
 
 METRICS = web.AppKey("metrics", object)

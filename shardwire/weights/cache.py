@@ -16,9 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .formats import TensorInfo, TensorReader
+from ..formats import TensorInfo, TensorReader
 
-log = logging.getLogger("shardwire.cache")
+log = logging.getLogger("shardwire.weights.cache")
 
 
 def default_cache_dir() -> Path:

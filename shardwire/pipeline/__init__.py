@@ -1,0 +1,7 @@
+"""A model's stages in order: what a step carries and returns, the Pipeline protocol the engine
+drives (local.py: stages in this process; coordinator/: stages on workers), and the plan that
+splits a model's blocks over devices (plan.py)."""
+
+from .local import LocalPipeline, Pipeline, PipelineError, Recoverable, Row, Step, StepResult, sample_rows
+
+__all__ = ["LocalPipeline", "Pipeline", "PipelineError", "Recoverable", "Row", "Step", "StepResult", "sample_rows"]
