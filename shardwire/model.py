@@ -1,8 +1,13 @@
-"""Llama-family decoder blocks (dense or mixture-of-experts feed-forward; attention, or Qwen3.5's
-gated delta-net in deltanet.py) and the Stage: blocks [start, end) of one model on one device.
+"""The reference path: decoder blocks of every variant a family declares (models.BlockVariant:
+attention, gated or on a sliding window, or Qwen3.5's gated delta-net in deltanet.py; a dense or
+mixture-of-experts feed-forward; norms before or also after each half) as PyTorch operations, and
+the Stage: blocks [start, end) of one model on one device, whose blocks a backend may run instead.
 
 One forward pass runs B sequences with T new tokens each; every sequence owns a cache slot
 and brings its own start position, so a batch mixes sequences at different lengths.
+
+One module of this length: it is the reference for every backend, each block variant's arithmetic
+beside the others, so that who adds a variant or a backend reads it in one place.
 """
 
 from __future__ import annotations

@@ -36,21 +36,15 @@ from gguf import quants as gguf_quants
 from shardwire.config import ModelConfig
 from shardwire.formats.names import EXPERT_MATRICES, expert_name
 from shardwire.formats.safetensors import hf_name
+from shardwire.models import FAMILIES, qwen35
 
-# llama.cpp's converter writes Mistral (and every other LlamaForCausalLM look-alike) as arch "llama".
-GGUF_ARCH = {
-    "llama": "llama",
-    "mistral": "llama",
-    "mixtral": "llama",
-    "qwen2": "qwen2",
-    "qwen2moe": "qwen2moe",
-    "qwen3": "qwen3",
-    "qwen3moe": "qwen3moe",
-    "qwen35": "qwen35",
-    "qwen35moe": "qwen35moe",
-}
-HYBRID_ARCHS = ("qwen35", "qwen35moe")
-PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
+# Each family's declarations (shardwire/models/): the architecture llama.cpp's converter writes,
+# whether it interleaves Q/K rows, transformers' class and model_type
+GGUF_ARCH = {arch: f.converter_archs.get(arch, arch) for f in FAMILIES for arch in f.archs}
+PERMUTED_ARCHS = tuple(arch for f in FAMILIES for arch in f.archs if GGUF_ARCH[arch] in f.qk_interleaved)
+HYBRID_ARCHS = qwen35.ARCHS
+_HF_CLASSES = {arch: cls for f in FAMILIES for arch, cls in f.hf_classes.items()}
+_HF_MODEL_TYPES = {arch: model_type for f in FAMILIES for model_type, arch in f.hf_types.items()}
 # Tensors the converter keeps in float32 whatever the file type (llama-quantize skips them too)
 KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
@@ -534,24 +528,6 @@ def write_gguf(
 # ---------------------------------------------------------------------------------------------
 # Hugging Face folders
 
-_HF_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "qwen35": "Qwen3_5ForCausalLM",
-    "qwen35moe": "Qwen3_5MoeForCausalLM",
-}
-_HF_MODEL_TYPES = {
-    "qwen2moe": "qwen2_moe",
-    "qwen3moe": "qwen3_moe",
-    "qwen35": "qwen3_5_text",
-    "qwen35moe": "qwen3_5_moe_text",
-}
-
 
 def _token_ids(tokenizer_json: str | None, *tokens) -> list[int | None]:
     """Ids of tokens (strings or {"content": ...} entries of tokenizer_config.json) in tokenizer.json."""
@@ -582,7 +558,7 @@ def hf_config(
         rope_scaling = {"rope_type": kind, **{k: v for k, v in cfg.rope_scaling.items() if k != "type"}}
     out = {
         "architectures": [_HF_CLASSES[cfg.arch]],
-        "model_type": _HF_MODEL_TYPES.get(cfg.arch, cfg.arch),
+        "model_type": _HF_MODEL_TYPES[cfg.arch],
         "attention_dropout": 0.0,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,

@@ -10,6 +10,10 @@ Once every step in flight has come back, the pipeline is rebuilt on the capacity
 its prompt in the same chunks, its generated tokens in the same decode steps. Where the new
 stages compute as the old ones did, the cache is rebuilt bit for bit, and sampling depends
 only on (seed, position), so the next token is the one an uninterrupted run would have drawn.
+
+One module of this length: scheduling, prefill and decode, and recovery all change the same sequence
+state on one thread; apart, that state's rules would be spread over files (what a sequence's tokens
+show is apart, in output.py).
 """
 
 from __future__ import annotations

@@ -101,7 +101,9 @@ class Family:
 
     name: str
     archs: tuple[str, ...]  # GGUF's names for them (llama.cpp's, where it has one)
-    hf_types: Mapping[str, str]  # a config.json's model_type -> its architecture here
+    # a config.json's model_type -> its architecture here; of those naming one architecture, the
+    # last is the one transformers saves a text model under
+    hf_types: Mapping[str, str]
     variant: Callable[[ModelConfig, int], BlockVariant]
     block_shapes: Callable[[ModelConfig, int], Shapes]  # every tensor a block may hold, by short name
     required: Callable[[ModelConfig, int], tuple[str, ...]]  # the short names a block cannot do without
@@ -110,6 +112,8 @@ class Family:
     check: Callable[[ModelConfig], None] = _no_check  # what its own fields must satisfy
     hf_text_config: Callable[[dict], dict] = _as_given  # the language model's part of a config.json
     gguf_tensors: Callable[[ModelConfig, dict, Any], dict] = _as_stored  # a GGUF's tensors under shardwire's names
+    hf_classes: Mapping[str, str] = field(default_factory=dict)  # architecture -> its transformers class
+    converter_archs: Mapping[str, str] = field(default_factory=dict)  # where llama.cpp's converter writes another
     qk_interleaved: tuple[str, ...] = ()  # architectures whose GGUF Q/K rows the converter interleaved for RoPE
     partial_rope: bool = False  # whether RoPE may turn only the first dimensions of each head
     # a config.json's per-block tensor names of this family beyond the Llama ones -> short names here

@@ -16,6 +16,7 @@ from .family import BlockVariant, GGUFKeys, Shapes, require
 
 ARCHS = ("gemma3",)
 HF_TYPES = {"gemma3": "gemma3", "gemma3_text": "gemma3"}
+HF_CLASSES = {"gemma3": "Gemma3ForCausalLM"}
 HF_BLOCK_NAMES = {  # its norms after each half of a block, and the one before the feed-forward
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",

@@ -20,6 +20,16 @@ HF_TYPES = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
 }
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+CONVERTER_ARCHS = {"mistral": "llama", "mixtral": "llama"}  # as every LlamaForCausalLM look-alike
 QK_INTERLEAVED = ("llama", "mistral")  # llama.cpp's converter interleaves their Q/K rows for its RoPE
 
 _QK_NORMED = ("qwen3", "qwen3moe")

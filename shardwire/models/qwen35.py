@@ -15,6 +15,7 @@ from .family import BlockVariant, GGUFKeys, Shapes, block_of, require
 
 ARCHS = ("qwen35", "qwen35moe")
 HF_TYPES = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"}
+HF_CLASSES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
 PARTIAL_ROPE = True
 HF_BLOCK_NAMES = {  # the gated delta-net's
     "linear_attn.in_proj_qkv": "attn_qkv",

@@ -4,6 +4,9 @@ Follows llama.cpp's layer split: the first n_layers - n_gpu_layers blocks stay o
 coordinator's CPU; the rest are divided over the devices in plan order (the --rpc workers'
 devices, then the coordinator's own) in proportion to --tensor-split exactly as llama.cpp
 divides them, or to each device's free memory when no split is given.
+
+One module of this length: the split of the blocks and the cost of each stage are one computation (a
+worker checks its stage with the same stage_cost), read together.
 """
 
 from __future__ import annotations

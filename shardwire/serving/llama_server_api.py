@@ -8,6 +8,9 @@
 Requests run on the same engine and plumbing as the OpenAI endpoints (state.py); the sampling
 defaults here are llama.cpp's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05) under the
 server's flags, as llama-server has them.
+
+One module of this length: llama-server's native routes are short handlers over the same few helpers
+(the body's sampling fields, the engine's plumbing); apart they would share all of them.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 JSON answers (whole or as stream chunks) from what the engine produced.
 
 Pure functions over dicts; the HTTP side lives in app.py.
+
+One module of this length: both directions of the OpenAI bodies (chat, completions, embeddings,
+their streamed chunks) follow one specification and share its checks.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ The kernels are built into the package by its own build (kernels/build_backend.p
 bindings on llama.cpp's ggml, with shardwire's products). Where that build could not run, or
 SHARDWIRE_GGML=0 turns them off, `available()` is False, MISSING says why, and the PyTorch formats
 serve instead.
+
+One module of this length: ggml's bindings, the lifetime of its contexts and graphs, and the modules
+built on them (GGMLLinear, RepackedLinear, GGMLExperts) share one graph cache and the ctypes
+plumbing.
 """
 
 from __future__ import annotations
@@ -210,14 +214,14 @@ class GGMLLinear(GGUFLinear):
         self, raw: torch.Tensor, stored: str, in_features: int, dtype: torch.dtype, gemm_rows: int | None = None
     ):
         super().__init__(raw, stored, in_features, dtype)
-        self._qtype = int(GGMLQuantizationType[stored])
+        self.qtype = int(GGMLQuantizationType[stored])
         self._row_bytes = raw.shape[1]
         # from this many rows (a prompt chunk) on, dequantize chunks into a GEMM instead (measured)
         self.gemm_rows = gemm_rows
 
     def _graph(self, op: str, rows: int, n: int) -> _Graph:
         """The built graph of `op` on `rows` rows of W and `n` rows of x."""
-        return _kept(_Graph, op, self._qtype, self.in_features, rows, n)
+        return _kept(_Graph, op, self.qtype, self.in_features, rows, n)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
@@ -491,11 +495,11 @@ class RepackedLinear(nn.Module):
         super().__init__()
         self.stored, self.in_features, self.out_features = stored, in_features, raw.shape[0]
         self.compute_dtype = dtype
-        self._qtype = int(GGMLQuantizationType[stored])
-        self._weight = _Repacked(self._qtype, in_features, self.out_features)
-        self._weight.write(raw.contiguous())
+        self.qtype = int(GGMLQuantizationType[stored])
+        self.layout = _Repacked(self.qtype, in_features, self.out_features)
+        self.layout.write(raw.contiguous())
         # its bytes, as the stage's weights are counted (parameters): ggml's memory, not copied
-        self.held = nn.Parameter(self._weight.held(), requires_grad=False)
+        self.held = nn.Parameter(self.layout.held(), requires_grad=False)
         self.bias = None
 
     def extra_repr(self) -> str:
@@ -506,9 +510,9 @@ class RepackedLinear(nn.Module):
         x32 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         y = torch.empty(x32.shape[0], self.out_features, dtype=torch.float32)
         rows = x32.shape[0]
-        graph = _kept(_Graph, "mul_mat", self._qtype, self.in_features, self.out_features, rows, weight=self._weight)
-        self._weight.lend_to(graph.w)
-        graph.run(self._weight.data, x32.data_ptr(), y.data_ptr())
+        graph = _kept(_Graph, "mul_mat", self.qtype, self.in_features, self.out_features, rows, weight=self.layout)
+        self.layout.lend_to(graph.w)
+        graph.run(self.layout.data, x32.data_ptr(), y.data_ptr())
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias

@@ -8,6 +8,9 @@ message; `parse_message` reads any frame's header by it.
 
 Longer than the other modules on purpose: it is the whole protocol, and keeping every message in
 one file is what lets a reader check both sides against one declaration.
+
+One module of this length: every message of the protocol declared once for both sides; the whole
+protocol is read here.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ holding it computes.
 A gated block (Qwen3.5) splits each head's queries from its gate rows and scales the attention's
 output by sigmoid(gate) before the output projection, in a decode step and in a prompt's pieces
 (the gates carried from the projection's graph to the rest's).
+
+One module of this length: a block's graphs (store, attention, finish, feed-forward, the stage's
+step) share the graph-building helpers and the rules of the thread's scratch.
 """
 
 from __future__ import annotations
@@ -72,9 +75,9 @@ def _matrices(module: nn.Module, rows: list[int] | None = None) -> list[_Matrix]
     is held."""
     bias = getattr(module, "bias", None)
     if isinstance(module, RepackedLinear):
-        found = [_Matrix(module._qtype, module.in_features, module.out_features, 0, bias, module._weight)]
+        found = [_Matrix(module.qtype, module.in_features, module.out_features, 0, bias, module.layout)]
     elif isinstance(module, GGMLLinear):
-        found = [_Matrix(module._qtype, module.in_features, module.out_features, module.raw.data_ptr(), bias)]
+        found = [_Matrix(module.qtype, module.in_features, module.out_features, module.raw.data_ptr(), bias)]
     elif isinstance(module, Linear) and module.weight.dtype in _GGML_TYPES and module.weight.is_contiguous():
         w = module.weight
         qtype, K, row_bytes = getattr(ggml, _GGML_TYPES[w.dtype]), w.shape[1], w.shape[1] * w.element_size()
