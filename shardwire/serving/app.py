@@ -72,27 +72,14 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
     engine = backend.ready_engine()
     settings = backend.settings
     job = settings.default_length(await parse_off_loop(parse, settings.with_defaults(body), backend.tokenizer))
-    run = Run(engine, job, backend.ctx)
-    try:
-        if job.stream:
-            return await _stream(request, backend, run)
-        return await _whole(backend, run)
-    finally:
-        backend.finished(run)
+    with backend.running(engine, job) as run:
+        return await (_stream(request, backend, run) if job.stream else _whole(backend, run))
 
 
 async def _whole(backend: Backend, run: Run) -> web.Response:
     job = run.job
     choices = [Choice(i, backend.tokenizer, skip_ids(backend.tokenizer, job), job) for i in range(len(run.handles))]
-    while run.open:
-        index, event = await run.next()
-        choices[index].add(event)
-        if event.finish_reason in ("error", "cancelled"):
-            run.outcome = "failed"
-            raise failure(event)
-    use = run.usage()
-    run.log_done(use)
-    run.outcome = "served"
+    use = await run.gather(choices)
     answer = {**response(job, backend.model_id, choices, use), **_timings(run)}
     if job.verbose:
         answer["__verbose"] = _verbose(backend, job, choices[0], use)

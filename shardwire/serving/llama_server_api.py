@@ -147,13 +147,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
     merged = backend.settings.with_defaults(body, LLAMA_DEFAULTS)
     job = backend.settings.default_length(await parse_off_loop(parse_native_completion, merged, backend.tokenizer))
     answer = _Answer(backend, job, merged)
-    run = Run(engine, job, backend.ctx)
-    try:
-        if job.stream:
-            return await _stream(request, run, answer)
-        return await _whole(run, answer)
-    finally:
-        backend.finished(run)
+    with backend.running(engine, job) as run:
+        return await (_stream(request, run, answer) if job.stream else _whole(run, answer))
 
 
 class _Answer:
@@ -301,14 +296,7 @@ def prompt_progress(progress: PromptProgress) -> dict:
 
 async def _whole(run: Run, answer: _Answer) -> web.Response:
     choices = [Choice(i, answer.tokenizer, answer.skip) for i in range(len(run.handles))]
-    while run.open:
-        index, event = await run.next()
-        choices[index].add(event)
-        if event.finish_reason in ("error", "cancelled"):
-            run.outcome = "failed"
-            raise failure(event)
-    run.log_done(run.usage())
-    run.outcome = "served"
+    await run.gather(choices)
     results = [answer.final(i, run, c, streamed=False) for i, c in enumerate(choices)]
     return web.json_response(results[0] if len(results) == 1 else results)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -101,6 +102,15 @@ class Backend:
             return f"worker {', '.join(gone)} is gone" if gone else "the stages are not loaded"
         return None
 
+    @contextmanager
+    def running(self, engine: Engine, job: Job):
+        """The Run of a request's job, for as long as its handler answers; then `finished`."""
+        run = Run(engine, job, self.ctx)
+        try:
+            yield run
+        finally:
+            self.finished(run)
+
     def finished(self, run: "Run") -> None:
         """Cancel what is still running of a request that ended, and count it."""
         if run.cancel_open() and run.outcome == "client_gone":
@@ -142,6 +152,20 @@ class Run:
         self.handles = [engine.submit(r, _Sink(loop, self.queue, i)) for i, r in enumerate(job.requests(ctx))]
         self.open = set(range(len(self.handles)))
         self.outcome = "client_gone"  # until the answer is complete or has failed
+
+    async def gather(self, choices: list) -> dict:
+        """Every event of a request answered whole, into its choices; the request's usage. A
+        sequence that fails or is cancelled fails the request."""
+        while self.open:
+            index, event = await self.next()
+            choices[index].add(event)
+            if event.finish_reason in ("error", "cancelled"):
+                self.outcome = "failed"
+                raise failure(event)
+        use = self.usage()
+        self.log_done(use)
+        self.outcome = "served"
+        return use
 
     async def next(self) -> tuple[int, Event]:
         index, event = await self.queue.get()
