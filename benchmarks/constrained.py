@@ -20,7 +20,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 from shardwire.constrain import Grammar, Matchers, RowConstraint, vocabulary_of  # noqa: E402
 from shardwire.coordinator import Cluster  # noqa: E402

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 from shardwire.coordinator import Cluster  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
@@ -31,7 +31,7 @@ from shardwire.formats import open_model  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
 from shardwire_kit.synthetic import write_random_llama  # noqa: E402
 
-from test_recovery import SIX_BLOCKS  # noqa: E402
+from recovery import SIX_BLOCKS  # noqa: E402
 from workers import WorkerProcess  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]

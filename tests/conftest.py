@@ -1,20 +1,11 @@
 import os
-from pathlib import Path
 
 import pytest
 
 from shardwire.state import STATE_ENV
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SHARDWIRE_SHARED", REPO.parent / "shared"))
-
-
-def shared_path(*parts: str) -> Path:
-    """A file under ../shared, or a clean skip when this checkout has none."""
-    path = SHARED.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"{path} not present (the shared folder beside the checkout)")
-    return path
+# fixtures the tests of several folders share: worker_pool; model_file and reference (recovery)
+pytest_plugins = ["runs", "recovery"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,0 +1,77 @@
+"""A model on each backend this machine has, against transformers and against the reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwire import backends
+from shardwire.backends import ggml as ggml_backend
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.pipeline import LocalPipeline
+from shardwire.sampling import GREEDY
+from shardwire.weights import ggml_cpu
+from shardwire.weights.loading import load_stage
+
+from models import PROMPT
+
+BACKENDS = ["reference", "ggml"]
+
+
+def float32_stage(path, backend: str | None = None):
+    """Every block in float32, its keys and values too (by default they are kept in float16,
+    as llama.cpp keeps them), to compare with transformers' float32 to within rounding; on the
+    `backend` given (None: whichever the stage chooses), the blocks' matrices held as it takes them."""
+    model = open_model(path)
+    if backend == "ggml":
+        if not ggml_cpu.available():
+            pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
+        stored = {t.dtype: "ggml" for t in model.tensors.values()}
+        stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest=stored)
+        assert stage.backend is ggml_backend
+        for block in stage.blocks:  # each block on ggml where it implements the block's variant
+            assert (block.runner is not None) == (ggml_backend.refusal(block.variant) is None), block.variant
+    else:
+        stage = load_stage(model, 0, model.config.n_layers)
+    if backend == "reference":
+        backends.detach(stage)
+    stage.kv_dtype = torch.float32
+    return stage
+
+
+def our_logits(path, ids, backend: str | None = None):
+    stage = float32_stage(path, backend)
+    stage.allocate_cache(1, 128)
+    return stage(torch.tensor([ids]), [0], [0], all_logits=True)[0]
+
+
+def greedy_tokens(path, ids, n, backend: str | None = None):
+    pipeline = LocalPipeline([float32_stage(path, backend)], n_slots=1, ctx=128)
+    engine = Engine(pipeline)
+    try:
+        handle = engine.submit(Request(ids, GREEDY, max_tokens=n))
+        handle.result()
+        return handle.tokens
+    finally:
+        engine.close()
+
+
+def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
+    """Logits of a 3-token prompt, then decode steps of 2 and of 9 sequences (the second more rows
+    than the graphs take), with or without the blocks' graphs."""
+    kept, kept_stage = [(b.runner, b.feed_runner) for b in stage.blocks], stage.runner
+    if not use_graphs:
+        stage.runner = None
+        for b in stage.blocks:
+            b.runner = b.feed_runner = None
+    try:
+        stage.allocate_cache(9, 32)
+        out = [stage(torch.tensor([PROMPT[:3]]), [0], [0])]
+        out.append(stage(torch.tensor([[PROMPT[3]], [PROMPT[4]]]), [0, 1], [3, 0]))
+        out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [4, 1, 0, 0, 0, 0, 0, 0, 0]))
+        return out
+    finally:
+        stage.runner = kept_stage
+        for b, (graphs, feed) in zip(stage.blocks, kept):
+            b.runner, b.feed_runner = graphs, feed
