@@ -46,8 +46,8 @@ def measure(path: str, mode: str, start: int, end: int, ctx: int, chunk: int, th
     from shardwire.devices import release_memory
     from shardwire.formats import TensorReader, open_model
     from shardwire.kvcache import pool_pages
+    from shardwire.pipeline.loading import load_stage
     from shardwire.pipeline.plan import PlanDevice, PlannedStage, stage_cost
-    from shardwire.weights.loading import load_stage
 
     torch.set_num_threads(threads)
     torch.ones(1) @ torch.ones(1)  # load the math libraries before the baseline
@@ -163,7 +163,7 @@ def cmd_speed(args) -> None:
 
     from shardwire import weights as quant
     from shardwire.formats import open_model
-    from shardwire.weights.loading import load_stage
+    from shardwire.pipeline.loading import load_stage
 
     torch.set_num_threads(args.threads)
     print(

@@ -24,12 +24,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from shardwire.backends.ggml.block import _matrices  # noqa: E402
-from shardwire.devices import default_dtype, parse_dtype, stored_precision_dtype  # noqa: E402
+from shardwire.devices import parse_dtype, stored_precision_dtype  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
+from shardwire.pipeline.loading import load_stage  # noqa: E402
 from shardwire.weights import ggml_cpu  # noqa: E402
 from shardwire.weights.ggml_cpu import ggml  # noqa: E402
-from shardwire.weights.loading import load_stage  # noqa: E402
 from shardwire.weights.measure import cpu_model, fastest_formats  # noqa: E402
+from shardwire.weights.policy import default_dtype  # noqa: E402
 
 import models  # noqa: E402
 

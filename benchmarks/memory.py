@@ -192,7 +192,7 @@ def measure(
 ONE_PROCESS = """
 import json, sys, time
 from shardwire.coordinator.launch import local_pipeline
-from shardwire.devices import default_dtype
+from shardwire.weights.policy import default_dtype
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.sampling import GREEDY

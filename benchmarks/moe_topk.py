@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE.parent))
 from run import machine_info  # noqa: E402
 
 from shardwire.formats import open_model  # noqa: E402
-from shardwire.weights.loading import load_stage  # noqa: E402
+from shardwire.pipeline.loading import load_stage  # noqa: E402
 from shardwire.weights.measure import fastest_formats  # noqa: E402
 
 import models  # noqa: E402

@@ -171,7 +171,7 @@ class Shardwire:
 
         from shardwire.devices import parse_dtype
         from shardwire.formats import open_model
-        from shardwire.weights.loading import load_stage
+        from shardwire.pipeline.loading import load_stage
 
         model = open_model(path)
         self.stage = load_stage(

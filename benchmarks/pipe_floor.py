@@ -57,10 +57,11 @@ def _read_exact(fd: int, n: int) -> bytes:
 def _load(path: str, part: str):
     import torch
 
-    from shardwire.devices import TORCH_DTYPES, default_dtype
+    from shardwire.devices import TORCH_DTYPES
     from shardwire.formats import open_model
-    from shardwire.weights.loading import load_stage
+    from shardwire.pipeline.loading import load_stage
     from shardwire.weights.measure import fastest_formats
+    from shardwire.weights.policy import default_dtype
 
     torch.set_num_threads(1)
     model = open_model(path)

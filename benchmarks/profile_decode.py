@@ -82,8 +82,8 @@ def compute_only(model_path: Path, n_workers: int, threads: int, steps: int) -> 
 
     from shardwire.formats import open_model
     from shardwire.model import Stage
+    from shardwire.pipeline.loading import load_stage
     from shardwire.pipeline.plan import split_blocks
-    from shardwire.weights.loading import load_stage
     from shardwire_kit.synthetic import random_model
 
     torch.set_num_threads(threads)

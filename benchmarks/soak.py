@@ -35,9 +35,9 @@ from shardwire.coordinator import Cluster  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.pipeline import LocalPipeline  # noqa: E402
+from shardwire.pipeline.loading import load_stage  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
 from shardwire.state import STATE_ENV  # noqa: E402
-from shardwire.weights.loading import load_stage  # noqa: E402
 from shardwire_kit.synthetic import write_random_llama  # noqa: E402
 
 from freezable_relay import FreezableRelay  # noqa: E402

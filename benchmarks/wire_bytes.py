@@ -60,7 +60,7 @@ def per_step(sizes: dict, n_workers: int) -> int:
 
 
 def show_computed(args) -> None:
-    from shardwire.devices import default_dtype
+    from shardwire.weights.policy import default_dtype
 
     import models
 

@@ -51,22 +51,6 @@ def torch_device(name: str) -> torch.device:
     return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
 
 
-def default_dtype(device: str) -> str:
-    """A device's own compute dtype, before the model's weights are considered (see
-    stored_precision_dtype)."""
-    if device.startswith("cuda"):
-        return "bfloat16"
-    if device == "mps":
-        return "float16"
-    from .weights import ggml_cpu
-
-    if ggml_cpu.available():
-        return "float32"  # as llama.cpp's CPU backend: weights stay as stored, activations in float32
-    # PyTorch alone: CPUs with native bf16 dot products read half the bytes of a dequantized
-    # weight per token; elsewhere bf16 arithmetic is emulated and float32 is faster.
-    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
-
-
 def stored_precision_dtype(dtype: str, device: str, stored: str | None) -> str:
     """The compute dtype a device uses for a model whose matrices are mostly stored as `stored`:
     its own `dtype`, unless that would round those weights below their stored precision (an F32

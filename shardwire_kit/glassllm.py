@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from shardwire.config import ModelConfig
+from shardwire.pipeline.loading import undo_qk_interleave
 from shardwire.weights.cache import default_cache_dir
-from shardwire.weights.loading import undo_qk_interleave
 
 from .writer import write_gguf, write_hf
 

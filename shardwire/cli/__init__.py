@@ -1,3 +1,2 @@
 """The commands: main.py parses them and runs each (serve.py, generate.py, demo.py, bench.py, and
-the worker's and the coordinator's in worker/ and coordinator/); security.py holds the token and
-TLS options the worker and coordinator commands share."""
+the worker's and the coordinator's in worker/ and coordinator/)."""

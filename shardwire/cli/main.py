@@ -12,8 +12,8 @@ from ..coordinator.launch import add_cluster_args
 from ..enums import COMPUTE_DTYPES, WEIGHT_MODES
 from ..pipeline import PipelineError
 from ..serving.cors import CorsPolicy
+from ..wire.options import add_worker_tls_args, resolve_token, server_tls
 from ..worker.ring import SPIN_S
-from .security import add_worker_tls_args, resolve_token, server_tls
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -320,9 +320,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..devices import default_dtype
     from ..weights.in_use import missing_kernels_warning
     from ..weights.measure import forget_measurements, provenance
+    from ..weights.policy import default_dtype
     from ..wire.frames import Limits
     from ..worker import Worker
 

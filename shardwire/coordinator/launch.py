@@ -8,11 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli.security import add_client_tls_args, client_tls, resolve_token
 from ..devices import (
     check_device,
     default_devices,
-    default_dtype,
     free_memory,
     parse_dtype,
     stored_precision_dtype,
@@ -20,11 +18,13 @@ from ..devices import (
 )
 from ..formats import ModelFile
 from ..pipeline import LocalPipeline, Pipeline
+from ..pipeline.loading import load_stage
 from ..pipeline.plan import PlanDevice, make_plan, parse_overrides
 from ..weights.in_use import compute_line, missing_kernels_warning
 from ..weights.kernels import kernels_on
-from ..weights.loading import load_stage
 from ..weights.measure import fastest_formats, prompt_products, provenance, row_products
+from ..weights.policy import default_dtype
+from ..wire.options import add_client_tls_args, client_tls, resolve_token
 from .cluster import Cluster
 
 log = logging.getLogger("shardwire.launch")

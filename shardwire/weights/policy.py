@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 
 from ..enums import STAGE_WEIGHT_MODES, WEIGHT_MODES
+from . import ggml_cpu
 from .codecs import PLAIN, stored_nbytes
 from .kernels import GROUP, padded_rows
 
@@ -149,3 +150,17 @@ def weight_nbytes(tensors: Mapping, formats: Mapping[str, str], dtype: torch.dty
             fmt, info.dtype, tuple(info.shape), torch.float32 if name == "rope_freqs.weight" else dtype
         )
     return total
+
+
+def default_dtype(device: str) -> str:
+    """A device's own compute dtype, before the model's weights are considered (see
+    stored_precision_dtype)."""
+    if device.startswith("cuda"):
+        return "bfloat16"
+    if device == "mps":
+        return "float16"
+    if ggml_cpu.available():
+        return "float32"  # as llama.cpp's CPU backend: weights stay as stored, activations in float32
+    # PyTorch alone: CPUs with native bf16 dot products read half the bytes of a dequantized
+    # weight per token; elsewhere bf16 arithmetic is emulated and float32 is faster.
+    return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"

@@ -6,10 +6,10 @@ from __future__ import annotations
 from ..config import ModelConfig
 from ..devices import free_memory, parse_dtype, torch_device
 from ..formats import expected_shape, required_tensors
+from ..pipeline.loading import Placement, build_stage
 from ..pipeline.plan import PlanDevice, PlannedStage, gib, stage_cost
 from ..weights.codecs import stored_nbytes
 from ..weights.kernels import kernels_on
-from ..weights.loading import Placement, build_stage
 from ..wire.conn import Connection, connect
 from ..wire.frames import Limits
 from ..wire.messages import Assign, StageSpec, TensorSpec

@@ -20,12 +20,13 @@ import numpy as np
 from .. import __version__
 from ..config import ConfigError
 from ..constrain import Vocabulary
-from ..devices import check_device, default_devices, default_dtype, free_memory, set_threads, torch_device
+from ..devices import check_device, default_devices, free_memory, set_threads, torch_device
 from ..models import config_from_dict
 from ..weights.cache import WeightCache, default_cache_dir
 from ..weights.in_use import compute_line
 from ..weights.kernels import kernels_on
 from ..weights.measure import fastest_formats, prompt_products, row_products
+from ..weights.policy import default_dtype
 from ..wire.conn import AuthError, Connection, RemoteError, server_handshake, tune
 from ..wire.frames import FrameError, Limits, MessageType
 from ..wire.messages import (

@@ -10,11 +10,12 @@ import torch
 
 from shardwire import backends
 from shardwire.backends.ggml import block as ggml_block
-from shardwire.devices import default_dtype, stored_precision_dtype
+from shardwire.devices import stored_precision_dtype
 from shardwire.formats import open_model
+from shardwire.pipeline.loading import load_stage
 from shardwire.weights import ggml_cpu, measure, policy
-from shardwire.weights.loading import load_stage
 from shardwire.weights.pack import pack_matrix
+from shardwire.weights.policy import default_dtype
 
 from matrices import matrix
 from models import PROMPT, model_path

@@ -18,11 +18,11 @@ from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.model import Linear
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY
 from shardwire.weights import codecs, policy
 from shardwire.weights import packed as packing
 from shardwire.weights.kernels import kernels_on
-from shardwire.weights.loading import load_stage
 from shardwire.weights.pack import pack_matrix
 from shardwire_kit.writer import quantize
 

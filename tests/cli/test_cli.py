@@ -6,9 +6,9 @@ import torch
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY
 from shardwire.tokenizer import load_tokenizer
-from shardwire.weights.loading import load_stage
 
 from commands import run
 from models import model_path

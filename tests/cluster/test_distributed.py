@@ -131,7 +131,7 @@ def test_glassllm_split_across_two_workers_continues_like_glassllm(worker_pool, 
 
 
 def test_each_worker_reports_the_dtype_its_hardware_computes_best_and_the_plan_uses_it(worker_pool, tmp_path):
-    from shardwire.devices import default_dtype
+    from shardwire.weights.policy import default_dtype
 
     addresses = [w.address for w in worker_pool(2)]
     cluster = Cluster(addresses, cache_dir=tmp_path, show_progress=False)

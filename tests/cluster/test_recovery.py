@@ -7,8 +7,8 @@ import pytest
 
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
-from shardwire.weights.loading import load_stage
 from shardwire_kit.synthetic import write_random_llama
 
 from models import model_path

@@ -16,9 +16,9 @@ import torch
 from shardwire.backends import IDLE_S
 from shardwire.formats import open_model
 from shardwire.pipeline import Row
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY
 from shardwire.weights import ggml_cpu
-from shardwire.weights.loading import load_stage
 from shardwire.wire.conn import Connection
 from shardwire.wire.messages import Forward, NextHop
 from shardwire.worker.ring import SPIN_S, Ring, StageRunner, rest

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from shardwire.cli.security import add_client_tls_args, add_worker_tls_args, client_tls, server_tls
+from shardwire.wire.options import add_client_tls_args, add_worker_tls_args, client_tls, server_tls
 from shardwire.wire.tls import KnownHosts, TLSError, generate_certificate
 
 A, B = "sha256:" + "a" * 64, "sha256:" + "b" * 64

@@ -12,8 +12,8 @@ from shardwire.engine.pages import PagePool, prefix_hashes
 from shardwire.enums import PAGE
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY
-from shardwire.weights.loading import load_stage
 
 from models import PROMPT, model_path
 

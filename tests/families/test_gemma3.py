@@ -14,8 +14,8 @@ import torch
 from shardwire.backends import ggml as ggml_backend
 from shardwire.formats import open_model
 from shardwire.models import BlockVariant
+from shardwire.pipeline.loading import load_stage
 from shardwire.weights import ggml_cpu
-from shardwire.weights.loading import load_stage
 
 from models import models_dir
 from parity import BACKENDS, greedy_tokens, our_logits

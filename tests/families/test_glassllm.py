@@ -16,8 +16,8 @@ from gguf.quants import dequantize  # noqa: E402
 
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.formats.gguf import read_gguf  # noqa: E402
+from shardwire.pipeline.loading import undo_qk_interleave  # noqa: E402
 from shardwire.weights.cache import default_cache_dir  # noqa: E402
-from shardwire.weights.loading import undo_qk_interleave  # noqa: E402
 from shardwire_kit import glassllm as gl  # noqa: E402
 
 PROMPTS = [
@@ -196,9 +196,9 @@ def shardwire_greedy(path, text: str, n: int) -> tuple[list[int], list[int]]:
     """Prompt ids and greedy continuation through shardwire's own tokenizer, stage and engine."""
     from shardwire.engine import Engine, Request
     from shardwire.pipeline import LocalPipeline
+    from shardwire.pipeline.loading import load_stage
     from shardwire.sampling import GREEDY
     from shardwire.tokenizer import load_tokenizer
-    from shardwire.weights.loading import load_stage
 
     model = open_model(path)
     ids = load_tokenizer(model).encode(text)

@@ -21,10 +21,10 @@ from shardwire.formats import ModelError, open_model
 from shardwire.kvcache import RecurrentState, stage_cache_nbytes
 from shardwire.models import config_from_dict
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.pipeline.plan import PlanDevice, make_plan
 from shardwire.sampling import SamplingParams
 from shardwire.weights import ggml_cpu
-from shardwire.weights.loading import load_stage
 from shardwire_kit.writer import gguf_config, write_gguf
 
 from models import PROMPT, hf_path, llama_cpp_logits, model_path, model_source

@@ -52,9 +52,10 @@ def test_f32_and_f16_files_give_llama_cpp_greedy_tokens_by_default(tmp_path_fact
     """Without --dtype, an F32 or F16 file computes at its stored precision (float32 activations,
     F16 weights as stored, keys in float16 as llama.cpp keeps them), on the kernels this machine
     measured fastest: the same greedy continuation as llama.cpp."""
-    from shardwire.devices import default_dtype, stored_precision_dtype
+    from shardwire.devices import stored_precision_dtype
     from shardwire.formats import open_model
     from shardwire.weights.measure import fastest_formats
+    from shardwire.weights.policy import default_dtype
     from shardwire_kit.glassllm import convert_glassllm
 
     path = convert_glassllm(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardwire.formats import open_model
-from shardwire.weights.loading import load_stage
+from shardwire.pipeline.loading import load_stage
 
 from models import NAMES, PROMPT, hf_path, model_path
 from parity import BACKENDS, float32_stage, greedy_tokens, our_logits

@@ -13,9 +13,9 @@ from gguf import GGUFReader
 from shardwire.config import ConfigError, ModelConfig
 from shardwire.formats import ModelError, TensorReader, expert_name, open_model
 from shardwire.model import Elsewhere, MixtureOfExperts
+from shardwire.pipeline.loading import Placement, load_stage
 from shardwire.pipeline.plan import PlanDevice, PlanError, make_plan, parse_overrides
 from shardwire.weights import ggml_cpu
-from shardwire.weights.loading import Placement, load_stage
 from shardwire.weights.packed import PackedLinear
 from shardwire_kit.synthetic import load_vocab, random_model
 from shardwire_kit.writer import write_gguf

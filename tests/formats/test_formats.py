@@ -12,8 +12,8 @@ import torch
 from shardwire.config import ConfigError
 from shardwire.formats import TensorReader, open_model
 from shardwire.formats.gguf import GGUFError
+from shardwire.pipeline.loading import load_stage
 from shardwire.tokenizer import load_tokenizer
-from shardwire.weights.loading import load_stage
 from shardwire_kit.writer import write_gguf
 
 from models import hf_path, model_path, model_source

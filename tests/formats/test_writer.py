@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from shardwire.formats import TensorReader, open_model
 from shardwire.formats.gguf import read_gguf
 from shardwire.formats.safetensors import hf_name
-from shardwire.weights.loading import undo_qk_interleave
+from shardwire.pipeline.loading import undo_qk_interleave
 from shardwire_kit.synthetic import LLAMA3_SCALING, load_vocab, random_model
 from shardwire_kit.writer import (
     GGUF_ARCH,

@@ -25,11 +25,11 @@ from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
 from shardwire.serving.openai_api import APIError, parse_chat, parse_completion
 from shardwire.tokenizer import load_tokenizer
 from shardwire.weights.in_use import compute_line
-from shardwire.weights.loading import load_stage
 
 from models import PROMPT, hf_path, model_path
 from serve_process import ServeProcess, call

@@ -26,13 +26,13 @@ from shardwire.engine import Engine, Request
 from shardwire.enums import PAGE
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
 from shardwire.serving.app import create_app
 from shardwire.serving.chat_templates import BUILTIN
 from shardwire.serving.cors import CorsPolicy
 from shardwire.serving.state import Backend, ServerSettings
 from shardwire.tokenizer import load_tokenizer
-from shardwire.weights.loading import load_stage
 
 from models import model_path
 

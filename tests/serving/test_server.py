@@ -15,14 +15,14 @@ pytestmark = pytest.mark.slow  # worker processes
 
 openai = pytest.importorskip("openai")
 
-from shardwire.devices import default_dtype  # noqa: E402
 from shardwire.engine import Engine, Request  # noqa: E402
 from shardwire.formats import open_model  # noqa: E402
 from shardwire.pipeline import LocalPipeline, PipelineError  # noqa: E402
+from shardwire.pipeline.loading import load_stage  # noqa: E402
 from shardwire.sampling import SamplingParams  # noqa: E402
 from shardwire.tokenizer import load_tokenizer  # noqa: E402
-from shardwire.weights.loading import load_stage  # noqa: E402
 from shardwire.weights.measure import fastest_formats  # noqa: E402
+from shardwire.weights.policy import default_dtype  # noqa: E402
 
 from models import model_path  # noqa: E402
 from serve_process import CTX, KEY, PARALLEL, ServeProcess, call  # noqa: E402

@@ -13,10 +13,10 @@ import pytest
 from shardwire.engine import Engine
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.serving.openai_api import APIError, Choice, chunk_choice, parse_chat, response, tool_stream
 from shardwire.serving.tools import LLAMA3, MISTRAL, ToolStream, call_syntax, parse_tool_calls
 from shardwire.tokenizer import load_tokenizer
-from shardwire.weights.loading import load_stage
 
 from models import model_path
 from tool_calls import QWEN25_TEMPLATE, WEATHER

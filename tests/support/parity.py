@@ -10,9 +10,9 @@ from shardwire.backends import ggml as ggml_backend
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY
 from shardwire.weights import ggml_cpu
-from shardwire.weights.loading import load_stage
 
 from models import PROMPT
 

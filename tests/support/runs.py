@@ -8,8 +8,8 @@ from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
-from shardwire.weights.loading import load_stage
 from shardwire.wire.tls import TRUST_ON_FIRST_USE
 
 from models import PROMPT

@@ -13,11 +13,11 @@ from shardwire.engine import Engine, Request
 from shardwire.enums import WEIGHT_FORMATS
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
 from shardwire.pipeline.plan import PlanDevice, make_plan
 from shardwire.sampling import GREEDY
 from shardwire.weights import codecs, ggml_cpu, measure, policy
 from shardwire.weights import packed as packing
-from shardwire.weights.loading import load_stage
 from shardwire.weights.pack import pack_matrix
 from shardwire.weights.policy import weight_formats, weight_nbytes
 

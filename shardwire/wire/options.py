@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 from ..state import STATE_ENV, state_dir
-from ..wire.tls import TRUST_ON_FIRST_USE, ClientTLS, KnownHosts, ServerTLS, normalize_pin, own_certificate
+from .tls import TRUST_ON_FIRST_USE, ClientTLS, KnownHosts, ServerTLS, normalize_pin, own_certificate
 
-log = logging.getLogger("shardwire.cli.security")
+log = logging.getLogger("shardwire.wire.options")
 
 TOKEN_ENV = "SHARDWIRE_TOKEN"
 

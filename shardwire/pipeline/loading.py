@@ -18,12 +18,12 @@ from ..formats.names import EXPERT_MATRICES, GROUPED_EXPERTS, expert_name, exper
 from ..formats.tensors import copied
 from ..model import Elsewhere, Linear, Stage
 from ..models import family_of
-from ..pipeline.plan import placed_apart
-from .codecs import PLAIN, raw_rows, to_torch
-from .ggml_cpu import GGMLExperts, RepackError, repacked_experts
-from .kernels import kernels_on
-from .pack import pack_matrix
-from .policy import EMBEDDING, weight_formats
+from ..weights.codecs import PLAIN, raw_rows, to_torch
+from ..weights.ggml_cpu import GGMLExperts, RepackError, repacked_experts
+from ..weights.kernels import kernels_on
+from ..weights.pack import pack_matrix
+from ..weights.policy import EMBEDDING, weight_formats
+from .plan import placed_apart
 
 
 def undo_qk_interleave(t, n_heads: int):
