@@ -1,9 +1,9 @@
 """Packed weights on the CPU: resident memory per stage against the GGUF bytes, the plan's
 accounting against what the process then holds, and decode speed against dequantized bf16.
 
-    python benchmarks/packed_models.py                 # the 1B-class files (once)
-    python benchmarks/bench_packed.py memory [--types Q4_0,Q4_K_M,Q8_0]
-    python benchmarks/bench_packed.py speed --threads 2 [--rounds 5] [--steps 16]
+    python -m benchmarks.packed_models                 # the 1B-class files (once)
+    python -m benchmarks.bench_packed memory [--types Q4_0,Q4_K_M,Q8_0]
+    python -m benchmarks.bench_packed speed --threads 2 [--rounds 5] [--steps 16]
 
 memory: each (file, mode, stage) loads in a fresh process; resident = the growth of the process's
 RSS over the load (the file mapping closed, freed heap returned), peak = VmHWM over a prefill

@@ -2,7 +2,7 @@
 the same model files and the same machine, interleaved A B B A so drift hits both alike.
 
     git worktree add /tmp/before HEAD~3
-    python benchmarks/compare_trees.py /tmp/before model.gguf [more.gguf ...] --workers 2 -p 64 -n 32 [--streams 8]
+    python -m benchmarks.compare_trees /tmp/before model.gguf [more.gguf ...] --workers 2 -p 64 -n 32 [--streams 8]
 
 Each round starts `--workers` worker processes from one tree (one thread each, pinned as run.py
 pins them), runs that tree's `shardwire bench` over them, and stops them; with
@@ -20,10 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(HERE / "benchmarks"))
+from . import run
 
-import run  # noqa: E402
+HERE = Path(__file__).resolve().parents[1]
 
 
 def bench(tree: Path, model: Path, args, log: Path) -> dict[str, float]:

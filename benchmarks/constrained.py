@@ -1,6 +1,6 @@
 """What constrained decoding costs per decoded token, free and constrained side by side.
 
-    python benchmarks/constrained.py [--tokens 200] [--workers 2]
+    python -m benchmarks.constrained [--tokens 200] [--workers 2]
 
 1. On the sampling stage alone: sample() from random logits over real vocabularies (Qwen 152k,
    Llama 3 128k, Llama 2 32k), free, then with a JSON schema's matcher (mask, sample, consume).
@@ -11,26 +11,20 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests" / "support"))
-
-from shardwire.constrain import Grammar, Matchers, RowConstraint, vocabulary_of  # noqa: E402
-from shardwire.coordinator import Cluster  # noqa: E402
-from shardwire.engine import Engine, Request  # noqa: E402
-from shardwire.formats import open_model  # noqa: E402
-from shardwire.sampling import SamplingParams, sample  # noqa: E402
-from shardwire.tokenizer import load_tokenizer  # noqa: E402
-
-from models import PROMPT, model_path  # noqa: E402
-from workers import WorkerProcess  # noqa: E402
+from shardwire.constrain import Grammar, Matchers, RowConstraint, vocabulary_of
+from shardwire.coordinator import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.sampling import SamplingParams, sample
+from shardwire.tokenizer import load_tokenizer
+from tests.support.models import PROMPT, model_path
+from tests.support.workers import WorkerProcess
 
 SCHEMA = {
     "type": "array",

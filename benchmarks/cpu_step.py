@@ -2,7 +2,7 @@
 its matrix products alone (every weight multiplied by one row, back to back in one ggml graph: the
 floor ggml's kernels set), and the share of the step outside them.
 
-    python benchmarks/cpu_step.py [--workloads 1b-q4_0,1b-f16,...] [--steps 64] [-t 1]
+    python -m benchmarks.cpu_step [--workloads 1b-q4_0,1b-f16,...] [--steps 64] [-t 1]
 
 Prints, per file: the CPU, the compute dtype and the kernel path of each stored type, ms per
 token of the step, ms of the products alone and the share outside them (attention over the
@@ -15,24 +15,20 @@ import argparse
 import ctypes
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from shardwire.backends.ggml.block import _matrices
+from shardwire.devices import parse_dtype, stored_precision_dtype
+from shardwire.formats import open_model
+from shardwire.pipeline.loading import load_stage
+from shardwire.weights import ggml_cpu
+from shardwire.weights.ggml_cpu import ggml
+from shardwire.weights.measure import cpu_model, fastest_formats
+from shardwire.weights.policy import default_dtype
 
-from shardwire.backends.ggml.block import _matrices  # noqa: E402
-from shardwire.devices import parse_dtype, stored_precision_dtype  # noqa: E402
-from shardwire.formats import open_model  # noqa: E402
-from shardwire.pipeline.loading import load_stage  # noqa: E402
-from shardwire.weights import ggml_cpu  # noqa: E402
-from shardwire.weights.ggml_cpu import ggml  # noqa: E402
-from shardwire.weights.measure import cpu_model, fastest_formats  # noqa: E402
-from shardwire.weights.policy import default_dtype  # noqa: E402
-
-import models  # noqa: E402
+from . import models
 
 
 def products_alone(stage) -> float:

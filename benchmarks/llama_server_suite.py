@@ -1,7 +1,7 @@
 """llama.cpp's own HTTP server tests against `shardwire serve`, through llama_server_shim.py.
 
-    python benchmarks/llama_server_suite.py                     # DEFAULT_SELECTION: 9 files, 183 tests
-    python benchmarks/llama_server_suite.py unit/test_tokenize.py unit/test_completion.py -k probs
+    python -m benchmarks.llama_server_suite                     # DEFAULT_SELECTION: 9 files, 183 tests
+    python -m benchmarks.llama_server_suite unit/test_tokenize.py unit/test_completion.py -k probs
 
 Runs pytest in the suite's folder with the shim as the server binary (LLAMA_SERVER_BIN_PATH), one
 server per test as the suite starts them, each test bounded by --test-timeout and the whole run
@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_server_causes import cause_of
+from .llama_server_causes import cause_of
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "llama_server_shim.py"

@@ -1,6 +1,6 @@
 """Workers' process memory while they hold a model, beside llama.cpp's rpc-server on the same file.
 
-    python benchmarks/memory.py [--workloads moe-q4_0,1b-q4_0,...] [--workers 1,2] [--no-llama-cpp]
+    python -m benchmarks.memory [--workloads moe-q4_0,1b-q4_0,...] [--workers 1,2] [--no-llama-cpp]
 
 For each file, worker count and system: the workers (shardwire worker / ggml-rpc-server), idle
 first; then a server as a user runs it (shardwire serve --rpc / llama-server --rpc -ngl 99 -ts
@@ -26,14 +26,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from . import models
+from .run import LISTENING, Server, free_port, machine_info, private_state_dir, wait_healthy
+
 CTX = 1024  # each system's one sequence slot; the completion below fills ~97% of it
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
-from run import LISTENING, Server, free_port, machine_info, private_state_dir, wait_healthy  # noqa: E402
-
-import models  # noqa: E402
 
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 

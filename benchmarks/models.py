@@ -1,7 +1,7 @@
 """The benchmark's model files: real GGUF with random weights, written by shardwire's writer
 (F16) and quantized by llama.cpp's own llama-quantize, cached by name.
 
-    python benchmarks/models.py [small 1b-q8_0 ...]    # make (or find) them, print their paths
+    python -m benchmarks.models [small 1b-q8_0 ...]    # make (or find) them, print their paths
 
 Random weights are fine for speed: every matrix has the shape and storage type of a real
 model of that layout, and llama.cpp loads the files (the harness checks it does).

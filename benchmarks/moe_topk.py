@@ -1,7 +1,7 @@
 """What a mixture of experts' decode step costs against the experts it runs: the same weights
 routed to 2, 4 and 8 of 32 experts per token, decoded in one process, interleaved.
 
-    python benchmarks/moe_topk.py [--tokens 32] [--rounds 3] [--dtype float32]
+    python -m benchmarks.moe_topk [--tokens 32] [--rounds 3] [--dtype float32]
 
 Prints, per top-k file: ms per decoded token (median over rounds, each round the files in
 A B C C B A order), the bytes of expert weights a token reads (k x one expert's gate, up and
@@ -21,17 +21,12 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from shardwire.formats import open_model
+from shardwire.pipeline.loading import load_stage
+from shardwire.weights.measure import fastest_formats
 
-from run import machine_info  # noqa: E402
-
-from shardwire.formats import open_model  # noqa: E402
-from shardwire.pipeline.loading import load_stage  # noqa: E402
-from shardwire.weights.measure import fastest_formats  # noqa: E402
-
-import models  # noqa: E402
+from . import models
+from .run import machine_info
 
 WORKLOADS = ("moe-top2-q4_0", "moe-q4_0", "moe-top8-q4_0")
 

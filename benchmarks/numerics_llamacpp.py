@@ -1,7 +1,7 @@
 """Logits of the same GGUF file from llama.cpp and from shardwire (packed and dequantized weights).
 
-    bash benchmarks/build_llama_cpp.sh && python benchmarks/packed_models.py
-    python benchmarks/numerics_llamacpp.py [--files glassllm-Q4_0,...] [--threads 2] [--steps 64]
+    bash benchmarks/build_llama_cpp.sh && python -m benchmarks.packed_models
+    python -m benchmarks.numerics_llamacpp [--files glassllm-Q4_0,...] [--threads 2] [--steps 64]
 
 For each file: llama.cpp greedily continues a prompt for `steps` tokens; both engines then read
 that same sequence one token at a time (shardwire's decode path, so its packed kernels run), and
@@ -53,9 +53,9 @@ def unavailable() -> str | None:
     """Why llama.cpp cannot be run here (not built, or its bindings do not import), or None."""
     if not _built():
         return f"llama.cpp is not built in {PREFIX} (benchmarks/build_llama_cpp.sh)"
-    here = str(Path(__file__).parent)
-    probe = f"import sys; sys.path.insert(0, {here!r}); import numerics_llamacpp; numerics_llamacpp.llama_cpp()"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    probe = "from benchmarks import numerics_llamacpp; numerics_llamacpp.llama_cpp()"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=root)
     if done.returncode:
         last = done.stderr.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
         return f"llama.cpp's Python bindings do not import: {last[0]}"

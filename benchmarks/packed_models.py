@@ -3,7 +3,7 @@ width 2048, FFN 5632, 32 heads / 4 KV heads, 32000-token vocabulary, as TinyLlam
 by shardwire's writer and quantized by llama.cpp's own llama-quantize (Q4_0, Q8_0, Q4_K_M), and
 the trained glassllm model the same way.
 
-    python benchmarks/packed_models.py [--out DIR] [--small]
+    python -m benchmarks.packed_models [--out DIR] [--small]
 
 Needs llama.cpp built by benchmarks/build_llama_cpp.sh (for llama-quantize); prints the paths.
 """

@@ -1,7 +1,7 @@
 """The floor under distributed decode on this machine: what splitting a model across processes
 costs before any protocol is involved.
 
-    python benchmarks/pipe_floor.py [--workload small-f16] [--rounds 4] [--steps 256]
+    python -m benchmarks.pipe_floor [--workload small-f16] [--rounds 4] [--steps 256]
 
 In each round, interleaved, with one thread per process pinned as benchmarks/run.py pins them
 (coordinator on the first core, worker i on the next, wrapping):
@@ -33,12 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import run  # noqa: E402
-
-import models  # noqa: E402
+from . import models, run
 
 WARMUP = 16
 STOP = b"\xff\xff\xff\xff"

@@ -1,7 +1,7 @@
 """The paged KV cache as a user sees it: a chat's time to first token per turn with prefix reuse
 on and off, and the workers' memory with many sequence slots.
 
-    python benchmarks/prefix_cache.py [--model PATH] [--turns 10] [--other /tmp/before]
+    python -m benchmarks.prefix_cache [--model PATH] [--turns 10] [--other /tmp/before]
 
 Chat: two workers (one thread each, pinned) and `shardwire serve --rpc w1,w2 -np 1` as a user
 runs them. A scripted conversation of --turns user messages; each turn sends the whole
@@ -29,14 +29,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from . import models, run
+from .memory import settled, status
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
-import run  # noqa: E402
-from memory import settled, status  # noqa: E402
-
-import models  # noqa: E402
 
 USER_TURNS = [
     "I am planning a trip along the river next spring and would like to know which small towns "

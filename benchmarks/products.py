@@ -5,7 +5,7 @@ of weights a second each reads. More rows (a prompt chunk; kernels/vnni_gemm.cpp
 repacked Q4_0, kernels/float_gemm.cpp on F32 and F16, kernels/kquant_gemm.cpp on Q4_K held
 repacked and stored Q6_K): how many multiply-adds a second.
 
-    python benchmarks/products.py [--rows 1] [--types ...] [--rounds 7] [--gbytes 1.0] [-t 1]
+    python -m benchmarks.products [--rows 1] [--types ...] [--rounds 7] [--gbytes 1.0] [-t 1]
 
 Prints the CPU, the ggml build and, per type and kernel, the best and median GB/s (and GFLOP/s)
 over the rounds (taken in turns) and the ratio of the medians. Needs shardwire's ggml (kernels/) on a

@@ -1,7 +1,7 @@
 """Where shardwire's per-token decode time goes: py-spy on every process of a 2-worker run,
 and a compute-only timing of the same stages in one process.
 
-    python benchmarks/profile_decode.py [--workload small-f16] [--workers 2] [--steps 400]
+    python -m benchmarks.profile_decode [--workload small-f16] [--workers 2] [--steps 400]
 
 1. Compute only: each worker's stage (the same blocks, dtype, one thread) run in this process
    with T=1 decode inputs; the sum over stages is the arithmetic a decode step cannot avoid.
@@ -26,12 +26,11 @@ import threading
 import time
 from pathlib import Path
 
+from . import models
+from .run import LISTENING, PROGRESS, Server, cores_for, private_state_dir
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from run import LISTENING, PROGRESS, Server, cores_for, private_state_dir  # noqa: E402
-
-import models  # noqa: E402
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 

@@ -8,7 +8,7 @@ runs and one worker is killed with SIGKILL after a number of tokens that changes
 (and so does the worker); the two left take its blocks, the request is replayed and finishes.
 Prints how many runs gave exactly the reference tokens.
 
-    python benchmarks/recovery_exact.py [--runs 20] [--tokens 200] [--model FILE.gguf]
+    python -m benchmarks.recovery_exact [--runs 20] [--tokens 200] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -23,16 +23,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-
-from shardwire.coordinator import Cluster  # noqa: E402
-from shardwire.engine import Engine, Request  # noqa: E402
-from shardwire.formats import open_model  # noqa: E402
-from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire_kit.synthetic import write_random_llama  # noqa: E402
-
-from recovery import SIX_BLOCKS  # noqa: E402
-from workers import WorkerProcess  # noqa: E402
+from shardwire.coordinator import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.sampling import SamplingParams
+from shardwire_kit.synthetic import SIX_BLOCKS, write_random_llama
+from tests.support.workers import WorkerProcess
 
 PROMPT = [5, 17, 300, 42, 7, 100, 3, 99, 123, 456, 8, 250, 11, 19, 204, 77]
 CHUNK = 16

@@ -6,28 +6,24 @@ the model file (--model-dir), so the stages it must take over are read from loca
 streamed. Mid-generation one worker is killed with SIGKILL; the two that are left take its
 blocks, every sequence replays its tokens, and decoding continues.
 
-    python benchmarks/recovery_time.py [--kills 2] [--tokens 96]
+    python -m benchmarks.recovery_time [--kills 2] [--tokens 96]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-
-from shardwire.coordinator import Cluster  # noqa: E402
-from shardwire.engine import Engine, Request  # noqa: E402
-from shardwire.formats import open_model  # noqa: E402
-from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire_kit.synthetic import random_model, tiny_vocab_metadata  # noqa: E402
-from shardwire_kit.writer import write_gguf  # noqa: E402
-
-from workers import WorkerProcess  # noqa: E402
+from shardwire.coordinator import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.sampling import SamplingParams
+from shardwire_kit.synthetic import random_model, tiny_vocab_metadata
+from shardwire_kit.writer import write_gguf
+from tests.support.workers import WorkerProcess
 
 
 def one_b_model(folder: Path) -> Path:

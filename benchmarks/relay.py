@@ -1,7 +1,7 @@
 """A TCP relay that emulates a network link on loopback: a set one-way delay, a bandwidth cap,
 and a byte count per direction.
 
-    python benchmarks/relay.py --target 127.0.0.1:50052 --delay-ms 1 --rate-mbit 1000
+    python -m benchmarks.relay --target 127.0.0.1:50052 --delay-ms 1 --rate-mbit 1000
 
 Every byte that enters one side leaves the other side `delay` seconds after the link finished
 sending it, the link sending at `rate` bytes/s, one direction independent of the other (a

@@ -1,6 +1,6 @@
 """Figures, the markdown table and the plot of a benchmark run, from its results.json.
 
-python benchmarks/report.py benchmarks/results/quick-.../results.json   # re-render
+python -m benchmarks.report benchmarks/results/quick-.../results.json   # re-render
 """
 
 from __future__ import annotations

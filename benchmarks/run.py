@@ -1,8 +1,8 @@
 """Side-by-side benchmark: llama.cpp RPC against shardwire, same work, same machine, one run.
 
-    python benchmarks/run.py --quick          # a few minutes
-    python benchmarks/run.py                  # the full matrix (bounded by --time-limit)
-    python benchmarks/run.py --shardwire-only # no llama.cpp build needed
+    python -m benchmarks.run --quick          # a few minutes
+    python -m benchmarks.run                  # the full matrix (bounded by --time-limit)
+    python -m benchmarks.run --shardwire-only # no llama.cpp build needed
 
 For every cell (a model file, a number of workers, a link) both systems run the same test,
 interleaved A B B A ...:
@@ -45,13 +45,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import models, report
+from .relay import Relay, Shaping
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-import report  # noqa: E402
-from relay import Relay, Shaping  # noqa: E402
-
-import models  # noqa: E402
 
 GBIT = 1e9 / 8
 

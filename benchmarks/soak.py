@@ -9,8 +9,8 @@ Faults (--faults, taken in turn, one every --every seconds):
           worker alike, nothing closed, for the next of --drop-seconds (a relay in front of
           each worker holds the bytes; TCP delivers them late once the route is back)
 
-    python benchmarks/soak.py [--minutes 10]                        # a kill every minute
-    python benchmarks/soak.py --faults kill,freeze,drop --every 40  # all three, mixed
+    python -m benchmarks.soak [--minutes 10]                        # a kill every minute
+    python -m benchmarks.soak --faults kill,freeze,drop --every 40  # all three, mixed
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import itertools
 import os
 import random
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -29,19 +28,16 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-
-from shardwire.coordinator import Cluster  # noqa: E402
-from shardwire.engine import Engine, Request  # noqa: E402
-from shardwire.formats import open_model  # noqa: E402
-from shardwire.pipeline import LocalPipeline  # noqa: E402
-from shardwire.pipeline.loading import load_stage  # noqa: E402
-from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.state import STATE_ENV  # noqa: E402
-from shardwire_kit.synthetic import write_random_llama  # noqa: E402
-
-from freezable_relay import FreezableRelay  # noqa: E402
-from workers import WorkerProcess  # noqa: E402
+from shardwire.coordinator import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
+from shardwire.sampling import SamplingParams
+from shardwire.state import STATE_ENV
+from shardwire_kit.synthetic import write_random_llama
+from tests.support.freezable_relay import FreezableRelay
+from tests.support.workers import WorkerProcess
 
 STREAMS = 4
 FAULTS = ("kill", "freeze", "drop")

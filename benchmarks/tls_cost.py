@@ -5,7 +5,7 @@ both sides), once as started with only a token (TLS by default: certificates mad
 first contact). Decode runs alternate between the two setups (A B A B ...) so that drift
 on a shared machine hits both alike.
 
-    python benchmarks/tls_cost.py [--rounds 4] [--tokens 64]
+    python -m benchmarks.tls_cost [--rounds 4] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -13,20 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-
-from shardwire.coordinator import Cluster  # noqa: E402
-from shardwire.engine import Engine, Request  # noqa: E402
-from shardwire.formats import open_model  # noqa: E402
-from shardwire.sampling import SamplingParams  # noqa: E402
-from shardwire.state import STATE_ENV  # noqa: E402
-from shardwire_kit.synthetic import write_random_llama  # noqa: E402
-
-from workers import WorkerProcess  # noqa: E402
+from shardwire.coordinator import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.formats import open_model
+from shardwire.sampling import SamplingParams
+from shardwire.state import STATE_ENV
+from shardwire_kit.synthetic import write_random_llama
+from tests.support.workers import WorkerProcess
 
 TOKEN = "benchmark-token"
 

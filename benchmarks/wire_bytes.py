@@ -1,8 +1,8 @@
 """shardwire's bytes on the wire per decode step, per stage boundary.
 
-    python benchmarks/wire_bytes.py                       # the benchmark's layouts, computed
-    python benchmarks/wire_bytes.py --dim 8192 --dtype bfloat16 --rows 8
-    python benchmarks/wire_bytes.py --measure MODEL.gguf --workers 2   # counted on real sockets
+    python -m benchmarks.wire_bytes                       # the benchmark's layouts, computed
+    python -m benchmarks.wire_bytes --dim 8192 --dtype bfloat16 --rows 8
+    python -m benchmarks.wire_bytes --measure MODEL.gguf --workers 2   # counted on real sockets
 
 Per decode step every boundary is crossed once:
     coordinator --FORWARD(token ids)--> S1 --FORWARD(hidden)--> S2 ... Sn --RESULT(token ids)--> coordinator
@@ -19,9 +19,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -62,7 +59,7 @@ def per_step(sizes: dict, n_workers: int) -> int:
 def show_computed(args) -> None:
     from shardwire.weights.policy import default_dtype
 
-    import models
+    from . import models
 
     if args.dtype is None:
         args.dtype = default_dtype("cpu")
@@ -91,12 +88,12 @@ def measure(args) -> None:
     import re
     import subprocess
 
-    from relay import Relay
-
     from shardwire.coordinator.launch import add_cluster_args, build_pipeline
     from shardwire.engine import Engine, Request
     from shardwire.formats import open_model
     from shardwire.sampling import GREEDY
+
+    from .relay import Relay
 
     model = open_model(args.measure)
     procs, relays = [], []
@@ -170,7 +167,7 @@ def measure(args) -> None:
 
 
 def main() -> int:
-    from run import private_state_dir
+    from .run import private_state_dir
 
     private_state_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

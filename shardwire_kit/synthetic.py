@@ -533,6 +533,11 @@ TEST_MODELS = {
 }
 
 
+# A random Llama of six blocks that outweigh a small vocabulary, so a memory budget can hold a third of the model
+# and not half.
+SIX_BLOCKS = dict(n_layers=6, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, context_length=512, seed=3)
+
+
 def write_random_llama(path: str | Path, *, weight_type: str = "F32", near_ties: float = 0.0, **layout) -> Path:
     """A llama GGUF with random weights and the tiny test vocabulary; `layout` as random_model takes it.
 

@@ -11,14 +11,12 @@ import time
 
 import pytest
 
+from benchmarks import report
+from benchmarks.relay import Relay, Shaping
+
 from models import model_path
-from paths import REPO
 
 pytestmark = pytest.mark.slow  # worker processes
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import report  # noqa: E402
-from relay import Relay, Shaping  # noqa: E402
 
 
 def _echo_server():
@@ -132,8 +130,7 @@ def test_the_report_gives_the_ratio_of_each_interleaved_pair_of_invocations():
 
 @pytest.mark.parametrize("rows,kind", [(1, "gemv"), (64, "gemm")])
 def test_the_product_benchmark_times_both_kernels_and_names_the_cpu(capsys, monkeypatch, rows, kind):
-    import products
-
+    from benchmarks import products
     from shardwire.weights import ggml_cpu
 
     used = ggml_cpu.own_products_used(kind)

@@ -9,14 +9,13 @@ from shardwire.engine import Engine, Request
 from shardwire.formats import open_model
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
-from shardwire_kit.synthetic import write_random_llama
+from shardwire_kit.synthetic import SIX_BLOCKS, write_random_llama
 
 from models import model_path
 from recovery import (
     CHUNK,
     GREEDY,
     PROMPT,
-    SIX_BLOCKS,
     BreakingPipeline,
     Setup,
     budget_for_a_third,

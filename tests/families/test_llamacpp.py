@@ -3,22 +3,16 @@ llama.cpp's own llama-quantize (Q4_0, Q8_0, Q4_K_M; its width of 128 and FFN of 
 matrices F16 or on llama.cpp's fallback types), compared token by token. Skips unless llama.cpp
 was built by benchmarks/build_llama_cpp.sh."""
 
-import sys
-
 import pytest
-
-from paths import REPO
 
 pytestmark = pytest.mark.slow  # worker processes
 
-BENCHMARKS = REPO / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-numerics = pytest.importorskip("numerics_llamacpp")
+numerics = pytest.importorskip("benchmarks.numerics_llamacpp")
 pytest.importorskip("glassllm")
 if reason := numerics.unavailable():
     pytest.skip(reason, allow_module_level=True)
 
-from packed_models import quantize  # noqa: E402
+from benchmarks.packed_models import quantize  # noqa: E402
 
 STEPS = 64
 NEAR_TIE = 0.05  # logits: where llama.cpp's 8-bit activations may reorder the top two

@@ -1,19 +1,13 @@
 """A few of llama.cpp's own server tests, run against `shardwire serve` through
 benchmarks/llama_server_shim.py: ones known to pass, so that a regression shows. Skipped where
 the suite is not on this machine (benchmarks/build_llama_cpp.sh unpacks it);
-`python benchmarks/llama_server_suite.py` runs the wider selection and explains its failures."""
+`python -m benchmarks.llama_server_suite` runs the wider selection and explains its failures."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from paths import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import llama_server_suite as suite  # noqa: E402
+from benchmarks import llama_server_suite as suite
 
 pytestmark = pytest.mark.slow  # a server process per test
 

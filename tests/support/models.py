@@ -76,13 +76,11 @@ def hf_path(name: str) -> Path:
 def llama_cpp_logits(path: Path, prompt: list[int]):
     """llama.cpp's logits at every position of `prompt` for the file at `path` ([len, vocab]
     float32), where benchmarks/build_llama_cpp.sh built it; else the calling test is skipped."""
-    import sys
 
     import pytest
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    numerics = pytest.importorskip("numerics_llamacpp")
+    numerics = pytest.importorskip("benchmarks.numerics_llamacpp")
     if reason := numerics.unavailable():
         pytest.skip(reason)
     with numerics.LlamaCpp(path, n_ctx=128, threads=1) as llama:

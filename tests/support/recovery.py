@@ -14,7 +14,7 @@ from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline, PipelineError, StepResult
 from shardwire.pipeline.plan import PlanDevice, make_plan
 from shardwire.sampling import SamplingParams
-from shardwire_kit.synthetic import write_random_llama
+from shardwire_kit.synthetic import SIX_BLOCKS, write_random_llama
 
 from freezable_relay import FreezableRelay
 from runs import single_process
@@ -27,11 +27,6 @@ CHUNK = 16
 
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-# Six blocks that outweigh a small vocabulary, so a memory budget can hold a third of the model
-# and not half.
-SIX_BLOCKS = dict(n_layers=6, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, context_length=512, seed=3)
 
 
 @pytest.fixture(scope="module")
