@@ -27,6 +27,21 @@ class Pending:
     dropped: threading.Event = field(default_factory=threading.Event)
 
 
+def shut_down(fd: int) -> None:
+    """Shut a connection's socket down by its descriptor (wrapped in TLS or not): a thread blocked
+    reading or writing it wakes with an error. The caller makes sure `fd` is still that socket."""
+    try:
+        view = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        view.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        view.detach()
+
+
 class Admission:
     def __init__(self, total: int = 64, per_address: int = 8, deadline: float = 5.0):
         self.total, self.per_address, self.deadline = total, per_address, deadline
@@ -75,7 +90,11 @@ class Admission:
             self._remove(entry)
 
     def close(self) -> None:
+        """Drop every unfinished handshake (the worker is closing) and stop the deadline's thread."""
         self._closed.set()
+        with self._lock:
+            for entry in [e for queue in self._pending.values() for e in queue]:
+                self._drop(entry, "the worker is closing")
 
     def _remove(self, entry: Pending) -> bool:
         queue = self._pending.get(entry.address)
@@ -94,16 +113,7 @@ class Admission:
             return
         log.debug("%s: closed before its handshake finished: %s", entry.address, why)
         entry.dropped.set()
-        try:
-            view = socket.socket(fileno=entry.fd)  # the same descriptor, wrapped in TLS or not
-        except OSError:
-            return
-        try:
-            view.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            view.detach()
+        shut_down(entry.fd)
 
     def _reap(self) -> None:
         while not self._closed.wait(min(0.25, self.deadline / 4)):

@@ -46,7 +46,7 @@ from ..wire.messages import (
     parse_message,
 )
 from ..wire.tls import ClientTLS, ServerTLS
-from .admission import Admission, Pending
+from .admission import Admission, Pending, shut_down
 from .assign import PlanRejected, build_ring, check_assign
 from .ring import SPIN_S, Ring, rest
 from .weights import WeightSources
@@ -152,6 +152,9 @@ class Worker:
         self._ring_lock = threading.RLock()
         self._listener: socket.socket | None = None
         self._closing = False
+        self._threads: set[threading.Thread] = set()  # the accepting one and each connection's
+        self._connected: set[int] = set()  # descriptors of authenticated connections still served
+        self._threads_lock = threading.Lock()
         set_threads(threads)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -180,29 +183,47 @@ class Worker:
             if pending is None:
                 sock.close()
                 continue
-            threading.Thread(
-                target=self._serve_connection,
-                args=(sock, addr, pending),
-                daemon=True,
-                name=f"conn-{addr[0]}:{addr[1]}",
-            ).start()
+            self._spawn(self._serve_connection, (sock, addr, pending), f"conn-{addr[0]}:{addr[1]}")
+
+    def _spawn(self, target, args: tuple, name: str) -> threading.Thread:
+        def run():
+            try:
+                target(*args)
+            finally:
+                with self._threads_lock:
+                    self._threads.discard(threading.current_thread())
+
+        t = threading.Thread(target=run, daemon=True, name=name)
+        with self._threads_lock:  # started (Thread.start waits for that) before close() can see it
+            self._threads.add(t)
+            t.start()
+        return t
 
     def start(self) -> threading.Thread:
         if self._listener is None:
             self.bind()
-        t = threading.Thread(target=self.serve_forever, name="shardwire-worker", daemon=True)
-        t.start()
-        return t
+        return self._spawn(self.serve_forever, (), "shardwire-worker")
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop accepting, release the stages, and wait up to `wait_s` for the threads serving
+        connections (their peers have closed or been told to) to end: a process that exits with
+        one still inside a socket or a kernel can abort in the interpreter's shutdown."""
         self._closing = True
         self._admission.close()
         if self._listener is not None:
-            try:
-                self._listener.close()
-            except OSError:
-                pass
+            for stop in (lambda: self._listener.shutdown(socket.SHUT_RDWR), self._listener.close):
+                try:  # shutdown wakes a thread blocked in accept(); close alone does not on Linux
+                    stop()
+                except OSError:
+                    pass
         self._release()
+        deadline = time.monotonic() + wait_s
+        with self._threads_lock:
+            for fd in self._connected:
+                shut_down(fd)
+            others = [t for t in self._threads if t is not threading.current_thread()]
+        for t in others:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def describe(self) -> Devices:
         devices = []
@@ -228,7 +249,7 @@ class Worker:
     def _serve_connection(self, sock: socket.socket, addr, pending: Pending) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         conn = Connection(sock, peer, self.limits)
-        slot = False
+        slot, served = False, None
         try:
             tune(sock)
             sock.settimeout(self.handshake_timeout)
@@ -259,6 +280,11 @@ class Worker:
             # connection silent for this long is half-open.
             sock.settimeout(self.idle_timeout)
             log.info("%s connected as %s", peer, hello.role)
+            with self._threads_lock:
+                if self._closing:
+                    return
+                served = sock.fileno()
+                self._connected.add(served)
             self._read_loop(conn, hello.role)
         except (ConnectionError, TimeoutError, socket.timeout) as e:
             if isinstance(e, AuthError):
@@ -277,6 +303,8 @@ class Worker:
             conn.send_error("internal", "internal error")
         finally:
             self._admission.finished(pending)
+            with self._threads_lock:  # before the descriptor is closed and may be reused
+                self._connected.discard(served)
             conn.close()
             if slot:
                 self._slots.release()
