@@ -6,7 +6,8 @@
 #   bash benchmarks/build_llama_cpp.sh            # builds once, then prints the cached prefix
 #   LLAMA_CPP_CACHE=/some/dir bash benchmarks/...  # choose where
 #
-# Produces $PREFIX/bin/{ggml-rpc-server,llama-bench,llama-cli,llama-server,llama-quantize},
+# Produces $PREFIX/bin/{ggml-rpc-server,llama-bench,llama-cli,llama-completion,llama-server,
+# llama-quantize,llama-imatrix},
 # $PREFIX/lib/libllama.so (+ ggml libs) and $PREFIX/python/llama_cpp (the ctypes bindings of
 # the same version, used with LLAMA_CPP_LIB_PATH=$PREFIX/lib).
 set -euo pipefail
@@ -18,7 +19,8 @@ STAMP="$PREFIX/.built"
 # Flags that keep -march=native off what this CPU lists and cannot run (AMX on some hosts), as
 # shardwire's own ggml build chooses them (kernels/cpu_probe.py).
 EXTRA_FLAGS=$(python3 "$(dirname "$0")/../kernels/cpu_probe.py")
-CONFIG="version=$VERSION native=ON extra=[$EXTRA_FLAGS]"
+TOOLS="ggml-rpc-server llama-bench llama-cli llama-completion llama-server llama-quantize llama-imatrix"
+CONFIG="version=$VERSION native=ON extra=[$EXTRA_FLAGS] tools=[$TOOLS]"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$CONFIG" ]; then echo "$PREFIX"; exit 0; fi
 
 mkdir -p "$CACHE/src"
@@ -36,11 +38,11 @@ cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON \
   -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS" \
   -DCMAKE_INSTALL_PREFIX="$PREFIX" -DCMAKE_INSTALL_RPATH="$PREFIX/lib" >&2
-cmake --build "$BUILD" -j "$(nproc)" --target ggml-rpc-server llama-bench llama-cli \
-  llama-completion llama-server llama-quantize >&2
+# shellcheck disable=SC2086
+cmake --build "$BUILD" -j "$(nproc)" --target $TOOLS >&2
 
 mkdir -p "$PREFIX/bin" "$PREFIX/lib" "$PREFIX/python"
-for t in ggml-rpc-server llama-bench llama-cli llama-completion llama-server llama-quantize; do
+for t in $TOOLS; do
   cp "$BUILD/bin/$t" "$PREFIX/bin/"
 done
 find "$BUILD" -name '*.so*' -exec cp -P {} "$PREFIX/lib/" \;

@@ -21,19 +21,30 @@ ONE_B = dict(arch="llama", n_layers=22, dim=2048, n_heads=32, n_kv_heads=4, ffn_
 SMALL = dict(arch="llama", n_layers=4, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1408, context_length=1024)
 
 
-def quantize(src: Path, dst: Path, kind: str) -> Path:
-    """llama-quantize src -> dst (kind: Q4_0, Q8_0, Q4_K_M, ...); --allow-requantize is not needed
-    for an F16 or F32 source."""
+# Text llama-imatrix runs the model over to weigh each column's importance: this repository's README
+CALIBRATION = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _tool(name: str, *args: str) -> None:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_CPP / "lib"))
+    done = subprocess.run([str(LLAMA_CPP / "bin" / name), *args], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name} {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+
+
+def importance_matrix(src: Path, dst: Path, ctx: int = 128, chunks: int = 8) -> Path:
+    """llama-imatrix over CALIBRATION: the importance matrix the IQ1/IQ2 types need."""
     if not dst.exists():
-        tool = LLAMA_CPP / "bin" / "llama-quantize"
-        env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_CPP / "lib"))
-        subprocess.run(
-            [str(tool), str(src), str(dst), kind],
-            check=True,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        _tool("llama-imatrix", "-m", str(src), "-f", str(CALIBRATION), "-o", str(dst), "-c", str(ctx),
+              "--chunks", str(chunks), "-t", str(os.cpu_count() or 1))  # fmt: skip
+    return dst
+
+
+def quantize(src: Path, dst: Path, kind: str, imatrix: Path | None = None) -> Path:
+    """llama-quantize src -> dst (kind: Q4_0, Q8_0, Q4_K_M, IQ2_XXS, MXFP4_MOE, ...), with an importance
+    matrix where given; --allow-requantize is not needed for an F16 or F32 source."""
+    if not dst.exists():
+        _tool("llama-quantize", *(["--imatrix", str(imatrix)] if imatrix else []), str(src), str(dst), kind)
     return dst
 
 

@@ -23,7 +23,12 @@ PRODUCT_SOURCES = ("shardwire", "ggml")
 
 # Tensor types as GGUF stores them.
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
-QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Blocks of small integers with a scale (and offset) per group: weights/codecs.py decodes them in torch
+GROUPED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Blocks whose values come from a fixed table (a lattice or a 4-bit float): held as stored and
+# multiplied by ggml's kernels, or dequantized to the compute dtype where those do not run
+CODEBOOK_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4")
+QUANT_TYPES = GROUPED_TYPES + CODEBOOK_TYPES
 STORED_TYPES = PLAIN_TYPES + QUANT_TYPES
 
 PAGE = 16  # positions per KV page: what a sequence's cache grows by and prefix reuse shares

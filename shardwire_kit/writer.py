@@ -11,6 +11,7 @@ ordering rules; it is test tooling outside the runtime package, read when a form
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from gguf import (
 from gguf import quants as gguf_quants
 
 from shardwire.config import ModelConfig
+from shardwire.enums import CODEBOOK_TYPES
 from shardwire.formats.names import EXPERT_MATRICES, expert_name
 from shardwire.formats.safetensors import hf_name
 from shardwire.models import FAMILIES, qwen35
@@ -62,6 +64,16 @@ _FILE_TYPES = {
     "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
     "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
     "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+    "IQ1_S": LlamaFileType.MOSTLY_IQ1_S,
+    "IQ1_M": LlamaFileType.MOSTLY_IQ1_M,
+    "IQ2_XXS": LlamaFileType.MOSTLY_IQ2_XXS,
+    "IQ2_XS": LlamaFileType.MOSTLY_IQ2_XS,
+    "IQ2_S": LlamaFileType.MOSTLY_IQ2_S,
+    "IQ3_XXS": LlamaFileType.MOSTLY_IQ3_XXS,
+    "IQ3_S": LlamaFileType.MOSTLY_IQ3_S,
+    "IQ4_NL": LlamaFileType.MOSTLY_IQ4_NL,
+    "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS,
+    "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 WEIGHT_TYPES = tuple(_FILE_TYPES)
 
@@ -286,6 +298,28 @@ _K_QUANTIZERS = {
 }
 
 
+def _quantized_by_ggml(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Rows encoded by ggml's own quantizer (the one llama-quantize calls). The types that need an
+    importance matrix get every column weighted alike: these files test reading, not quality."""
+    from shardwire._ggml import ggml  # built by shardwire's install; the codebook types need it
+
+    n, k = rows.shape
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    out = np.empty((n, k // block * type_size), dtype=np.uint8)
+    importance = np.ones(k, dtype=np.float32) if ggml.ggml_quantize_requires_imatrix(int(qtype)) else None
+    as_floats = ctypes.POINTER(ctypes.c_float)
+    ggml.ggml_quantize_chunk(
+        int(qtype),
+        rows.ctypes.data_as(as_floats),
+        out.ctypes.data_as(ctypes.c_void_p),
+        0,
+        n,
+        k,
+        None if importance is None else importance.ctypes.data_as(as_floats),
+    )
+    return out
+
+
 def quantize(data: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
     """Encode a float32 array as GGML type `type_name` (rows along the last axis).
 
@@ -297,6 +331,9 @@ def quantize(data: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantiza
     data = np.ascontiguousarray(data, dtype=np.float32)
     if data.shape[-1] % block:
         qtype = GGMLQuantizationType.F16
+    if type_name in CODEBOOK_TYPES:
+        encoded = _quantized_by_ggml(data.reshape(-1, data.shape[-1]), qtype)
+        return encoded.reshape(*data.shape[:-1], data.shape[-1] // block * type_size), qtype
     if qtype in _K_QUANTIZERS:
         blocks = data.reshape(-1, QK_K)
         # A few thousand blocks at a time keeps the search's temporaries small.

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..enums import STORED_TYPES
 from .tensors import TensorInfo
 
 MAGIC = b"GGUF"
@@ -153,6 +154,11 @@ def _parse(cur: _Cursor, file_size: int) -> GGUFFile:
             qtype = GGMLQuantizationType(ggml_type)
         except ValueError:
             raise GGUFError(f"{path}: tensor '{name}' has unknown ggml type {ggml_type}") from None
+        if qtype.name not in STORED_TYPES:
+            raise GGUFError(
+                f"{path}: tensor '{name}' is stored as {qtype.name}, a type shardwire does not read "
+                f"(it reads {', '.join(STORED_TYPES)})"
+            )
         block, type_size = GGML_QUANT_SIZES[qtype]
         if dims and dims[0] % block:
             raise GGUFError(

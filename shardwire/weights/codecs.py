@@ -1,6 +1,6 @@
-"""GGUF's stored blocks, decoded: plain tensors viewed, quantized ones dequantized or split into
-`Groups` (small integers with a scale and offset per group of columns), in numpy or in torch
-on any device, bit for bit what gguf.quants.dequantize gives."""
+"""GGUF's stored blocks, decoded: plain tensors viewed, quantized ones dequantized (every type, by
+gguf's dequantizers: bit for bit ggml's own) or, for the grouped types, split into `Groups` (small
+integers with a scale and offset per group of columns) in torch on any device."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from ..enums import PLAIN_TYPES, STORED_TYPES
+from ..enums import GROUPED_TYPES, PLAIN_TYPES, STORED_TYPES
 
 # Plain types are viewed directly; everything else goes through gguf's dequantizers.
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -198,10 +198,13 @@ _DECODERS = {
     "Q5_K": (_q5_k, 32, 0, 5),
     "Q6_K": (_q6_k, 16, -32, 6),
 }
+assert set(_DECODERS) == set(GROUPED_TYPES)
 
 
 def unpack(raw: torch.Tensor, dtype: str) -> Groups:
-    """Stored rows (uint8 [N, bytes per row], any device) -> Groups."""
+    """Stored rows of a grouped type (uint8 [N, bytes per row], any device) -> Groups."""
+    if dtype not in _DECODERS:
+        raise QuantError(f"{dtype} blocks are not scaled groups of integers: they are read by ggml or dequantized")
     decode, group, lo, bits = _DECODERS[dtype]
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[dtype]]
     N = raw.shape[0]

@@ -36,6 +36,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from ..enums import GROUPED_TYPES
 from .codecs import PLAIN
 from .packed import GGUFLinear
 
@@ -245,7 +246,12 @@ class GGMLLinear(GGUFLinear):
     def _rows(self, index) -> torch.Tensor:
         if self.stored in PLAIN:
             return self.raw[index].view(PLAIN[self.stored]).float()
-        return super().gather(index)
+        if self.stored in GROUPED_TYPES:
+            return super().gather(index)
+        rows = self.raw[index].contiguous()  # read by ggml's own dequantizer (no torch decoder reads these)
+        out = torch.empty(rows.shape[0], self.in_features, dtype=torch.float32)
+        self._graph("copy", rows.shape[0], rows.shape[0]).run(rows.data_ptr(), out.data_ptr(), out.data_ptr())
+        return out
 
     def dequantize(self, a=0, b=None):
         return self._chunk(a, self.out_features if b is None else b).clone()

@@ -303,7 +303,11 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
         return {}
     prompt_products(device, dtype)
     row_products(device, dtype)
-    measured = _remembered(_key(dtype), lambda: measure(dtype), lambda m: _chooses(m, WEIGHT_FORMATS))
+    measured = _remembered(
+        _key(dtype),
+        lambda: measure(dtype),
+        lambda m: _chooses(m, WEIGHT_FORMATS) and set(MEASURED_TYPES) <= set(m),  # an older version's lacks types
+    )
     return {stored: entry["fastest"] for stored, entry in measured.items()}
 
 

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from ..enums import STAGE_WEIGHT_MODES, WEIGHT_MODES
+from ..enums import CODEBOOK_TYPES, STAGE_WEIGHT_MODES, WEIGHT_MODES
 from . import ggml_cpu
 from .codecs import PLAIN, stored_nbytes
 from .kernels import GROUP, padded_rows
@@ -85,6 +85,8 @@ def matrix_format(
         return fastest[stored]
     if stored in PLAIN:
         return "dense"
+    if stored in CODEBOOK_TYPES:  # ggml's kernels, where they run here; no PyTorch kernel reads these blocks
+        return fastest[stored] if fastest.get(stored) in ("ggml", "repacked") else "dense"
     if mode == "fast" and not kernels:
         return "dense"
     fmt = (COMPACT if mode == "compact" else FAST)[stored]
@@ -127,8 +129,11 @@ def weight_formats(
         fmt = matrix_format(info.dtype, tuple(info.shape), mode, kernels, fastest)
         if name == "token_embd.weight" and not tied_head and fmt not in ("dense", "gguf"):
             # an embedding only gathers rows: the stored blocks serve it as they are (a plain
-            # type's rows through ggml's module, which reads them without a converted copy)
-            if info.dtype not in PLAIN:
+            # type's rows and a codebook type's through ggml's module, which reads them without a
+            # converted copy)
+            if info.dtype in CODEBOOK_TYPES:
+                fmt = "ggml"
+            elif info.dtype not in PLAIN:
                 fmt = "gguf"
             elif fmt != "ggml":
                 fmt = "dense"
@@ -137,7 +142,8 @@ def weight_formats(
     # repacked layout)
     head = out.get("token_embd.weight")
     if first and tied_head and (head == "repacked" or head in ("int4", "int8x2") and device_type != "cpu"):
-        out[EMBEDDING] = "gguf"
+        stored = tensors["token_embd.weight"].dtype
+        out[EMBEDDING] = "ggml" if stored in CODEBOOK_TYPES else "gguf"
     return out
 
 
