@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .packed_models import importance_matrix
+
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("SHARDWIRE_BENCH_CACHE", Path.home() / ".cache" / "shardwire" / "bench"))
 # Bump when a layout or the way files are made changes, so stale files are not reused.
@@ -80,7 +82,7 @@ LAYOUTS = {
 class Workload:
     name: str  # e.g. "1b-q4_0"
     layout: str
-    type: str  # storage type of the matrices: F32, F16, Q8_0, Q4_0, Q4_K
+    type: str  # storage type of the matrices: F32, F16, Q8_0, Q4_0, Q4_K, IQ4_XS, IQ2_XXS
 
     @property
     def path(self) -> Path:
@@ -96,6 +98,10 @@ WORKLOADS = {
         Workload("1b-q4_0", "1b", "Q4_0"),
         Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
         Workload("1b-f16", "1b", "F16"),
+        # the codebook types of unsloth's big-MoE files, llama-quantize's recipes with an importance
+        # matrix from llama-imatrix (IQ2_XXS needs one)
+        Workload("1b-iq4_xs", "1b", "IQ4_XS"),
+        Workload("1b-iq2_xxs", "1b", "IQ2_XXS"),
         Workload("moe-q4_0", "moe", "Q4_0"),
         Workload("moe-q8_0", "moe", "Q8_0"),
         Workload("moe-q4_k", "moe", "Q4_K"),  # llama-quantize's Q4_K_M mix, as MoE users download
@@ -108,6 +114,7 @@ WORKLOADS = {
 
 # llama-quantize's names for the types (Q4_K means its Q4_K_M recipe, what users download).
 _QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16", "F32": "F32"}
+_IMPORTANCE = ("IQ4_XS", "IQ2_XXS")  # quantized with an importance matrix (llama-imatrix over the README)
 
 
 def llama_cpp_prefix(build: bool = True) -> Path | None:
@@ -153,12 +160,17 @@ def ensure(workload: Workload, prefix: Path | None) -> Path:
     tmp = path.with_suffix(".tmp.gguf")
     if prefix is not None:
         print(f"quantizing {path.name} with llama-quantize ...", file=sys.stderr, flush=True)
+        importance = []
+        if workload.type in _IMPORTANCE:
+            imatrix = importance_matrix(f16, f16.with_suffix(".imatrix.gguf"), prefix=prefix)
+            importance = ["--imatrix", str(imatrix)]
         subprocess.run(
             [
                 str(prefix / "bin" / "llama-quantize"),
+                *importance,
                 str(f16),
                 str(tmp),
-                _QUANTIZE_NAME[workload.type],
+                _QUANTIZE_NAME.get(workload.type, workload.type),
                 str(os.cpu_count() or 1),
             ],
             check=True,

@@ -25,18 +25,18 @@ SMALL = dict(arch="llama", n_layers=4, dim=512, n_heads=8, n_kv_heads=4, ffn_dim
 CALIBRATION = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _tool(name: str, *args: str) -> None:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_CPP / "lib"))
-    done = subprocess.run([str(LLAMA_CPP / "bin" / name), *args], env=env, capture_output=True, text=True)
+def _tool(name: str, *args: str, prefix: Path = LLAMA_CPP) -> None:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(prefix / "lib"))
+    done = subprocess.run([str(prefix / "bin" / name), *args], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{name} {' '.join(args)} failed:\n{done.stderr[-2000:]}")
 
 
-def importance_matrix(src: Path, dst: Path, ctx: int = 128, chunks: int = 8) -> Path:
+def importance_matrix(src: Path, dst: Path, ctx: int = 128, chunks: int = 8, prefix: Path = LLAMA_CPP) -> Path:
     """llama-imatrix over CALIBRATION: the importance matrix the IQ1/IQ2 types need."""
     if not dst.exists():
         _tool("llama-imatrix", "-m", str(src), "-f", str(CALIBRATION), "-o", str(dst), "-c", str(ctx),
-              "--chunks", str(chunks), "-t", str(os.cpu_count() or 1))  # fmt: skip
+              "--chunks", str(chunks), "-t", str(os.cpu_count() or 1), prefix=prefix)  # fmt: skip
     return dst
 
 
