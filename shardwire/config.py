@@ -4,8 +4,14 @@ and interprets the fields that are its own."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 where nothing is stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 class ConfigError(ValueError):
@@ -34,8 +40,24 @@ class ModelConfig:
     expert_ffn_dim: int = 0
     expert_norm: bool = True
     dense_blocks: tuple[int, ...] = ()  # blocks with a dense FFN in a mixture-of-experts model
-    shared_expert_ffn_dim: int = 0  # an expert every token runs, its output gated by a sigmoid (Qwen2-MoE)
+    shared_expert_ffn_dim: int = 0  # an expert every token runs (behind a sigmoid gate where the block has one)
+    # Routing by sigmoid scores (GLM-4.5, DeepSeek-V3) rather than a softmax: a learned bias per expert
+    # (exp_probs_b) is added where experts are chosen, only among the expert_groups_used best of
+    # expert_groups groups (a group scored by its two best), and the chosen ones' unbiased scores
+    # (renormalized when expert_norm) times expert_weights_scale weigh their outputs
+    expert_gating: str = "softmax"  # softmax | sigmoid
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    expert_weights_scale: float = 1.0
     rope_dim: int = 0  # dimensions of each head RoPE rotates (the first ones); 0: all of head_dim
+    qk_norm: bool = False  # an RMS norm on each query and key head, where the family leaves it to the config (GLM)
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), where kv_lora_rank > 0: queries through
+    # a q_lora_rank bottleneck (0: one projection), keys and values from a kv_lora_rank latent per
+    # position that is all the cache keeps beside the rope_dim part of the key every head shares;
+    # head_dim is a query/key head's width (rope_dim of it rotated), v_head_dim a value head's.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
     # Gated delta-net blocks (Qwen3.5): a causal convolution of ssm_conv_kernel taps over q, k, v,
     # then the delta rule over ssm_k_heads query/key heads of ssm_k_dim and ssm_v_heads value heads
     # of ssm_v_dim; the other blocks are gated full attention.
@@ -79,14 +101,37 @@ class ModelConfig:
                 f"model config: {self.n_experts} experts need 1 to {self.n_experts} used per token and an expert "
                 f"FFN size, got {self.n_experts_used} used and size {self.expert_ffn_dim}"
             )
+        if self.expert_gating not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model config: expert_gating must be softmax or sigmoid, got {self.expert_gating!r}")
+        if not (0 < self.expert_groups_used <= self.expert_groups and self.n_experts % self.expert_groups == 0):
+            raise ConfigError(
+                f"model config: {self.n_experts} experts in {self.expert_groups} groups, of which "
+                f"{self.expert_groups_used} are used, do not divide evenly"
+            )
         if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ConfigError(
                 f"model config: rope_dim {self.rope_dim} must be even and at most head_dim {self.head_dim}"
             )
-        if self.rope_scaling is not None and self.rope_scaling.get("type") not in ("linear", "llama3"):
+        if self.rope_scaling is not None and self.rope_scaling.get("type") not in ("linear", "llama3", "yarn"):
             raise ConfigError(
-                f"model config: unsupported rope scaling {self.rope_scaling!r} (supported: linear, llama3)"
+                f"model config: unsupported rope scaling {self.rope_scaling!r} (supported: linear, llama3, yarn)"
             )
+        if self.rope_scaling is not None and self.rope_scaling.get("type") == "yarn" and not self.kv_lora_rank:
+            raise ConfigError("model config: rope scaling yarn is supported with latent attention (DeepSeek) only")
+        if self.kv_lora_rank and not (self.rope_dim and self.v_head_dim > 0 and self.q_lora_rank >= 0):
+            raise ConfigError(
+                f"model config: latent attention needs a rotated part and value heads, got rope_dim {self.rope_dim}"
+                f" and v_head_dim {self.v_head_dim}"
+            )
+
+    @property
+    def cache_widths(self) -> tuple[int, int, int]:
+        """What the KV cache keeps per position and attention block: (heads, key width, value width).
+        Latent attention keeps one latent and the shared rotated key part, and no values (they are
+        read out of the latent), as llama.cpp's cache does."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.rope_dim, 0
+        return self.n_kv_heads, self.head_dim, self.head_dim
 
     def sliding(self, block: int) -> bool:
         """Whether `block` attends to a sliding window of positions."""

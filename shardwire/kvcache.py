@@ -151,18 +151,25 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         recurrent: RecurrentState | None = None,
+        v_dim: int | None = None,
     ):
-        """`recurrent`: the state of the stage's delta-net blocks, kept (and counted) with it."""
+        """`recurrent`: the state of the stage's delta-net blocks, kept (and counted) with it;
+        `v_dim`: a value's width where it is not a key's (0: no values are kept, latent attention)."""
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.v_dim = head_dim if v_dim is None else v_dim
         self.n_pages, self.dtype, self.device = n_pages, dtype, device
-        self.k = self.v = torch.zeros((n_layers, n_kv_heads, 0, head_dim), dtype=dtype, device=device)
+        self.k = torch.zeros((n_layers, n_kv_heads, 0, head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros((n_layers, n_kv_heads, 0, self.v_dim), dtype=dtype, device=device)
         self.recurrent = recurrent
 
     @staticmethod
-    def nbytes_for(n_layers: int, n_kv_heads: int, n_pages: int, head_dim: int, dtype: torch.dtype) -> int:
+    def nbytes_for(
+        n_layers: int, n_kv_heads: int, n_pages: int, head_dim: int, dtype: torch.dtype, v_dim: int | None = None
+    ) -> int:
         """The most the pool holds."""
         size = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layers * n_kv_heads * n_pages * PAGE * head_dim * size
+        widths = head_dim + (head_dim if v_dim is None else v_dim)
+        return n_layers * n_kv_heads * n_pages * PAGE * widths * size
 
     @property
     def capacity(self) -> int:
@@ -180,9 +187,9 @@ class KVCache:
         if n_pages <= self.capacity:
             return
         grown = min(self.n_pages, max(n_pages, 2 * self.capacity))
-        shape = (self.n_layers, self.n_kv_heads, grown * PAGE, self.head_dim)
-        for name in ("k", "v"):
+        for name, width in (("k", self.head_dim), ("v", self.v_dim)):
             old = getattr(self, name)
+            shape = (self.n_layers, self.n_kv_heads, grown * PAGE, width)
             new = torch.zeros(shape, dtype=self.dtype, device=self.device)
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
@@ -190,28 +197,28 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: Addresses) -> None:
         """Store k, v ([B, KV, T, D]) where `at` says."""
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        if isinstance(at.write, slice):
-            k_pool[:, at.write] = k[0]
-            v_pool[:, at.write] = v[0]
-        else:  # index_copy_ and index_select: several times faster than indexing with a tensor
-            H, D = k.shape[1], k.shape[3]
-            k_pool.index_copy_(1, at.write, k.transpose(0, 1).reshape(H, -1, D).to(self.dtype))
-            v_pool.index_copy_(1, at.write, v.transpose(0, 1).reshape(H, -1, D).to(self.dtype))
+        pools = [(self.k[layer], k)] + ([(self.v[layer], v)] if self.v_dim else [])
+        for pool, new in pools:
+            if isinstance(at.write, slice):
+                pool[:, at.write] = new[0]
+            else:  # index_copy_ and index_select: several times faster than indexing with a tensor
+                H, D = new.shape[1], new.shape[3]
+                pool.index_copy_(1, at.write, new.transpose(0, 1).reshape(H, -1, D).to(self.dtype))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: Addresses) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([B, KV, T, D]) where `at` says; return each row's keys and values up to
         the step's last position, ([B, KV, n_keys, D], same)."""
         self.write(layer, k, v, at)
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        if isinstance(at.read, slice):
-            keys, values = k_pool[None, :, at.read], v_pool[None, :, at.read]
-        else:
-            shape = (k_pool.shape[0], *at.read.shape, k_pool.shape[2])
-            positions = at.read.flatten()
-            keys = torch.index_select(k_pool, 1, positions).view(shape).transpose(0, 1)
-            values = torch.index_select(v_pool, 1, positions).view(shape).transpose(0, 1)
+        keys, values = self._read(self.k[layer], at), self._read(self.v[layer], at) if self.v_dim else v
         return keys.to(k.dtype), values.to(v.dtype)
+
+    @staticmethod
+    def _read(pool: torch.Tensor, at: Addresses) -> torch.Tensor:
+        """Each row's entries of one layer's pool [KV, positions, D] up to the step's last position."""
+        if isinstance(at.read, slice):
+            return pool[None, :, at.read]
+        shape = (pool.shape[0], *at.read.shape, pool.shape[2])
+        return torch.index_select(pool, 1, at.read.flatten()).view(shape).transpose(0, 1)
 
     @staticmethod
     def rows_for(slots: list[int], device) -> slice | torch.Tensor:
@@ -288,5 +295,6 @@ def stage_cache_nbytes(cfg: ModelConfig, start: int, end: int, n_slots: int, n_p
     """The most the caches of blocks [start, end) computing in `dtype` hold: keys and values of
     the attention blocks in a pool of `n_pages`, the recurrent state of the delta-net ones."""
     n_linear = sum(cfg.linear(b) for b in range(start, end))
-    kv = KVCache.nbytes_for(end - start - n_linear, cfg.n_kv_heads, n_pages, cfg.head_dim, kv_dtype(dtype))
+    heads, k_dim, v_dim = cfg.cache_widths
+    kv = KVCache.nbytes_for(end - start - n_linear, heads, n_pages, k_dim, kv_dtype(dtype), v_dim)
     return kv + (RecurrentState.nbytes_for(cfg, n_linear, n_slots, dtype) if n_linear else 0)

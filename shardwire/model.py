@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, yarn_mscale
 from .deltanet import GatedDeltaNet
 from .devices import attention_without_cudnn
 from .enums import pages_for
@@ -30,6 +30,7 @@ from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
 from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pool_pages
 from .linear import Linear, Weight, fused, linear
 from .models import BlockVariant, variant
+from .models.blocks import CHOICE_BIAS
 
 
 class RMSNorm(nn.Module):
@@ -94,6 +95,8 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None) -> torch.
         return inv_freq / freq_factors.float()
     if scaling.get("type") == "linear":
         return inv_freq / scaling["factor"]
+    if scaling.get("type") == "yarn":
+        return yarn_inv_freq(inv_freq, cfg, scaling)
     if scaling.get("type") == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_ctx = scaling["original_max_position_embeddings"]
@@ -103,6 +106,21 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None) -> torch.
         medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
     return inv_freq
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig, scaling: dict) -> torch.Tensor:
+    """YaRN: the fast-turning pairs as trained, the slow ones interpolated by `factor`, a linear ramp
+    between the pairs that turn beta_fast and beta_slow times over the original context."""
+    dim, base, factor = cfg.rope_dim or cfg.head_dim, cfg.rope_theta, scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+
+    def pair_turning(times: float) -> float:  # the pair index whose wave turns `times` over the context
+        return dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_turning(scaling.get("beta_fast", 32.0))), 0)
+    high = min(math.ceil(pair_turning(scaling.get("beta_slow", 1.0))), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -237,6 +255,71 @@ class Attention(nn.Module):
         return out
 
 
+def _dense(weight: Weight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+
+
+def _pairs_apart(x: torch.Tensor) -> torch.Tensor:
+    """A head's rotated part stored as DeepSeek trains it, (x0, x1) (x2, x3) ... each pair one
+    frequency, laid out as rotate-half RoPE (apply_rope) reads it: the pairs' first elements, then
+    their second. Queries and keys are reordered alike, so their products do not change."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2). Each position's keys and values come
+    out of one latent of kv_lora_rank values (normed) and one rotated key part every head shares,
+    and those are all the cache keeps (ModelConfig.cache_widths). Attention runs in absorbed form,
+    as llama.cpp's does: each head's query is taken into the latent space through that head's key
+    matrix, attends over the cached latents with the shared rotated part (one key head), and the
+    latent it reads out goes through the head's value matrix."""
+
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
+        super().__init__()
+        self.n_heads, self.rope_dim, self.latent = cfg.n_heads, cfg.rope_dim, cfg.kv_lora_rank
+        self.nope, self.v_dim = cfg.head_dim - cfg.rope_dim, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            self.wq_a, self.wq_b = linear(w["attn_q_a.weight"]), linear(w["attn_q_b.weight"])
+            self.q_a_norm = RMSNorm(w["attn_q_a_norm.weight"], cfg.norm_eps)
+        else:
+            self.wq = linear(w["attn_q.weight"])
+        self.wkv_a = linear(w["attn_kv_a_mqa.weight"])
+        self.kv_a_norm = RMSNorm(w["attn_kv_a_norm.weight"], cfg.norm_eps)
+        if "attn_k_b.weight" in w:  # as today's converter splits kv_b: [H, latent, nope] and [H, v, latent]
+            self.k_b, self.v_b = _dense(w["attn_k_b.weight"]), _dense(w["attn_v_b.weight"])
+        else:  # transformers' kv_b_proj: each head's key rows, then its value rows
+            kv_b = _dense(w["attn_kv_b.weight"]).view(self.n_heads, self.nope + self.v_dim, self.latent)
+            self.k_b = kv_b[:, : self.nope].transpose(1, 2).contiguous()
+            self.v_b = kv_b[:, self.nope :].contiguous()
+        self.wo = linear(w["attn_output.weight"])
+        scaling = cfg.rope_scaling or {}
+        stretched = scaling.get("type") == "yarn"
+        # YaRN's temperature: on the scores (mscale_all_dim, squared) and on the rotated parts
+        mscale = yarn_mscale(scaling["factor"], scaling.get("mscale_all_dim", 0.0)) if stretched else 1.0
+        self.scale = cfg.head_dim**-0.5 * mscale * mscale
+        self.rope_gain = scaling.get("attention_factor", 1.0) if stretched else 1.0
+
+    def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, R = self.n_heads, self.rope_dim
+        q = self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        q_nope, q_rot = q.view(B, T, H, self.nope + R).split([self.nope, R], dim=-1)
+        latent, k_rot = self.wkv_a(x).split([self.latent, R], dim=-1)
+        cos, sin = ctx.rope
+        q_rot = apply_rope(_pairs_apart(q_rot), cos, sin)
+        k_rot = apply_rope(_pairs_apart(k_rot)[:, :, None], cos, sin)
+        if self.rope_gain != 1.0:
+            q_rot, k_rot = q_rot * self.rope_gain, k_rot * self.rope_gain
+        new = torch.cat((self.kv_a_norm(latent)[:, :, None], k_rot), dim=-1).transpose(1, 2)  # [B, 1, T, latent + R]
+        keys, _ = cache.update(layer, new, new[..., :0], ctx.at)
+        absorbed = torch.einsum("bthn,hln->bhtl", q_nope, self.k_b.to(q.dtype))
+        query = torch.cat((absorbed, q_rot.transpose(1, 2)), dim=-1)
+        half = cache.dtype == torch.float16
+        read = attention(query, keys, keys[..., : self.latent], ctx, half, self.scale)  # [B, H, T, latent]
+        out = torch.einsum("bhtl,hvl->bthv", read, self.v_b.to(read.dtype))
+        return self.wo(out.reshape(B, T, H * self.v_dim))
+
+
 def attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -246,7 +329,8 @@ def attention(
     scale: float | None = None,
     window: int = 0,
 ) -> torch.Tensor:
-    """Scaled dot-product attention of queries [B, H, T, D] over [B, KV, n, D]. In float32 on a
+    """Scaled dot-product attention of queries [B, H, T, D] over keys [B, KV, n, D] and values
+    [B, KV, n, Dv] (Dv: D but for latent attention). In float32 on a
     CPU each query row is computed alone over exactly the keys it sees, as two small matrix
     products: no row's result depends on the other rows of its step, so a prompt leaves the same
     keys and values however it was cut into chunks and whatever part of it was cached, and a
@@ -256,13 +340,13 @@ def attention(
     scaled by `scale` (default 1 / sqrt(D)); `window`: each query sees only the last that many
     positions."""
     B, H, T, D = q.shape
-    KV = keys.shape[1]
+    KV, Dv = keys.shape[1], values.shape[-1]
     scale = scale or D**-0.5
     if q.dtype == torch.float32 and q.device.type == "cpu":
         if B == 1 and T == 1:  # one sequence's decode step sees every key it was given (its window's)
             seen = slice(-window, None) if window else slice(None)
-            return _one_query(q[0, :, 0], keys[0, :, seen], values[0, :, seen], half, scale).view(1, H, 1, D)
-        out = torch.empty_like(q)
+            return _one_query(q[0, :, 0], keys[0, :, seen], values[0, :, seen], half, scale).view(1, H, 1, Dv)
+        out = q.new_empty(B, H, T, Dv)
         for b, positions in enumerate(ctx.positions.tolist()):
             for t, p in enumerate(positions):
                 seen = slice(max(0, p + 1 - window) if window else 0, p + 1)
@@ -273,7 +357,7 @@ def attention(
 
 
 def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: bool, scale: float) -> torch.Tensor:
-    """One query row's heads [H, D] over the keys and values it sees, [KV, n, D] each."""
+    """One query row's heads [H, D] over the keys [KV, n, D] and values [KV, n, Dv] it sees."""
     H, D = q.shape
     KV = keys.shape[0]
     if half:
@@ -282,7 +366,7 @@ def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: 
     weights = scores.softmax(-1)
     if half:
         weights = weights.half().float()
-    return torch.matmul(weights, values).view(H, D)
+    return torch.matmul(weights, values).view(H, values.shape[-1])
 
 
 # On a CPU a prompt chunk goes through a block's feed-forward (a backend's runner, backends/ggml,
@@ -335,9 +419,10 @@ class FeedForward(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """A sparse feed-forward: the router scores every expert for each token (softmax), the top
-    n_experts_used run on it, and their outputs are summed with those scores as weights
-    (renormalized to sum to 1 where the model says so). Experts no token chose never run."""
+    """A sparse feed-forward: the router scores every expert for each token (softmax, or sigmoid
+    with a bias where they are chosen: ModelConfig.expert_gating), the top n_experts_used run on it,
+    and their outputs are summed with those scores as weights (renormalized to sum to 1 where the
+    model says so, then scaled). Experts no token chose never run."""
 
     def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
         super().__init__()
@@ -350,18 +435,36 @@ class MixtureOfExperts(nn.Module):
                 FeedForward(*(w[f"{m}.{e}.weight"] for m in EXPERT_MATRICES)) for e in range(cfg.n_experts)
             )
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
+        self.sigmoid, self.scale = cfg.expert_gating == "sigmoid", cfg.expert_weights_scale
+        self.groups, self.groups_used = cfg.expert_groups, cfg.expert_groups_used
+        self.choice_bias = w[CHOICE_BIAS].float() if self.sigmoid else None
         # an expert every token runs beside the chosen ones, its output scaled by a sigmoid gate
-        self.shared = None
+        # where the block has one
+        self.shared = self.shared_gate = None
         if "ffn_gate_shexp.weight" in w:
             self.shared = FeedForward(w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
-            self.shared_gate = linear(w["ffn_gate_inp_shexp.weight"])
+            if "ffn_gate_inp_shexp.weight" in w:
+                self.shared_gate = linear(w["ffn_gate_inp_shexp.weight"])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts [rows, k] and their weights [rows, k] in x's dtype."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(self.k, dim=-1)
+        logits = self.router(x).float()
+        if not self.sigmoid:
+            weights, chosen = F.softmax(logits, dim=-1).topk(self.k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            choice = scores + self.choice_bias
+            if self.groups > 1:  # only experts of the groups_used groups whose two best score highest
+                grouped = choice.view(-1, self.groups, choice.shape[-1] // self.groups)
+                best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.groups_used, dim=-1).indices
+                kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+                choice = grouped.masked_fill(~kept[..., None], float("-inf")).view_as(choice)
+            chosen = choice.topk(self.k, dim=-1).indices
+            weights = scores.gather(1, chosen)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return chosen, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -369,7 +472,8 @@ class MixtureOfExperts(nn.Module):
         x = x.reshape(-1, shape[-1])
         out = self.routed(x)
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            shared = self.shared(x)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         return out.view(shape)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
@@ -410,6 +514,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(w["attn_norm.weight"], cfg.norm_eps)
         if variant.mixer == "gated_delta_net":
             self.attn = GatedDeltaNet(cfg, w)
+        elif variant.mixer == "latent_attention":
+            self.attn = LatentAttention(cfg, w)
         else:
             self.attn = Attention(cfg, w, variant)
         self.ffn_norm = RMSNorm(w["ffn_norm.weight"], cfg.norm_eps)
@@ -522,7 +628,8 @@ class Stage(nn.Module):
         n_attention = self.end - self.start - self.n_linear
         keys_in = self.kv_dtype or kv_dtype(self.dtype)
         n_pages = pool_pages(n_slots, ctx) if n_pages is None else n_pages
-        self.cache = KVCache(n_attention, cfg.n_kv_heads, cfg.head_dim, n_pages, keys_in, self.device, recurrent)
+        heads, k_dim, v_dim = cfg.cache_widths
+        self.cache = KVCache(n_attention, heads, k_dim, n_pages, keys_in, self.device, recurrent, v_dim)
         self.ctx = ctx
 
     def own_pages(self, slot: int, n_positions: int) -> list[int]:

@@ -1,5 +1,6 @@
 """llama.cpp's own Hugging Face to GGUF converter (convert_hf_to_gguf.py from the llama-cpp-python
-sdist kernels/ggml_source.py pins), and a tiny random Gemma 3 for it to convert."""
+sdist kernels/ggml_source.py pins) with the chat templates of the models llama.cpp tests
+(models/templates), and tiny random models from transformers' config classes for it to convert."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from shardwire.weights.cache import default_cache_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 import ggml_source  # noqa: E402
 
-PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # all the converter reads of vendor/llama.cpp
+# all the converter reads of vendor/llama.cpp, and the real models' chat templates
+PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "models/templates")
 
 
 def _archive(into: Path) -> Path:
@@ -44,7 +46,7 @@ def _archive(into: Path) -> Path:
 
 def converter() -> Path:
     """convert_hf_to_gguf.py with its conversion/ and gguf-py/, extracted once into the cache."""
-    root = default_cache_dir() / "converter" / ggml_source.LLAMA_CPP[1]
+    root = default_cache_dir() / "converter" / f"{ggml_source.LLAMA_CPP[1]}-{len(PARTS)}"
     script = root / PARTS[0]
     if script.is_file():
         return script
@@ -61,6 +63,11 @@ def converter() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return script
+
+
+def chat_template(name: str) -> str:
+    """A real model's chat template as llama.cpp's tests keep it (models/templates/NAME.jinja)."""
+    return (converter().parent / "models" / "templates" / f"{name}.jinja").read_text()
 
 
 def convert(hf_folder: Path, out: Path, outtype: str = "f32") -> Path:
@@ -84,15 +91,7 @@ def tiny_gemma3(folder: Path, *, layers: int = 6, seed: int = 0, **config) -> Pa
     """A random Gemma 3 text model (Gemma3ForCausalLM, float32) on GPT-2's vocabulary, saved as
     transformers saves one. `config` overrides Gemma3TextConfig's fields; rope_scaling={"rope_type":
     "linear", "factor": 8.0} scales the full-attention layers' rope, as Gemma 3 4B-27B ship."""
-    import torch
-    import transformers
-
-    from shardwire_kit.synthetic import load_vocab
-
-    vocab = load_vocab("gpt-2")
-    meta = vocab.gguf_metadata
     fields = dict(
-        vocab_size=vocab.size,  # the converter keeps as many embedding rows as the tokenizer has tokens
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -108,18 +107,145 @@ def tiny_gemma3(folder: Path, *, layers: int = 6, seed: int = 0, **config) -> Pa
         },
         tie_word_embeddings=True,
         layer_types=["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)],
+    )
+    # its norms are zeros at init: Gemma scales by (1 + w)
+    return tiny_hf_model(folder, "Gemma3TextConfig", "Gemma3ForCausalLM", fields | config, seed, ("norm.weight",))
+
+
+# The special tokens llama.cpp's converter looks up in a GLM-4.5 tokenizer, and those its chat uses
+GLM_TOKENS = (
+    "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>",
+    "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+)  # fmt: skip
+
+
+# What the tiny GLM-4.5 and DeepSeek-V3 share: 8 experts (2 a token) beside a shared one after a
+# dense first block, their weights scaled 2.5x, and weights large enough that attention is not near
+# uniform (transformers' 0.02 leaves it so)
+_TINY_EXPERTS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    initializer_range=0.15,
+)
+
+
+def tiny_glm4moe(folder: Path, *, layers: int = 4, seed: int = 0, **config) -> Path:
+    """A random GLM-4.5 (Glm4MoeForCausalLM, float32) on GPT-2's vocabulary with GLM's special
+    tokens: attention biases and q/k norms, RoPE on half of each head, a dense first block, then 8
+    experts (2 a token, chosen by sigmoid scores plus a random bias, the weights scaled 2.5x) beside
+    a shared one."""
+    fields = dict(
+        _TINY_EXPERTS,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_qk_norm=True,
+        attention_bias=True,
+        max_position_embeddings=256,
+        partial_rotary_factor=0.5,
+        num_nextn_predict_layers=0,
+    )
+    return tiny_hf_model(
+        folder,
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        fields | config,
+        seed,
+        ("e_score_correction_bias",),
+        GLM_TOKENS,
+        chat_template("GLM-4.6"),  # 4.5's writes calls and thinking alike
+    )
+
+
+def tiny_deepseek3(folder: Path, *, layers: int = 4, seed: int = 0, **config) -> Path:
+    """A random DeepSeek-V3 (DeepseekV3ForCausalLM, float32) on GPT-2's vocabulary: latent attention
+    (a 32-value latent, 16 rotated and 16 plain dimensions of each query/key head, queries through a
+    24-wide bottleneck), YaRN 4x over 64 positions with DeepSeek's temperature, a dense first block,
+    then 8 experts in 4 groups (2 groups and 2 experts a token, sigmoid scores plus a random bias,
+    the weights scaled 2.5x) beside a shared one, sigmoid scoring as the published config says."""
+    fields = dict(
+        _TINY_EXPERTS,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        n_group=4,
+        topk_group=2,
+        max_position_embeddings=8192,  # room for a long context
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        num_mtp_layers=0,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+    )
+    return tiny_hf_model(
+        folder, "DeepseekV3Config", "DeepseekV3ForCausalLM", fields | config, seed, ("e_score_correction_bias",)
+    )
+
+
+def tiny_hf_model(
+    folder: Path,
+    config_class: str,
+    model_class: str,
+    config: dict,
+    seed: int = 0,
+    randomized: tuple[str, ...] = (),
+    special_tokens: tuple[str, ...] = (),
+    template: str | None = None,
+) -> Path:
+    """A random transformers model of `model_class` (float32) from its own config class, on GPT-2's
+    vocabulary plus `special_tokens`, saved as transformers saves one (its own config.json keys), with
+    the tokenizer (and `template` as its chat template). Parameters and buffers whose names end in
+    one of `randomized` (those transformers initializes to constants) get random values."""
+    import torch
+    import transformers
+
+    from shardwire_kit.synthetic import load_vocab
+
+    vocab = load_vocab("gpt-2")
+    meta = vocab.gguf_metadata
+    tokenizer = json.loads(vocab.tokenizer_json)
+    for token in special_tokens:
+        tokenizer["added_tokens"].append(
+            dict(id=vocab.size + len(tokenizer["added_tokens"]) - 1, content=token, single_word=False, lstrip=False,
+                 rstrip=False, normalized=False, special=True)
+        )  # fmt: skip
+    tokens = dict(
+        vocab_size=vocab.size + len(special_tokens),  # the converter keeps a row per token the tokenizer has
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**(fields | config))).float()
+    cfg = getattr(transformers, config_class)(**(tokens | config))
+    model = getattr(transformers, model_class)(cfg).float()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # zeros at init: Gemma scales by (1 + w)
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(randomized):
                 p.copy_(torch.randn(p.shape) * 0.1)
     folder = Path(folder)
     model.save_pretrained(folder, safe_serialization=True)
-    (folder / "tokenizer.json").write_text(vocab.tokenizer_json)
-    (folder / "tokenizer_config.json").write_text(json.dumps(vocab.tokenizer_config, indent=2))
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    tokenizer_config = vocab.tokenizer_config | ({"chat_template": template} if template else {})
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return folder

@@ -493,17 +493,20 @@ def _add_model_metadata(writer: GGUFWriter, cfg: ModelConfig, name: str, weight_
 
 
 def _add_hybrid_metadata(writer: GGUFWriter, cfg: ModelConfig) -> None:
-    """Qwen3NextModel's and _Qwen35MRopeMixin's keys in convert_hf_to_gguf.py."""
+    """Qwen3NextModel's and _Qwen35MRopeMixin's keys in convert_hf_to_gguf.py: the delta-net blocks
+    as a full_attention_interval where one describes them, else (as today's converter writes every
+    such file) a flag per block in attention.recurrent_layers."""
     full = [b for b in range(cfg.n_layers) if not cfg.linear(b)]
     interval = full[0] + 1 if full else cfg.n_layers + 1
-    if cfg.linear_blocks != tuple(b for b in range(cfg.n_layers) if (b + 1) % interval):
-        raise ValueError("GGUF describes linear-attention blocks by a full_attention_interval alone")
+    if cfg.linear_blocks == tuple(b for b in range(cfg.n_layers) if (b + 1) % interval):
+        writer.add_full_attention_interval(interval)
+    else:
+        writer.add_array(f"{cfg.arch}.attention.recurrent_layers", [cfg.linear(b) for b in range(cfg.n_layers)])
     writer.add_ssm_conv_kernel(cfg.ssm_conv_kernel)
     writer.add_ssm_state_size(cfg.ssm_k_dim)
     writer.add_ssm_group_count(cfg.ssm_k_heads)
     writer.add_ssm_time_step_rank(cfg.ssm_v_heads)
     writer.add_ssm_inner_size(cfg.ssm_v_dim * cfg.ssm_v_heads)
-    writer.add_full_attention_interval(interval)
     pairs = (cfg.rope_dim or cfg.head_dim) // 2  # M-RoPE sections (t, h, w, e) in the ratio of [11, 11, 10, 0]
     t = pairs * 11 // 32
     writer.add_rope_dimension_sections([t, t, pairs - 2 * t, 0])

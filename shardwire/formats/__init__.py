@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig
-from ..models import block_of, family_of, from_gguf_metadata, from_hf_config
+from ..models import block_of, family_of, from_gguf_metadata, from_hf_config, variant
 from .gguf import GGUFError, read_gguf_model
 from .names import EXPERT_MATRICES, expert_name, expert_of
 from .safetensors import SafetensorsError, read_hf_folder
 from .tensors import TensorInfo, TensorReader
+
+log = logging.getLogger("shardwire.formats")
 
 __all__ = [
     "ModelFile",
@@ -78,6 +81,7 @@ def open_model(path: str | Path) -> ModelFile:
     if path.is_dir():
         config_json, tensors = read_hf_folder(path)
         cfg = from_hf_config(config_json, str(path / "config.json"))
+        tensors = _without_mtp(tensors, cfg, config_json.get("num_nextn_predict_layers", 0), path)
         if cfg.tied_embeddings:
             tensors.pop("output.weight", None)
         model = ModelFile(path, "hf", cfg, tensors, config_json, qk_interleaved=False)
@@ -88,12 +92,29 @@ def open_model(path: str | Path) -> ModelFile:
         tensors = _experts_apart(tensors)
         cfg = from_gguf_metadata(metadata, set(tensors), str(path))
         family = family_of(cfg.arch)
+        tensors = _without_mtp(tensors, cfg, metadata.get(f"{cfg.arch}.nextn_predict_layers", 0), path)
         tensors = family.gguf_tensors(cfg, tensors, path)
         model = ModelFile(path, "gguf", cfg, tensors, metadata, qk_interleaved=cfg.arch in family.qk_interleaved)
     else:
         raise FileNotFoundError(f"{path}: no such model file or folder")
     _check_tensors(model)
     return model
+
+
+def _without_mtp(tensors: dict[str, TensorInfo], cfg: ModelConfig, declared, path: Path) -> dict[str, TensorInfo]:
+    """The tensors less those of the `declared` blocks of multi-token prediction a checkpoint
+    carries past its last block (GLM-4.5, DeepSeek-V3): shardwire does not run them, nor does
+    transformers."""
+    if not declared:
+        return tensors
+    kept = {name: info for name, info in tensors.items() if (block_of(name) or 0) < cfg.n_layers}
+    if len(kept) < len(tensors):
+        log.info(
+            "%s: skipping %d tensors of multi-token-prediction blocks: shardwire does not run them",
+            path,
+            len(tensors) - len(kept),
+        )
+    return kept
 
 
 def _experts_apart(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
@@ -150,7 +171,11 @@ def _check_tensors(model: ModelFile) -> None:
     missing = [n for n in required_tensors(cfg, 0, cfg.n_layers, True, True) if n not in model.tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(f"{where}: missing tensor '{missing[0]}'{more}")
+        block, why = block_of(missing[0]), ""
+        if block is not None:  # say what the metadata made of the block, beside what the file holds there
+            held = ", ".join(sorted(n.split(".", 2)[2] for n in model.tensors if block_of(n) == block)) or "nothing"
+            why = f": the metadata makes block {block} {variant(cfg, block)}; the file holds {held} there"
+        raise ConfigError(f"{where}: missing tensor '{missing[0]}'{more}{why}")
     for name, info in model.tensors.items():
         block = block_of(name)
         if block is not None and block >= cfg.n_layers:

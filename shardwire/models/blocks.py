@@ -9,7 +9,9 @@ ATTENTION = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weigh
 QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")
 DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 ROUTER = ("ffn_gate_inp.weight",)
-SHARED_EXPERT = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+SHARED_EXPERT = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+SHARED_GATE = ("ffn_gate_inp_shexp.weight",)  # the shared expert's sigmoid gate (Qwen2-MoE, Qwen3.5-MoE)
+CHOICE_BIAS = "exp_probs_b.bias"  # sigmoid routing's bias on each expert's score where experts are chosen
 
 
 def attention_shapes(cfg: ModelConfig, query_rows: int | None = None) -> Shapes:
@@ -43,6 +45,7 @@ def ffn_shapes(cfg: ModelConfig, block: int) -> Shapes:
     }
     if cfg.n_experts:
         out["ffn_gate_inp.weight"] = (cfg.n_experts, cfg.dim)
+        out[CHOICE_BIAS] = (cfg.n_experts,)
     if cfg.n_experts and shared:
         out.update(
             {
@@ -55,12 +58,30 @@ def ffn_shapes(cfg: ModelConfig, block: int) -> Shapes:
     return out
 
 
-def ffn_required(cfg: ModelConfig, block: int) -> tuple[str, ...]:
-    """The feed-forward tensors a block cannot do without (experts' matrices aside)."""
+def ffn_required(cfg: ModelConfig, block: int, shared_gate: bool = True) -> tuple[str, ...]:
+    """The feed-forward tensors a block cannot do without (experts' matrices aside); `shared_gate`:
+    whether the family's shared expert sits behind a gate."""
     if not cfg.sparse(block):
         return ("ffn_norm.weight", *DENSE_FFN)
-    return ("ffn_norm.weight", *ROUTER, *(SHARED_EXPERT if cfg.shared_expert_ffn_dim else ()))
+    shared = (*SHARED_EXPERT, *(SHARED_GATE if shared_gate else ())) if cfg.shared_expert_ffn_dim else ()
+    return ("ffn_norm.weight", *ROUTER, *shared, *((CHOICE_BIAS,) if cfg.expert_gating == "sigmoid" else ()))
 
 
 def routing(cfg: ModelConfig) -> str:
-    return "softmax_top_k_normalized" if cfg.expert_norm else "softmax_top_k"
+    """The router's arithmetic (BlockVariant.routing): softmax_top_k, or sigmoid_biased_top_k (the
+    choice by score plus bias, in groups where there are several, the weights scaled); normalized
+    where the chosen weights are divided by their sum."""
+    kind = "softmax_top_k" if cfg.expert_gating == "softmax" else "sigmoid_biased_top_k"
+    return f"{kind}_normalized" if cfg.expert_norm else kind
+
+
+def ffn_norm_renamed(tensors: dict) -> dict:
+    """A GGUF's tensors with the norm before the feed-forward under shardwire's name: the converters
+    of Qwen3.5 and GLM-4.5 write it as post_attention_norm (ffn_norm here, as for every family)."""
+    out = {}
+    for name, info in tensors.items():
+        if name.endswith(".post_attention_norm.weight"):
+            name = name.replace(".post_attention_norm.", ".ffn_norm.")
+            info = info.renamed(name)
+        out[name] = info
+    return out

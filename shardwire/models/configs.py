@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, yarn_mscale
 from .family import GGUFKeys, require
 from .registry import checked, family_of, hf_family
 
@@ -13,7 +13,7 @@ from .registry import checked, family_of, hf_family
 def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelConfig:
     arch = require(meta, "general.architecture", where)
     family = family_of(arch, where)
-    key = GGUFKeys(meta, arch, where)
+    key = GGUFKeys(meta, arch, where, frozenset(tensor_names))
     dim = int(key("embedding_length"))
     n_heads = key.count("attention.head_count")
     n_kv = key.count("attention.head_count_kv", n_heads)
@@ -36,9 +36,21 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "linear":
         scaling = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        scaling = {
+            "type": "yarn",
+            "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+            # DeepSeek's converter writes its mscale_all_dim as 0.1 times it
+            "mscale_all_dim": float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1,
+            "attention_factor": float(key("rope.scaling.yarn_attn_factor", 1.0)),
+        }
     elif scaling_type not in ("none", ""):
         raise ConfigError(
-            f"{where}: unsupported rope scaling '{scaling_type}' (supported: linear, llama3 through rope_freqs.weight)"
+            f"{where}: unsupported rope scaling '{scaling_type}' (supported: linear, yarn, llama3 through "
+            "rope_freqs.weight)"
         )
     n_experts = int(key("expert_count", 0))
     expert_ffn = int(key("expert_feed_forward_length", key("feed_forward_length", 0))) if n_experts else 0
@@ -82,6 +94,23 @@ def _hf_rope(cfg: dict, where: str) -> tuple[float, dict | None]:
         return float(theta), None
     if kind == "linear":
         return float(theta), {"type": "linear", "factor": float(require(scaling, "factor", where))}
+    if kind == "yarn":
+        factor = float(require(scaling, "factor", where))
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = scaling.get("attention_factor")
+        if attention is None and mscale and mscale_all_dim:  # as transformers infers it
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        elif attention is None:
+            attention = yarn_mscale(factor)
+        return float(theta), {
+            "type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": int(require(scaling, "original_max_position_embeddings", where)),
+            "beta_fast": float(scaling.get("beta_fast") or 32.0),
+            "beta_slow": float(scaling.get("beta_slow") or 1.0),
+            "mscale_all_dim": float(mscale_all_dim or 0.0),
+            "attention_factor": float(attention),
+        }
     if kind == "llama3":
         return float(theta), {
             "type": "llama3",
@@ -90,12 +119,24 @@ def _hf_rope(cfg: dict, where: str) -> tuple[float, dict | None]:
             "high_freq_factor": float(require(scaling, "high_freq_factor", where)),
             "original_max_position_embeddings": int(require(scaling, "original_max_position_embeddings", where)),
         }
-    raise ConfigError(f"{where}: unsupported rope scaling '{kind}' (supported: linear, llama3)")
+    raise ConfigError(f"{where}: unsupported rope scaling '{kind}' (supported: linear, llama3, yarn)")
+
+
+def _aliased(cfg: dict, aliases: tuple[tuple[str, ...], ...], where: str) -> dict:
+    """cfg with every name of each alias group set, from whichever of them it gives."""
+    out = dict(cfg)
+    for names in aliases:
+        given = {name: cfg[name] for name in names if name in cfg}
+        if len({repr(v) for v in given.values()}) > 1:
+            raise ConfigError(f"{where}: {' and '.join(f'{k}={v!r}' for k, v in given.items())} name one value")
+        if given:
+            out.update(dict.fromkeys(names, next(iter(given.values()))))
+    return out
 
 
 def from_hf_config(cfg: dict, where: str) -> ModelConfig:
     family = hf_family(require(cfg, "model_type", where), where)
-    cfg = family.hf_text_config(cfg)
+    cfg = _aliased(family.hf_text_config(cfg), family.hf_aliases, where)
     arch = family.hf_types[cfg["model_type"]]
     dim = int(require(cfg, "hidden_size", where))
     n_heads = int(require(cfg, "num_attention_heads", where))

@@ -32,7 +32,7 @@ class BlockVariant:
     ffn: str = "dense"  # dense | experts
     activation: str = "silu"  # the gated feed-forward's: silu | gelu_tanh
     routing: str = ""  # experts: softmax_top_k, or softmax_top_k_normalized (chosen weights sum to 1)
-    shared_expert: bool = False  # experts: one more every token runs, its output behind a sigmoid gate
+    shared_expert: str = ""  # experts: one more every token runs: "sigmoid_gated" (its output behind a gate) or "plain"
     post_norms: bool = False  # an RMS norm on the mixer's and on the feed-forward's output (Gemma)
     window: int = 0  # sliding-window attention: the keys a query sees, its own included; 0: all
     local_rope: bool = False  # RoPE of the model's local base (ModelConfig.local_rope_theta), unscaled
@@ -46,7 +46,7 @@ class BlockVariant:
             words.append(f"scores scaled by {self.query_scale:.4g}")
         ffn = f"{self.activation} {self.ffn}"
         if self.ffn == "experts":
-            ffn += f" ({self.routing}{', shared expert' if self.shared_expert else ''})"
+            ffn += f" ({self.routing}{f', {self.shared_expert} shared expert' if self.shared_expert else ''})"
         words.append(ffn)
         if self.post_norms:
             words.append("post-norms")
@@ -63,8 +63,9 @@ class GGUFKeys:
     """A GGUF's metadata under its architecture's prefix: `keys("embedding_length")` reads
     `<arch>.embedding_length`, required unless given a default."""
 
-    def __init__(self, meta: Mapping, arch: str, where: str):
+    def __init__(self, meta: Mapping, arch: str, where: str, tensors: frozenset[str] = frozenset()):
         self.meta, self.arch, self.where = meta, arch, where
+        self.tensors = tensors  # the file's tensor names, for what its metadata leaves unsaid
 
     def __call__(self, name: str, default=None):
         full = f"{self.arch}.{name}"
@@ -119,6 +120,9 @@ class Family:
     # a config.json's per-block tensor names of this family beyond the Llama ones -> short names here
     hf_block_names: Mapping[str, str] = field(default_factory=dict)
     hf_block_params: Mapping[str, str] = field(default_factory=dict)  # the same for tensors with no .weight
+    # config.json keys that name one value, as transformers' attribute_map aliases them (which of
+    # them it saves has changed between its releases)
+    hf_aliases: tuple[tuple[str, ...], ...] = ()
     # a transformers checkpoint's tensor (cfg.hf_layout) as the converter writes it; itemsize: raw
     # rows of elements of that size, where it only reorders
     from_transformers: Callable[[ModelConfig, str, torch.Tensor, int], torch.Tensor] | None = None

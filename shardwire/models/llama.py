@@ -30,6 +30,7 @@ HF_CLASSES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 CONVERTER_ARCHS = {"mistral": "llama", "mixtral": "llama"}  # as every LlamaForCausalLM look-alike
+HF_ALIASES = (("num_experts", "num_local_experts"),)  # transformers 5 saves Qwen3-MoE's as num_local_experts
 QK_INTERLEAVED = ("llama", "mistral")  # llama.cpp's converter interleaves their Q/K rows for its RoPE
 
 _QK_NORMED = ("qwen3", "qwen3moe")
@@ -42,7 +43,7 @@ def variant(cfg: ModelConfig, block: int) -> BlockVariant:
         qk_norm=cfg.arch in _QK_NORMED,
         ffn="experts" if sparse else "dense",
         routing=blocks.routing(cfg) if sparse else "",
-        shared_expert=sparse and cfg.shared_expert_ffn_dim > 0,
+        shared_expert="sigmoid_gated" if sparse and cfg.shared_expert_ffn_dim else "",
     )
 
 

@@ -52,7 +52,7 @@ def variant(cfg: ModelConfig, block: int) -> BlockVariant:
         qk_norm=not cfg.linear(block),
         ffn="experts" if sparse else "dense",
         routing=blocks.routing(cfg) if sparse else "",
-        shared_expert=sparse and cfg.shared_expert_ffn_dim > 0,
+        shared_expert="sigmoid_gated" if sparse and cfg.shared_expert_ffn_dim else "",
     )
 
 
@@ -83,21 +83,38 @@ def gguf_fields(keys: GGUFKeys, n_layers: int) -> dict[str, Any]:
     """The delta-net fields as llama.cpp's converter writes them. Its rope.dimension_sections
     (M-RoPE) need nothing: text gives every section the same position, which makes M-RoPE plain
     RoPE."""
-    interval = int(keys("full_attention_interval", 4))
     v_heads, inner = int(keys("ssm.time_step_rank")), int(keys("ssm.inner_size"))
-    if interval <= 0 or v_heads <= 0 or inner % v_heads:
+    if v_heads <= 0 or inner % v_heads:
         raise ConfigError(
-            f"{keys.where}: full_attention_interval {interval}, ssm.inner_size {inner} and ssm.time_step_rank "
-            f"{v_heads} do not describe a Qwen3.5 model"
+            f"{keys.where}: ssm.inner_size {inner} and ssm.time_step_rank {v_heads} do not describe a Qwen3.5 model"
         )
     return dict(
-        linear_blocks=tuple(i for i in range(n_layers) if (i + 1) % interval),
+        linear_blocks=_recurrent_blocks(keys, n_layers),
         ssm_conv_kernel=int(keys("ssm.conv_kernel")),
         ssm_k_heads=int(keys("ssm.group_count")),
         ssm_k_dim=int(keys("ssm.state_size")),
         ssm_v_heads=v_heads,
         ssm_v_dim=inner // v_heads,
     )
+
+
+_ABSENT = object()
+
+
+def _recurrent_blocks(keys: GGUFKeys, n_layers: int) -> tuple[int, ...]:
+    """The delta-net blocks, as llama.cpp reads them: attention.recurrent_layers (a flag per block,
+    or one for all) where the file has it, as today's converter writes it, else every block but
+    each full_attention_interval-th."""
+    flags = keys("attention.recurrent_layers", _ABSENT)
+    if flags is not _ABSENT:
+        flags = flags if isinstance(flags, list) else [flags] * n_layers
+        if len(flags) != n_layers:
+            raise ConfigError(f"{keys.where}: attention.recurrent_layers lists {len(flags)} blocks, not {n_layers}")
+        return tuple(i for i, recurrent in enumerate(flags) if recurrent)
+    interval = int(keys("full_attention_interval", 4))
+    if interval <= 0:
+        raise ConfigError(f"{keys.where}: full_attention_interval {interval} does not describe a Qwen3.5 model")
+    return tuple(i for i in range(n_layers) if (i + 1) % interval)
 
 
 def hf_text_config(cfg: dict) -> dict:
@@ -171,13 +188,10 @@ def gguf_tensors(cfg: ModelConfig, tensors: dict, path) -> dict:
         if block is not None and block >= cfg.n_layers:
             mtp += 1
             continue
-        if name.endswith(".post_attention_norm.weight"):
-            name = name.replace(".post_attention_norm.", ".ffn_norm.")
-            info = info.renamed(name)
         out[name] = info
     if mtp:
         log.info("%s: skipping %d tensors of multi-token-prediction blocks: shardwire does not run them", path, mtp)
-    return out
+    return blocks.ffn_norm_renamed(out)
 
 
 # A transformers checkpoint's tensors in the form llama.cpp's converter writes them

@@ -16,7 +16,25 @@ tokenizer's special tokens (call_syntax):
   calls separated by ";" or newlines;
 - Mistral: [TOOL_CALLS] and a JSON list of {"name", "arguments"}, or (newer tokenizers)
   [TOOL_CALLS]name[ARGS]{...} once per call. Both markers are control tokens that decoding
-  usually drops, so the forms are read without them too.
+  usually drops, so the forms are read without them too;
+- GLM-4.5: a <tool_call> block per call holding the name, then each argument as a key and a value
+  (a string as it is, any other value as JSON, as its template writes them):
+
+      <tool_call>get_weather
+      <arg_key>city</arg_key>
+      <arg_value>Paris</arg_value>
+      </tool_call>
+
+- DeepSeek-V3/R1/V3.1: one section of calls, each its name and its JSON arguments (V3 and R1 wrote
+  `function<｜tool▁sep｜>name` and the arguments in a json code fence):
+
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
+      <｜tool▁call▁end｜><｜tool▁calls▁end｜>           (on one line)
+
+- Kimi K2: one section of calls, each under an id of its name and index (which becomes the call's id):
+
+      <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
+      <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>   (on one line)
 
 Text that is not entirely well-formed calls of known functions stays content. tool_choice
 "required" or a named function constrains the output to one such JSON object, or with
@@ -31,6 +49,9 @@ import uuid
 from dataclasses import dataclass
 
 __all__ = [
+    "DEEPSEEK",
+    "GLM",
+    "KIMI",
     "HERMES",
     "LLAMA3",
     "MISTRAL",
@@ -46,8 +67,24 @@ __all__ = [
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG, ARGS_TAG = "[TOOL_CALLS]", "[ARGS]"
-HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+ARG_KEY = "<arg_key>"
+DEEPSEEK_CALLS, KIMI_CALLS = "<｜tool▁calls▁begin｜>", "<|tool_calls_section_begin|>"
+HERMES, LLAMA3, MISTRAL, GLM, DEEPSEEK, KIMI = "hermes", "llama3", "mistral", "glm", "deepseek", "kimi"
+_DEEPSEEK_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(.*?)(?:<｜tool▁sep｜>|\n)"
+    r"\s*(?:```(?:json)?\s*)?(.*?)\s*(?:```\s*)?<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+_KIMI_CALL = re.compile(
+    r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
+    re.DOTALL,
+)
+_SECTIONS = {  # syntax: (where its calls begin, the pattern of one call, where they end)
+    DEEPSEEK: (DEEPSEEK_CALLS, _DEEPSEEK_CALL, "<｜tool▁calls▁end｜>"),
+    KIMI: (KIMI_CALLS, _KIMI_CALL, "<|tool_calls_section_end|>"),
+}
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_GLM_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _LIST_START = re.compile(r"\[\s*(?:\{|$)")
 _SEPARATORS = (PYTHON_TAG, MISTRAL_TAG, ";", " ", "\t", "\r", "\n")  # what may stand between calls
 
@@ -66,10 +103,18 @@ def _is_special_token(tokenizer, text: str) -> bool:
 
 
 def call_syntax(tokenizer) -> str:
-    """How the model writes calls: HERMES, LLAMA3 or MISTRAL. Its chat template names the markers it
-    renders calls with; a model without a template that names any is judged by its special tokens."""
+    """How the model writes calls: HERMES, LLAMA3, MISTRAL, GLM, DEEPSEEK or KIMI. Its chat template
+    names the markers it renders calls with; a model without a template that names any is judged by
+    its special tokens."""
     template = getattr(tokenizer, "chat_template", None) or ""
-    markers = ((MISTRAL_TAG, MISTRAL), (PYTHON_TAG, LLAMA3), (OPEN, HERMES))
+    markers = (
+        (MISTRAL_TAG, MISTRAL),
+        (PYTHON_TAG, LLAMA3),
+        (DEEPSEEK_CALLS, DEEPSEEK),
+        (KIMI_CALLS, KIMI),
+        (ARG_KEY, GLM),
+        (OPEN, HERMES),
+    )
     for marker, syntax in markers:
         if marker in template:
             return syntax
@@ -117,11 +162,22 @@ class ToolSpec:
         call = options[0] if len(options) == 1 else {"anyOf": options}
         return {"type": "array", "items": call, "minItems": 1} if self.parallel else call
 
+    @property
+    def string_arguments(self) -> dict[str, set[str]]:
+        """Each function's parameters its schema types as strings: GLM-4.5 writes their values bare."""
+        out = {}
+        for t in self.tools:
+            properties = (t["function"].get("parameters") or {}).get("properties") or {}
+            out[t["function"]["name"]] = {
+                k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"
+            }
+        return out
+
     def read_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return parse_tool_calls(text, self.names, self.syntax, self.parallel)
+        return parse_tool_calls(text, self.names, self.syntax, self.parallel, self.string_arguments)
 
     def stream(self) -> ToolStream:
-        return ToolStream(self.names, self.forced, self.syntax, self.parallel)
+        return ToolStream(self.names, self.forced, self.syntax, self.parallel, self.string_arguments)
 
 
 def _checked_tools(tools) -> list[dict]:
@@ -274,11 +330,40 @@ def _call_sequence(text: str, names: set[str], named: bool = False) -> list[Tool
     return calls or None
 
 
-def _hermes_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """Every well-formed <tool_call> block; the text around them, and any malformed block, is content."""
+def _glm_value(raw: str, is_string: bool):
+    if is_string:
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw  # a value whose schema says nothing, written bare: text
+
+
+def _glm_call(block: str, names: set[str], strings: dict[str, set[str]]) -> ToolCall | None:
+    """GLM-4.5's name-then-arguments body of a <tool_call> block, or None where it is not one."""
+    name, _, rest = block.partition(ARG_KEY)
+    name = name.strip()
+    if name not in names:
+        return None
+    rest, args, at = ARG_KEY + rest if rest else "", {}, 0
+    for m in _GLM_ARGUMENT.finditer(rest):
+        if m.start() != at:
+            return None
+        args[m[1].strip()] = _glm_value(m[2], m[1].strip() in strings.get(name, ()))
+        at = m.end()
+    if rest[at:].strip():
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _hermes_calls(text: str, names: set[str], strings: dict[str, set[str]]) -> tuple[str | None, list[ToolCall]]:
+    """Every well-formed <tool_call> block (JSON calls, or GLM-4.5's name and arguments); the text
+    around them, and any malformed block, is content."""
     calls, content, last = [], [], 0
     for m in _HERMES.finditer(text):
         found = _call_sequence(m[1], names)
+        if found is None and (glm := _glm_call(m[1], names, strings)) is not None:
+            found = [glm]
         if found is None:
             continue
         calls += found
@@ -305,9 +390,33 @@ def _bare_name_pattern(names: set[str]) -> re.Pattern:
     return re.compile(rf"(?<!\w)(?:{alternatives})(?=\{{|{re.escape(ARGS_TAG)})")
 
 
-def _read_calls(text: str, names: set[str], syntax: str) -> tuple[str | None, list[ToolCall]]:
+def _section_calls(text: str, names: set[str], syntax: str) -> tuple[str | None, list[ToolCall]]:
+    """DeepSeek's and Kimi K2's calls: content, then a section of nothing but well-formed calls of
+    known functions (else it all stays content). Kimi's calls keep the ids it writes them under."""
+    begin, pattern, end = _SECTIONS[syntax]
+    at = text.index(begin)
+    section, calls, last = text[at + len(begin) :], [], 0
+    for m in pattern.finditer(section):
+        call = _call({"name": m[1].strip(), "arguments": m[2]}, names)
+        if call is None or section[last : m.start()].strip():
+            return text, []
+        if syntax == KIMI:
+            call.id = f"functions.{call.name}:{len(calls)}"
+        calls.append(call)
+        last = m.end()
+    if not calls or section[last:].strip() not in ("", end):
+        return text, []
+    return text[:at].strip() or None, calls
+
+
+def _read_calls(
+    text: str, names: set[str], syntax: str, strings: dict[str, set[str]]
+) -> tuple[str | None, list[ToolCall]]:
+    for section, (begin, _, _) in _SECTIONS.items():
+        if begin in text:
+            return _section_calls(text, names, section)
     if OPEN in text:
-        return _hermes_calls(text, names)
+        return _hermes_calls(text, names, strings)
     if MISTRAL_TAG in text:
         return _calls_from(text, text.index(MISTRAL_TAG), names)
     calls = _call_sequence(text, names, named=syntax == MISTRAL)
@@ -327,12 +436,12 @@ def _mistral_call_id() -> str:
 
 
 def parse_tool_calls(
-    text: str, names: set[str], syntax: str = HERMES, parallel: bool = True
+    text: str, names: set[str], syntax: str = HERMES, parallel: bool = True, strings: dict | None = None
 ) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a model's output. Text that is not a well-formed call of a known
     function stays content; content is None when the text held only calls. Without `parallel`
-    only the first call is kept."""
-    content, calls = _read_calls(text, names, syntax)
+    only the first call is kept. `strings`: each function's string parameters (ToolSpec.string_arguments)."""
+    content, calls = _read_calls(text, names, syntax, strings or {})
     if not parallel:
         calls = calls[:1]
     if syntax == MISTRAL:
@@ -355,10 +464,13 @@ class ToolStream:
     """One streamed choice's text, held back from where a tool call may begin: feed() returns
     the text safe to send as content now, finish() what remains as (content, calls)."""
 
-    def __init__(self, names: set[str], forced: bool = False, syntax: str = HERMES, parallel: bool = True):
+    def __init__(
+        self, names: set[str], forced: bool = False, syntax: str = HERMES, parallel: bool = True, strings=None
+    ):
         self.names, self.forced, self.syntax, self.parallel = names, forced, syntax, parallel
+        self.strings = strings or {}
         self.text, self.sent = "", 0
-        self.openers = [OPEN, MISTRAL_TAG]
+        self.openers = [OPEN, MISTRAL_TAG, DEEPSEEK_CALLS, KIMI_CALLS]
         self.named_openers = [n + end for n in names for end in ("{", ARGS_TAG)] if syntax == MISTRAL else []
         self.bare_name = _bare_name_pattern(names) if self.named_openers else None
 
@@ -394,5 +506,5 @@ class ToolStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         tail = self.text[self.sent :]
         self.sent = len(self.text)
-        content, calls = parse_tool_calls(tail, self.names, self.syntax, self.parallel)
+        content, calls = parse_tool_calls(tail, self.names, self.syntax, self.parallel, self.strings)
         return content or "", calls

@@ -9,7 +9,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-import torch
 
 from shardwire.backends import ggml as ggml_backend
 from shardwire.formats import open_model
@@ -17,7 +16,7 @@ from shardwire.models import BlockVariant
 from shardwire.pipeline.loading import load_stage
 from shardwire.weights import ggml_cpu
 
-from models import models_dir
+from models import converted_checkpoint, transformers_greedy
 from parity import BACKENDS, greedy_tokens, our_logits
 from runs import assert_same, distributed, single_process
 
@@ -27,34 +26,22 @@ convert = pytest.importorskip("shardwire_kit.convert")
 PROMPT = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13, 632, 373]  # past the 4-key window
 
 
-@lru_cache(maxsize=None)
 def gemma3(form: str, softcap: float = 0.0) -> Path:
     """The tiny Gemma 3's folder ("hf") or the converter's float32 GGUF of it ("gguf"), with the
     full-attention blocks' RoPE scaled (as Gemma 3 4B-27B ship) and logits soft-capped where
-    `softcap`, made once per session."""
-    folder = models_dir() / f"gemma3-hf{'-cap' if softcap else ''}"
-    if not (folder / "config.json").is_file():
-        full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
-        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": full}
+    `softcap`."""
+    full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": full}
+
+    def make(folder):
         convert.tiny_gemma3(folder, layers=7, rope_parameters=rope, final_logit_softcapping=softcap or None)
-    if form == "hf":
-        return folder
-    path = folder.with_suffix(".gguf")
-    if not path.is_file():
-        convert.convert(folder, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
-    return path
+
+    return converted_checkpoint(f"gemma3{'-cap' if softcap else ''}", make, form)
 
 
 @lru_cache(maxsize=None)
 def reference(softcap: float = 0.0):
-    model = transformers.AutoModelForCausalLM.from_pretrained(gemma3("hf", softcap), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT])).logits[0]
-        generated = list(PROMPT)
-        for _ in range(16):
-            generated.append(int(model(torch.tensor([generated])).logits[0, -1].argmax()))
-    return logits, generated[len(PROMPT) :]
+    return transformers_greedy(gemma3("hf", softcap), PROMPT)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)  # the parity matrix of test_model.py, Gemma 3's row

@@ -250,6 +250,46 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
         open_model(path)
 
 
+def _irregular_qwen35():
+    """The qwen35 test model with blocks 0 and 3 swapped: full attention in block 0 alone, delta-net
+    blocks after it, which no full_attention_interval describes."""
+    import dataclasses
+
+    cfg, tensors, vocab = model_source("qwen35")
+    swap = {"blk.0.": "blk.3.", "blk.3.": "blk.0."}
+    swapped = {swap.get(k[:6], k[:6]) + k[6:]: v for k, v in tensors.items()}
+    return dataclasses.replace(cfg, linear_blocks=(1, 2, 3, 4)), swapped, vocab
+
+
+def test_blocks_listed_per_layer_in_recurrent_layers_are_read_before_the_interval(tmp_path):
+    """Today's converter lists each block's kind in attention.recurrent_layers and leaves
+    full_attention_interval out (its default of 4 would misread this file): both forms load the
+    same model."""
+    cfg, tensors, vocab = _irregular_qwen35()
+    path = write_gguf(tmp_path / "irregular.gguf", cfg, tensors, vocab.gguf_metadata)[0]
+    meta = open_model(path).metadata
+    assert meta["qwen35.attention.recurrent_layers"] == [False, True, True, True, True]
+    assert "qwen35.full_attention_interval" not in meta
+    assert open_model(path).config.linear_blocks == (1, 2, 3, 4)
+    from shardwire_kit.writer import write_hf
+
+    folder = write_hf(tmp_path / "irregular-hf", cfg, tensors, tokenizer_json=vocab.tokenizer_json)
+    a, b = whole(folder), whole(path)
+    ids = torch.tensor([PROMPT])
+    for stage in (a, b):
+        stage.allocate_cache(1, 64)
+    torch.testing.assert_close(a(ids, [0], [0]), b(ids, [0], [0]), rtol=1e-4, atol=1e-4)
+
+
+def test_metadata_that_contradicts_the_tensors_is_an_error_naming_both(tmp_path):
+    cfg, tensors, vocab = _irregular_qwen35()
+    original = model_source("qwen35")[0]  # says block 0 is a delta-net and block 3 full attention
+    path = write_gguf(tmp_path / "contradicts.gguf", original, tensors, vocab.gguf_metadata)[0]
+    said = r"missing tensor 'blk\.0\.attn_qkv\.weight'.*block 0 gated_delta_net.*attn_q\.weight"
+    with pytest.raises(ModelError, match=said):
+        open_model(path)
+
+
 def test_unsupported_settings_are_refused(tmp_path):
     folder = _hf_copy(tmp_path, "qwen35")
     config = json.loads((folder / "config.json").read_text())

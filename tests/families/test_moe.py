@@ -293,3 +293,39 @@ def test_the_shared_expert_runs_for_every_token_behind_its_sigmoid_gate():
     flat = x.reshape(-1, stage.cfg.dim)
     expected = moe.routed(flat) + torch.sigmoid(flat @ moe.shared_gate.weight.T) * moe.shared(flat)
     torch.testing.assert_close(moe(x).reshape(-1, stage.cfg.dim), expected)
+
+
+def test_a_qwen3_moe_folder_as_transformers_5_saves_it_names_its_experts_num_local_experts(tmp_path):
+    """transformers 5 saves Qwen3-MoE's expert count under the name its attribute_map aliases
+    (num_local_experts, where earlier releases wrote num_experts): read either way, the model is
+    transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    from shardwire_kit.convert import tiny_hf_model
+
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
+    folder = tiny_hf_model(tmp_path / "qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", fields)
+    saved = json.loads((folder / "config.json").read_text())
+    ids = [464, 2068, 7586, 21831, 18045, 625, 262, 16931]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0]
+    for name in ("num_local_experts", "num_experts"):
+        config = {k: v for k, v in saved.items() if k not in ("num_local_experts", "num_experts")} | {name: 4}
+        (folder / "config.json").write_text(json.dumps(config))
+        model = open_model(folder)
+        assert (model.config.n_experts, model.config.n_experts_used) == (4, 2)
+        torch.testing.assert_close(logits(whole(folder, dtype=torch.float32), ids), theirs, rtol=1e-3, atol=1e-3)
+    (folder / "config.json").write_text(json.dumps(saved | {"num_local_experts": 4, "num_experts": 8}))
+    with pytest.raises(ConfigError, match="num_experts=8 and num_local_experts=4 name one value"):
+        open_model(folder)

@@ -112,3 +112,20 @@ def test_template_variables_that_are_not_an_object_or_rename_the_templates_own_a
     with pytest.raises(APIError) as e:
         chat_text(Templated(QWEN3), [{"role": "user", "content": "Hi"}], {"chat_template_kwargs": kwargs})
     assert e.value.status == 400 and "chat_template_kwargs" in str(e.value)
+
+
+def test_glm_s_template_thinks_by_default_and_its_reasoning_comes_apart():
+    """GLM-4.5's own template: the reply opens its <think> block itself; with thinking off the
+    template closes an empty one and asks /nothink."""
+    convert = pytest.importorskip("shardwire_kit.convert")
+    glm = Templated(convert.chat_template("GLM-4.6"))
+    asked = [{"role": "user", "content": "Capital of France?"}]
+    assert chat_text(glm, asked, {}).endswith("<|user|>\nCapital of France?<|assistant|>")
+    off = chat_text(glm, asked, {"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.endswith("Capital of France?/nothink<|assistant|>\n<think></think>")
+    job = parse_chat({"messages": asked}, glm)
+    assert job.reasoning == THINK and not job.thinking  # the reply opens the block
+    choice = Choice(0, None, frozenset(), job)
+    choice.add(Event("\n<think>The capital is Paris.</think>\nParis.", finish_reason="stop"))
+    message = response(job, "m", [choice], usage(1, 4))["choices"][0]["message"]
+    assert message["content"] == "Paris." and message["reasoning_content"] == "The capital is Paris."

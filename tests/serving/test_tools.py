@@ -10,12 +10,10 @@ import json
 
 import pytest
 
-from shardwire.engine import Engine
 from shardwire.formats import open_model
-from shardwire.pipeline import LocalPipeline
 from shardwire.pipeline.loading import load_stage
 from shardwire.serving.openai_api import APIError, Choice, chunk_choice, parse_chat, response, tool_stream
-from shardwire.serving.tools import LLAMA3, MISTRAL, ToolStream, call_syntax, parse_tool_calls
+from shardwire.serving.tools import DEEPSEEK, GLM, KIMI, LLAMA3, MISTRAL, ToolStream, call_syntax, parse_tool_calls
 from shardwire.tokenizer import load_tokenizer
 
 from models import model_path
@@ -481,21 +479,14 @@ async def sse_events(r) -> list[dict]:
 def test_a_forced_tool_choice_makes_the_model_call_it_over_http(qwen):
     """A random-weight model, in process behind the real HTTP app: a named tool_choice makes it
     write a valid call, returned as tool_calls whole and streamed."""
-    from aiohttp import ClientSession, web
+    from aiohttp import ClientSession
 
-    from shardwire.serving.app import Backend, create_app
+    from served import served
 
     path = model_path("qwen2", "F32")
     m = open_model(path)
 
     async def scenario():
-        backend = Backend("m", qwen, set(), {})
-        pipeline = LocalPipeline([load_stage(m, 0, m.config.n_layers)], n_slots=2, ctx=512)
-        backend.attach(pipeline, None, Engine(pipeline, qwen))
-        runner = web.AppRunner(create_app(backend), handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = "http://%s:%d/v1/chat/completions" % runner.addresses[0][:2]
         body = {
             "messages": [{"role": "user", "content": "Weather in Rome?"}],
             "tools": [TIME, WEATHER],
@@ -504,50 +495,182 @@ def test_a_forced_tool_choice_makes_the_model_call_it_over_http(qwen):
             "max_tokens": 60,
             "seed": 1,
         }
-        try:
-            async with ClientSession() as http:
-                async with http.post(url, json=body) as r:
-                    assert r.status == 200, await r.text()
-                    (choice,) = (await r.json())["choices"]
-                assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-                (call,) = choice["message"]["tool_calls"]
-                assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
-                assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+        async with served(load_stage(m, 0, m.config.n_layers), qwen, n_slots=2) as base, ClientSession() as http:
+            url = base + "/v1/chat/completions"
+            async with http.post(url, json=body) as r:
+                assert r.status == 200, await r.text()
+                (choice,) = (await r.json())["choices"]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            (call,) = choice["message"]["tool_calls"]
+            assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+            assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
 
-                async with http.post(url, json={**body, "stream": True}) as r:
-                    assert r.status == 200
-                    events = await sse_events(r)
-                deltas = [e["choices"][0]["delta"] for e in events]
-                streamed = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-                assert streamed == [[{**call, "index": 0, "id": streamed[0][0]["id"]}]]  # same call (seeded)
-                assert not any(d.get("content") for d in deltas)
-                assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+            async with http.post(url, json={**body, "stream": True}) as r:
+                assert r.status == 200
+                events = await sse_events(r)
+            deltas = [e["choices"][0]["delta"] for e in events]
+            streamed = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+            assert streamed == [[{**call, "index": 0, "id": streamed[0][0]["id"]}]]  # same call (seeded)
+            assert not any(d.get("content") for d in deltas)
+            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
-                # parallel calls: one or more, the same whole and streamed (seeded)
-                several = {**body, "parallel_tool_calls": True, "max_tokens": 200}
-                async with http.post(url, json=several) as r:
-                    (choice,) = (await r.json())["choices"]
-                assert choice["finish_reason"] == "tool_calls"
-                calls = choice["message"]["tool_calls"]
-                assert calls and {c["function"]["name"] for c in calls} == {"get_weather"}
-                assert len({c["id"] for c in calls}) == len(calls)
-                async with http.post(url, json={**several, "stream": True}) as r:
-                    events = await sse_events(r)
-                (streamed,) = [
-                    e["choices"][0]["delta"]["tool_calls"] for e in events if "tool_calls" in e["choices"][0]["delta"]
-                ]
-                assert [c.pop("index") for c in streamed] == list(range(len(calls)))
-                assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+            # parallel calls: one or more, the same whole and streamed (seeded)
+            several = {**body, "parallel_tool_calls": True, "max_tokens": 200}
+            async with http.post(url, json=several) as r:
+                (choice,) = (await r.json())["choices"]
+            assert choice["finish_reason"] == "tool_calls"
+            calls = choice["message"]["tool_calls"]
+            assert calls and {c["function"]["name"] for c in calls} == {"get_weather"}
+            assert len({c["id"] for c in calls}) == len(calls)
+            async with http.post(url, json={**several, "stream": True}) as r:
+                events = await sse_events(r)
+            (streamed,) = [
+                e["choices"][0]["delta"]["tool_calls"] for e in events if "tool_calls" in e["choices"][0]["delta"]
+            ]
+            assert [c.pop("index") for c in streamed] == list(range(len(calls)))
+            assert [c["function"] for c in streamed] == [c["function"] for c in calls]
 
-                # "auto" with a model that writes no call: plain content, finish "stop" or "length"
-                auto = {**body, "tool_choice": "auto", "max_tokens": 8}
-                async with http.post(url, json=auto) as r:
-                    (choice,) = (await r.json())["choices"]
-                assert choice["finish_reason"] in ("stop", "length") and isinstance(choice["message"]["content"], str)
-                async with http.post(url, json={**body, "tool_choice": {"type": "function"}}) as r:
-                    assert r.status == 400 and (await r.json())["error"]["param"] == "tool_choice"
-        finally:
-            backend.engine.close()
-            await runner.cleanup()
+            # "auto" with a model that writes no call: plain content, finish "stop" or "length"
+            auto = {**body, "tool_choice": "auto", "max_tokens": 8}
+            async with http.post(url, json=auto) as r:
+                (choice,) = (await r.json())["choices"]
+            assert choice["finish_reason"] in ("stop", "length") and isinstance(choice["message"]["content"], str)
+            async with http.post(url, json={**body, "tool_choice": {"type": "function"}}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "tool_choice"
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def glm():
+    """GLM-4.5's own chat template (GLM-4.6's, as llama.cpp's tests keep it; 4.5's writes calls alike)."""
+    convert = pytest.importorskip("shardwire_kit.convert")
+    tokenizer = load_tokenizer(open_model(model_path("qwen2", "F32")))
+    tokenizer.chat_template = convert.chat_template("GLM-4.6")
+    return tokenizer
+
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "object"}},
+        },
+    },
+}
+
+
+def test_glm_s_syntax_is_told_by_its_template_and_its_call_history_renders(glm):
+    assert call_syntax(glm) == GLM
+    text = prompt_text(glm, {"messages": HISTORY, "tools": [WEATHER, TIME]})
+    assert "<tools>" in text and json.dumps(WEATHER, ensure_ascii=False) in text
+    assert "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>" in text
+    assert "<|observation|>\n<tool_response>\nsunny, 21C\n</tool_response>" in text
+
+
+def test_calls_written_as_glm_s_template_writes_them_are_read_back(glm):
+    history = [
+        {"role": "user", "content": "Three days in Rome?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "forecast", "arguments": '{"city": "1984", "days": 3, "units": {"t": "C"}}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+    ]
+    rendered = prompt_text(glm, {"messages": history, "tools": [FORECAST, TIME]})
+    turn = rendered.split("<|assistant|>\n<think></think>\n", 1)[1].rsplit("<|assistant|>", 1)[0]
+    spec = parse_chat({"messages": history[:1], "tools": [FORECAST, TIME]}, glm).tools
+    content, calls = spec.read_calls(turn)
+    assert content == "Checking."
+    # a string parameter's value stays text even where it reads as JSON ("1984"); the others are JSON
+    assert names_and_args(calls) == [("forecast", {"city": "1984", "days": 3, "units": {"t": "C"}}), ("get_time", {})]
+    # not a call: an unknown function, text between the arguments, an unclosed key
+    for text in (
+        "<tool_call>rm_rf\n<arg_key>path</arg_key>\n<arg_value>/</arg_value>\n</tool_call>",
+        "<tool_call>forecast\nplease\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>",
+        "<tool_call>forecast\n<arg_key>city\n<arg_value>Rome</arg_value>\n</tool_call>",
+    ):
+        assert spec.read_calls(text) == (text, [])
+
+
+def test_glm_calls_in_a_stream(glm):
+    text = "Both.\n<tool_call>get_time\n</tool_call>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>"
+    body = {"messages": HISTORY[:1], "tools": [WEATHER, TIME]}
+    sent, rest, deltas = stream_through(parse_chat(body, glm), text, glm)
+    assert (sent, rest) == ("Both.\n", "")
+    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == TIME_AND_ROME
+
+
+def _templated(name: str):
+    convert = pytest.importorskip("shardwire_kit.convert")
+    tokenizer = load_tokenizer(open_model(model_path("qwen2", "F32")))
+    tokenizer.chat_template = convert.chat_template(name)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return _templated("deepseek-ai-DeepSeek-V3.1")
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return _templated("moonshotai-Kimi-K2")
+
+
+TWO_CALLS = [
+    {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ],
+    }
+]
+
+
+@pytest.mark.parametrize(
+    "fixture,syntax,after",
+    [
+        ("deepseek", DEEPSEEK, "<｜Assistant｜><think></think>"),
+        ("kimi", KIMI, "<|im_assistant|>assistant<|im_middle|>"),
+    ],
+)
+def test_deepseek_s_and_kimi_s_calls_render_through_their_templates_and_are_read_back(request, fixture, syntax, after):
+    tokenizer = request.getfixturevalue(fixture)
+    assert call_syntax(tokenizer) == syntax
+    history = HISTORY[:1] + TWO_CALLS
+    rendered = prompt_text(tokenizer, {"messages": history, "tools": [WEATHER, TIME]})
+    turn = rendered.split(after)[1]
+    turn = turn.split("<｜end▁of▁sentence｜>")[0].split("<|im_end|>")[0]
+    spec = parse_chat({"messages": HISTORY[:1], "tools": [WEATHER, TIME]}, tokenizer).tools
+    content, calls = spec.read_calls(turn)
+    assert content == "Checking." and names_and_args(calls) == TIME_AND_ROME
+    if syntax == KIMI:  # its calls are known by the ids it writes them under
+        assert [c.id for c in calls] == ["functions.get_time:0", "functions.get_weather:1"]
+    sent, rest, deltas = stream_through(
+        parse_chat({"messages": HISTORY[:1], "tools": [WEATHER, TIME]}, tokenizer), turn, tokenizer
+    )
+    assert (sent, rest) == ("Checking.", "")
+    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == TIME_AND_ROME
+
+
+def test_deepseek_v3_s_fenced_calls_are_read_and_malformed_sections_stay_content():
+    v3 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    assert names_and_args(parse_tool_calls(v3, NAMES, DEEPSEEK)[1]) == [("get_weather", {"city": "Rome"})]
+    for text in (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rm_rf<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<|tool_calls_section_begin|>stray<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+    ):
+        assert parse_tool_calls(text, NAMES, DEEPSEEK if "｜" in text else KIMI) == (text, [])

@@ -85,3 +85,35 @@ def llama_cpp_logits(path: Path, prompt: list[int]):
         pytest.skip(reason)
     with numerics.LlamaCpp(path, n_ctx=128, threads=1) as llama:
         return torch.tensor(llama.prompt_logits(prompt))
+
+
+def converted_checkpoint(name: str, make, form: str) -> Path:
+    """A tiny transformers checkpoint, `make(folder)` saving it, as its folder ("hf") or the float32
+    GGUF llama.cpp's own converter writes from that folder ("gguf"); made once per session."""
+    from shardwire_kit.convert import convert
+
+    folder = models_dir() / f"{name}-hf"
+    with _lock:
+        if not (folder / "config.json").is_file():
+            make(folder)
+        if form == "hf":
+            return folder
+        path = folder.with_suffix(".gguf")
+        if not path.is_file():
+            convert(folder, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+    return path
+
+
+def transformers_greedy(folder: Path, prompt: list[int], steps: int = 16):
+    """transformers' float32 logits at every position of `prompt` and its next `steps` greedy tokens."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0]
+        generated = list(prompt)
+        for _ in range(steps):
+            generated.append(int(model(torch.tensor([generated])).logits[0, -1].argmax()))
+    return logits, generated[len(prompt) :]

@@ -28,7 +28,7 @@ IMPLEMENTED = {
     "ffn": ("dense", "experts"),
     "activation": ("silu",),
     "routing": ("", "softmax_top_k", "softmax_top_k_normalized"),
-    "shared_expert": (False, True),
+    "shared_expert": ("", "sigmoid_gated"),
     "post_norms": (False,),
     "window": (0,),
     "local_rope": (False,),
