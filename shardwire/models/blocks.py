@@ -12,6 +12,13 @@ ROUTER = ("ffn_gate_inp.weight",)
 SHARED_EXPERT = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 SHARED_GATE = ("ffn_gate_inp_shexp.weight",)  # the shared expert's sigmoid gate (Qwen2-MoE, Qwen3.5-MoE)
 CHOICE_BIAS = "exp_probs_b.bias"  # sigmoid routing's bias on each expert's score where experts are chosen
+# DeepSeek's config.json names for its shared experts and its routing bias, which GLM-4.5 keeps
+HF_SHARED_EXPERTS = {
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+HF_CHOICE_BIAS = {"mlp.gate.e_score_correction_bias": CHOICE_BIAS}
 
 
 def attention_shapes(cfg: ModelConfig, query_rows: int | None = None) -> Shapes:
@@ -75,9 +82,10 @@ def routing(cfg: ModelConfig) -> str:
     return f"{kind}_normalized" if cfg.expert_norm else kind
 
 
-def ffn_norm_renamed(tensors: dict) -> dict:
-    """A GGUF's tensors with the norm before the feed-forward under shardwire's name: the converters
-    of Qwen3.5 and GLM-4.5 write it as post_attention_norm (ffn_norm here, as for every family)."""
+def ffn_norm_renamed(cfg: ModelConfig, tensors: dict, path) -> dict:
+    """A GGUF's tensors with the norm before the feed-forward under shardwire's name (a family's
+    gguf_tensors): the converters of Qwen3.5 and GLM-4.5 write it as post_attention_norm (ffn_norm
+    here, as for every family)."""
     out = {}
     for name, info in tensors.items():
         if name.endswith(".post_attention_norm.weight"):

@@ -9,6 +9,8 @@ from ..config import ConfigError, ModelConfig, yarn_mscale
 from .family import GGUFKeys, require
 from .registry import checked, family_of, hf_family
 
+EXPERT_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
+
 
 def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelConfig:
     arch = require(meta, "general.architecture", where)
@@ -54,6 +56,9 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
         )
     n_experts = int(key("expert_count", 0))
     expert_ffn = int(key("expert_feed_forward_length", key("feed_forward_length", 0))) if n_experts else 0
+    gating = int(key("expert_gating_func", 1))
+    if n_experts and gating not in EXPERT_GATING:
+        raise ConfigError(f"{where}: expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
     n_layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))  # MTP layers are not run
     fields = dict(
         arch=arch,
@@ -76,7 +81,16 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
         n_experts_used=int(key("expert_used_count", 0)) if n_experts else 0,
         expert_ffn_dim=expert_ffn,
         expert_norm=bool(key("expert_weights_norm", True)),
-        shared_expert_ffn_dim=int(key("expert_shared_feed_forward_length", 0)) if n_experts else 0,
+        expert_gating=EXPERT_GATING.get(gating, "softmax"),
+        expert_groups=int(key("expert_group_count", 1)) if n_experts else 1,
+        expert_groups_used=int(key("expert_group_used_count", 1)) if n_experts else 1,
+        expert_weights_scale=float(key("expert_weights_scale", 1.0)),
+        # Qwen2-MoE's converter writes the shared expert's width, DeepSeek's and GLM's a count of experts'
+        shared_expert_ffn_dim=int(
+            key("expert_shared_feed_forward_length", expert_ffn * int(key("expert_shared_count", 0)))
+        )
+        if n_experts
+        else 0,
         dense_blocks=tuple(range(int(key("leading_dense_block_count", 0)))) if n_experts else (),
         rope_dim=0 if rope_dim == head_dim else rope_dim,
     )

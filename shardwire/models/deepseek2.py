@@ -24,14 +24,10 @@ HF_BLOCK_NAMES = {
     "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
     "self_attn.kv_a_layernorm": "attn_kv_a_norm",
     "self_attn.kv_b_proj": "attn_kv_b",
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_experts.up_proj": "ffn_up_shexp",
-    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    **blocks.HF_SHARED_EXPERTS,
 }
-HF_BLOCK_PARAMS = {"mlp.gate.e_score_correction_bias": blocks.CHOICE_BIAS}
+HF_BLOCK_PARAMS = blocks.HF_CHOICE_BIAS
 PARTIAL_ROPE = True  # the rotated part of a query/key head is its last rope_dim of head_dim
-
-_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
 
 
 def variant(cfg: ModelConfig, block: int) -> BlockVariant:
@@ -73,11 +69,8 @@ def required(cfg: ModelConfig, block: int) -> tuple[str, ...]:
 
 def gguf_fields(keys: GGUFKeys, n_layers: int) -> dict[str, Any]:
     """The converter writes MLA as one key head of latent + rotated width (what the cache holds);
-    the query/key and value heads' own widths are the *_mla keys."""
-    gating = int(keys("expert_gating_func", 1))  # V2-era files name none: softmax
-    if gating not in _GATING:
-        raise ConfigError(f"{keys.where}: expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
-    n_experts = int(keys("expert_count", 0))
+    the query/key and value heads' own widths are the *_mla keys. V2-era files name no gating
+    (softmax, configs.from_gguf_metadata) and leave the weights unnormalized."""
     return dict(
         n_kv_heads=keys.count("attention.head_count"),
         head_dim=int(keys("attention.key_length_mla")),
@@ -85,13 +78,6 @@ def gguf_fields(keys: GGUFKeys, n_layers: int) -> dict[str, Any]:
         kv_lora_rank=int(keys("attention.kv_lora_rank")),
         q_lora_rank=int(keys("attention.q_lora_rank", 0)),
         expert_norm=bool(keys("expert_weights_norm", False)),
-        expert_gating=_GATING[gating],
-        expert_groups=int(keys("expert_group_count", 1)),
-        expert_groups_used=int(keys("expert_group_used_count", 1)),
-        expert_weights_scale=float(keys("expert_weights_scale", 1.0)),
-        shared_expert_ffn_dim=int(keys("expert_feed_forward_length")) * int(keys("expert_shared_count", 0))
-        if n_experts
-        else 0,
     )
 
 

@@ -15,12 +15,8 @@ ARCHS = ("glm4moe",)
 HF_TYPES = {"glm4_moe": "glm4moe"}
 HF_CLASSES = {"glm4moe": "Glm4MoeForCausalLM"}
 HF_ALIASES = (("n_routed_experts", "num_local_experts"), ("num_nextn_predict_layers", "num_mtp_layers"))
-HF_BLOCK_NAMES = {  # its shared expert (one, as every release has) under DeepSeek's plural name
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_experts.up_proj": "ffn_up_shexp",
-    "mlp.shared_experts.down_proj": "ffn_down_shexp",
-}
-HF_BLOCK_PARAMS = {"mlp.gate.e_score_correction_bias": blocks.CHOICE_BIAS}
+HF_BLOCK_NAMES = blocks.HF_SHARED_EXPERTS  # its shared expert under DeepSeek's names
+HF_BLOCK_PARAMS = blocks.HF_CHOICE_BIAS
 PARTIAL_ROPE = True
 
 
@@ -46,19 +42,11 @@ def required(cfg: ModelConfig, block: int) -> tuple[str, ...]:
 
 
 def gguf_fields(keys: GGUFKeys, n_layers: int) -> dict[str, Any]:
-    """The converter's keys: sigmoid gating (expert_gating_func 2), the shared expert as a count of
-    experts' widths; q/k norms where their tensors are there."""
+    """Sigmoid gating (the converter writes expert_gating_func 2); q/k norms where their tensors are."""
     gating = int(keys("expert_gating_func", 2))
     if gating != 2:
         raise ConfigError(f"{keys.where}: GLM-4.5 routes by sigmoid (expert_gating_func 2), this file says {gating}")
-    return dict(
-        qk_norm=any(name.endswith("attn_q_norm.weight") for name in keys.tensors),
-        expert_gating="sigmoid",
-        expert_groups=int(keys("expert_group_count", 1)),
-        expert_groups_used=int(keys("expert_group_used_count", 1)),
-        expert_weights_scale=float(keys("expert_weights_scale", 1.0)),
-        shared_expert_ffn_dim=int(keys("expert_feed_forward_length")) * int(keys("expert_shared_count", 0)),
-    )
+    return dict(qk_norm=any(name.endswith("attn_q_norm.weight") for name in keys.tensors), expert_gating="sigmoid")
 
 
 def hf_fields(cfg: dict, head_dim: int, where: str) -> dict[str, Any]:
@@ -89,5 +77,4 @@ def check(cfg: ModelConfig) -> None:
         raise ConfigError("model config: GLM-4.5 has experts, and neither linear-attention nor sliding blocks")
 
 
-def gguf_tensors(cfg: ModelConfig, tensors: dict, path) -> dict:
-    return blocks.ffn_norm_renamed(tensors)
+gguf_tensors = blocks.ffn_norm_renamed

@@ -4,14 +4,13 @@ carries, q/k norms, RoPE on a part of each head), dense or with a shared expert 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from ..config import ConfigError, ModelConfig
 from . import blocks
-from .family import BlockVariant, GGUFKeys, Shapes, block_of, require
+from .family import BlockVariant, GGUFKeys, Shapes, require
 
 ARCHS = ("qwen35", "qwen35moe")
 HF_TYPES = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"}
@@ -28,7 +27,6 @@ HF_BLOCK_NAMES = {  # the gated delta-net's
 }
 HF_BLOCK_PARAMS = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
 
-log = logging.getLogger("shardwire.models")
 
 DELTANET = (
     "attn_norm.weight",
@@ -178,20 +176,9 @@ def check(cfg: ModelConfig) -> None:
         )
 
 
-def gguf_tensors(cfg: ModelConfig, tensors: dict, path) -> dict:
-    """The GGUF's tensors under shardwire's names: its pre-feed-forward norm is post_attention_norm
-    (ffn_norm here, as for every other family); the blocks of multi-token prediction the
-    converter appends past n_layers are left out."""
-    out, mtp = {}, 0
-    for name, info in tensors.items():
-        block = block_of(name)
-        if block is not None and block >= cfg.n_layers:
-            mtp += 1
-            continue
-        out[name] = info
-    if mtp:
-        log.info("%s: skipping %d tensors of multi-token-prediction blocks: shardwire does not run them", path, mtp)
-    return blocks.ffn_norm_renamed(out)
+# the pre-feed-forward norm renamed; the blocks of multi-token prediction the converter appends
+# past n_layers (nextn_predict_layers) are left out by formats.open_model, as for every family
+gguf_tensors = blocks.ffn_norm_renamed
 
 
 # A transformers checkpoint's tensors in the form llama.cpp's converter writes them
