@@ -331,9 +331,8 @@ def quantize(data: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantiza
     data = np.ascontiguousarray(data, dtype=np.float32)
     if data.shape[-1] % block:
         qtype = GGMLQuantizationType.F16
-    if type_name in CODEBOOK_TYPES:
-        encoded = _quantized_by_ggml(data.reshape(-1, data.shape[-1]), qtype)
-        return encoded.reshape(*data.shape[:-1], data.shape[-1] // block * type_size), qtype
+    if qtype.name in CODEBOOK_TYPES:
+        return _quantized_by_ggml(data.reshape(-1, data.shape[-1]), qtype).reshape(*data.shape[:-1], -1), qtype
     if qtype in _K_QUANTIZERS:
         blocks = data.reshape(-1, QK_K)
         # A few thousand blocks at a time keeps the search's temporaries small.

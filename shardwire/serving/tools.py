@@ -341,17 +341,17 @@ def _glm_value(raw: str, is_string: bool):
 
 def _glm_call(block: str, names: set[str], strings: dict[str, set[str]]) -> ToolCall | None:
     """GLM-4.5's name-then-arguments body of a <tool_call> block, or None where it is not one."""
-    name, _, rest = block.partition(ARG_KEY)
-    name = name.strip()
+    at = block.find(ARG_KEY)
+    at = len(block) if at < 0 else at  # a call without arguments is its name alone
+    name, args = block[:at].strip(), {}
     if name not in names:
         return None
-    rest, args, at = ARG_KEY + rest if rest else "", {}, 0
-    for m in _GLM_ARGUMENT.finditer(rest):
+    for m in _GLM_ARGUMENT.finditer(block, at):
         if m.start() != at:
             return None
         args[m[1].strip()] = _glm_value(m[2], m[1].strip() in strings.get(name, ()))
         at = m.end()
-    if rest[at:].strip():
+    if block[at:].strip():
         return None
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
 

@@ -18,6 +18,7 @@ from shardwire.formats import TensorReader, open_model
 from shardwire.formats.gguf import read_gguf
 from shardwire.formats.safetensors import hf_name
 from shardwire.pipeline.loading import undo_qk_interleave
+from shardwire.weights import ggml_cpu
 from shardwire_kit.synthetic import LLAMA3_SCALING, load_vocab, random_model
 from shardwire_kit.writer import (
     GGUF_ARCH,
@@ -321,6 +322,10 @@ def test_narrow_rows_fall_back_to_f16_in_files(tmp_path):
     path = write_gguf(tmp_path / "m0.gguf", cfg, tensors, vocab.gguf_metadata, weight_type="Q4_0")[0]
     types = {n: t.dtype for n, t in open_model(path).tensors.items()}
     assert types["blk.0.ffn_down.weight"] == "F16" and types["blk.0.ffn_up.weight"] == "Q4_0"
+    if ggml_cpu.available():  # the codebook types come from ggml's quantizer; their 256-value rows do not fit
+        path = write_gguf(tmp_path / "iq.gguf", cfg, tensors, vocab.gguf_metadata, weight_type="IQ4_XS")[0]
+        types = {n: t.dtype for n, t in open_model(path).tensors.items()}
+        assert {types[n] for n in types if n.endswith(".weight") and tensors[n].ndim == 2} == {"F16"}
 
 
 def test_split_gguf_round_trips(tmp_path, gguf_file):
