@@ -49,7 +49,7 @@ def test_logits_and_greedy_tokens_match_transformers(form, backend):
     path = deepseek(form)
     ours = our_logits(path, PROMPT, backend)
     spread = float(ref_logits.max() - ref_logits.min())
-    # without YaRN's temperature on the scores the logits part by 17% of the spread, with the rotated
+    # without YaRN's temperature on the scores the logits part by 17% of a row's spread, with the rotated
     # pairs in the wrong order by half of it
     assert float((ours - ref_logits).abs().max()) <= 3e-3 * spread
     assert greedy_tokens(path, PROMPT, 16, backend) == ref_tokens

@@ -47,7 +47,7 @@ def test_logits_and_greedy_tokens_match_transformers(form, backend):
     path = glm(form)
     ours = our_logits(path, PROMPT, backend)
     spread = float(ref_logits.max() - ref_logits.min())
-    # without the choice bias or the weights' scale the logits part by 4-7% of the spread
+    # without the choice bias or the weights' scale the logits part by about 40% of a row's spread
     assert float((ours - ref_logits).abs().max()) <= 5e-4 * spread
     assert greedy_tokens(path, PROMPT, 16, backend) == ref_tokens
 
