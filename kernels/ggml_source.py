@@ -338,12 +338,13 @@ def _sdist(name: str, version: str, sha256: str, into: Path) -> Path:
     return into / f"{name.replace('-', '_')}-{version}.tar.gz"
 
 
-def _extract(archive: Path, into: Path, under: str = "") -> Path:
-    """The sdist's top folder, extracted (only `under` within it where given)."""
+def _extract(archive: Path, into: Path, *under: str) -> Path:
+    """The sdist's top folder, extracted (only the paths `under` within it where given), in one
+    pass over the compressed archive."""
     with tarfile.open(archive) as tar:
         top = tar.getmembers()[0].name.split("/")[0]
-        prefix = f"{top}/{under}".rstrip("/")
-        members = [m for m in tar.getmembers() if m.name == prefix or m.name.startswith(prefix + "/")]
+        prefixes = [f"{top}/{part}".rstrip("/") for part in under or ("",)]
+        members = [m for m in tar.getmembers() if any(m.name == p or m.name.startswith(p + "/") for p in prefixes)]
         tar.extractall(into, members=members, filter="data")
     return into / top
 

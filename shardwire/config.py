@@ -45,10 +45,15 @@ class ModelConfig:
     # (exp_probs_b) is added where experts are chosen, only among the expert_groups_used best of
     # expert_groups groups (a group scored by its two best), and the chosen ones' unbiased scores
     # (renormalized when expert_norm) times expert_weights_scale weigh their outputs
-    expert_gating: str = "softmax"  # softmax | sigmoid
+    # top_k_softmax (gpt-oss): the experts chosen by logit, a softmax over the chosen ones weighs them
+    expert_gating: str = "softmax"  # softmax | sigmoid | top_k_softmax
     expert_groups: int = 1
     expert_groups_used: int = 1
     expert_weights_scale: float = 1.0
+    # gpt-oss's clamped SwiGLU in its experts, where swiglu_limit > 0: the gate clamped above and the
+    # up projection on both sides at the limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1)
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     rope_dim: int = 0  # dimensions of each head RoPE rotates (the first ones); 0: all of head_dim
     qk_norm: bool = False  # an RMS norm on each query and key head, where the family leaves it to the config (GLM)
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), where kv_lora_rank > 0: queries through
@@ -101,8 +106,10 @@ class ModelConfig:
                 f"model config: {self.n_experts} experts need 1 to {self.n_experts} used per token and an expert "
                 f"FFN size, got {self.n_experts_used} used and size {self.expert_ffn_dim}"
             )
-        if self.expert_gating not in ("softmax", "sigmoid"):
-            raise ConfigError(f"model config: expert_gating must be softmax or sigmoid, got {self.expert_gating!r}")
+        if self.expert_gating not in ("softmax", "sigmoid", "top_k_softmax"):
+            raise ConfigError(
+                f"model config: expert_gating must be softmax, sigmoid or top_k_softmax, got {self.expert_gating!r}"
+            )
         if not (0 < self.expert_groups_used <= self.expert_groups and self.n_experts % self.expert_groups == 0):
             raise ConfigError(
                 f"model config: {self.n_experts} experts in {self.expert_groups} groups, of which "
@@ -116,8 +123,6 @@ class ModelConfig:
             raise ConfigError(
                 f"model config: unsupported rope scaling {self.rope_scaling!r} (supported: linear, llama3, yarn)"
             )
-        if self.rope_scaling is not None and self.rope_scaling.get("type") == "yarn" and not self.kv_lora_rank:
-            raise ConfigError("model config: rope scaling yarn is supported with latent attention (DeepSeek) only")
         if self.kv_lora_rank and not (self.rope_dim and self.v_head_dim > 0 and self.q_lora_rank >= 0):
             raise ConfigError(
                 f"model config: latent attention needs a rotated part and value heads, got rope_dim {self.rope_dim}"

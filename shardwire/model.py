@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Mapping
+from functools import cached_property, partial
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -117,10 +117,18 @@ def yarn_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig, scaling: dict) -> to
     def pair_turning(times: float) -> float:  # the pair index whose wave turns `times` over the context
         return dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(pair_turning(scaling.get("beta_fast", 32.0))), 0)
-    high = min(math.ceil(pair_turning(scaling.get("beta_slow", 1.0))), dim - 1)
+    low, high = pair_turning(scaling.get("beta_fast", 32.0)), pair_turning(scaling.get("beta_slow", 1.0))
+    if scaling.get("truncate", True):  # as llama.cpp always does; gpt-oss's config says not to
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_gain(cfg: ModelConfig) -> float:
+    """What RoPE's cos and sin are multiplied by: YaRN's attention factor (1 without YaRN)."""
+    scaling = cfg.rope_scaling or {}
+    return float(scaling.get("attention_factor", 1.0)) if scaling.get("type") == "yarn" else 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -148,6 +156,7 @@ class StepContext:
     inv_freq: torch.Tensor  # RoPE's frequencies
     dtype: torch.dtype  # the stage's compute dtype
     local_inv_freq: torch.Tensor | None = None  # those of blocks with local RoPE (Gemma 3's sliding ones)
+    gain: float = 1.0  # on the (global) RoPE's cos and sin: rope_gain
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -169,9 +178,11 @@ class StepContext:
         p = self.positions[:, :, None]
         return ((keys <= p) & (keys > p - window))[:, None]
 
-    def _angles(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _angles(self, inv_freq: torch.Tensor, gain: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = self.positions[..., None].float() * inv_freq  # [B, T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
+        if gain != 1.0:
+            cos, sin = cos * gain, sin * gain
         return (
             torch.cat((cos, cos), dim=-1)[:, :, None].to(self.dtype),
             torch.cat((-sin, sin), dim=-1)[:, :, None].to(self.dtype),
@@ -180,7 +191,7 @@ class StepContext:
     @cached_property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos, and sin with its first half negated (see apply_rope)."""
-        return self._angles(self.inv_freq)
+        return self._angles(self.inv_freq, self.gain)
 
     @cached_property
     def local_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +230,9 @@ class Attention(nn.Module):
         self.wo = linear(w["attn_output.weight"], w.get("attn_output.bias"))
         self.q_norm = RMSNorm(w["attn_q_norm.weight"], cfg.norm_eps) if "attn_q_norm.weight" in w else None
         self.k_norm = RMSNorm(w["attn_k_norm.weight"], cfg.norm_eps) if "attn_k_norm.weight" in w else None
+        # a learned logit per head beside each query's scores (gpt-oss): it takes its share of the
+        # softmax and adds nothing to the output
+        self.sinks = _dense(w["attn_sinks.weight"]).float() if variant.sinks else None
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
         return self.wo(self.attend(self.project(x), cache, layer, ctx))
@@ -249,7 +263,8 @@ class Attention(nn.Module):
         k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, Q + KV :].transpose(1, 2)
         keys, values = cache.update(layer, k, v, ctx.at)
         half = cache.dtype == torch.float16
-        out = attention(q, keys, values, ctx, half, self.scale, self.window).transpose(1, 2).reshape(B, T, H * D)
+        out = attention(q, keys, values, ctx, half, self.scale, self.window, self.sinks)
+        out = out.transpose(1, 2).reshape(B, T, H * D)
         if self.gated:
             out = out * torch.sigmoid(qkv[:, :, 1:Q:2].reshape(B, T, H * D))
         return out
@@ -294,10 +309,10 @@ class LatentAttention(nn.Module):
         self.wo = linear(w["attn_output.weight"])
         scaling = cfg.rope_scaling or {}
         stretched = scaling.get("type") == "yarn"
-        # YaRN's temperature: on the scores (mscale_all_dim, squared) and on the rotated parts
+        # YaRN's temperature on the scores (mscale_all_dim, squared; its gain on the rotated parts
+        # is StepContext's)
         mscale = yarn_mscale(scaling["factor"], scaling.get("mscale_all_dim", 0.0)) if stretched else 1.0
         self.scale = cfg.head_dim**-0.5 * mscale * mscale
-        self.rope_gain = scaling.get("attention_factor", 1.0) if stretched else 1.0
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx: StepContext) -> torch.Tensor:
         B, T, _ = x.shape
@@ -308,8 +323,6 @@ class LatentAttention(nn.Module):
         cos, sin = ctx.rope
         q_rot = apply_rope(_pairs_apart(q_rot), cos, sin)
         k_rot = apply_rope(_pairs_apart(k_rot)[:, :, None], cos, sin)
-        if self.rope_gain != 1.0:
-            q_rot, k_rot = q_rot * self.rope_gain, k_rot * self.rope_gain
         new = torch.cat((self.kv_a_norm(latent)[:, :, None], k_rot), dim=-1).transpose(1, 2)  # [B, 1, T, latent + R]
         keys, _ = cache.update(layer, new, new[..., :0], ctx.at)
         absorbed = torch.einsum("bthn,hln->bhtl", q_nope, self.k_b.to(q.dtype))
@@ -328,6 +341,7 @@ def attention(
     half: bool = False,
     scale: float | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of queries [B, H, T, D] over keys [B, KV, n, D] and values
     [B, KV, n, Dv] (Dv: D but for latent attention). In float32 on a
@@ -338,32 +352,53 @@ def attention(
     the queries and the weights of the values rounded to float16 first, as llama.cpp's kernels
     round what they multiply with its float16 cache (and as the CPU's ggml graphs do). Scores are
     scaled by `scale` (default 1 / sqrt(D)); `window`: each query sees only the last that many
-    positions."""
+    positions; `sinks` [H]: a logit per head that joins each query's scores in the softmax and
+    reads no value."""
     B, H, T, D = q.shape
     KV, Dv = keys.shape[1], values.shape[-1]
     scale = scale or D**-0.5
     if q.dtype == torch.float32 and q.device.type == "cpu":
         if B == 1 and T == 1:  # one sequence's decode step sees every key it was given (its window's)
             seen = slice(-window, None) if window else slice(None)
-            return _one_query(q[0, :, 0], keys[0, :, seen], values[0, :, seen], half, scale).view(1, H, 1, Dv)
+            one = _one_query(q[0, :, 0], keys[0, :, seen], values[0, :, seen], half, scale, sinks)
+            return one.view(1, H, 1, Dv)
         out = q.new_empty(B, H, T, Dv)
         for b, positions in enumerate(ctx.positions.tolist()):
             for t, p in enumerate(positions):
                 seen = slice(max(0, p + 1 - window) if window else 0, p + 1)
-                out[b, :, t] = _one_query(q[b, :, t], keys[b, :, seen], values[b, :, seen], half, scale)
+                out[b, :, t] = _one_query(q[b, :, t], keys[b, :, seen], values[b, :, seen], half, scale, sinks)
         return out
     mask = ctx.window_mask(window) if window else ctx.mask
+    if sinks is not None:
+        return _attention_with_sinks(q, keys, values, mask, scale, sinks)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != KV, scale=scale)
 
 
-def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: bool, scale: float) -> torch.Tensor:
+def _attention_with_sinks(q, keys, values, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """attention() with sinks where PyTorch's fused attention has none: scores, softmax, values."""
+    B, H, T, D = q.shape
+    KV = keys.shape[1]
+    scores = torch.matmul(q.view(B, KV, H // KV, T, D), keys[:, :, None].transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, KV, H // KV, 1, 1).expand(B, KV, H // KV, T, 1)
+    weights = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(weights, values[:, :, None]).view(B, H, T, -1)
+
+
+def _one_query(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, half: bool, scale: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """One query row's heads [H, D] over the keys [KV, n, D] and values [KV, n, Dv] it sees."""
     H, D = q.shape
     KV = keys.shape[0]
     if half:
         q = q.half().float()
     scores = torch.matmul(q.reshape(KV, H // KV, D), keys.transpose(-1, -2)).mul_(scale)
-    weights = scores.softmax(-1)
+    if sinks is None:
+        weights = scores.softmax(-1)
+    else:
+        weights = torch.cat((scores, sinks.view(KV, H // KV, 1)), dim=-1).softmax(-1)[..., :-1]
     if half:
         weights = weights.half().float()
     return torch.matmul(weights, values).view(H, values.shape[-1])
@@ -388,19 +423,42 @@ def prefers_whole(module: nn.Module, rows: int) -> bool:
     return getattr(module, "prefers_whole", lambda rows: False)(rows)
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x, inplace=False: F.gelu(x, approximate="tanh")}
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    return gate.mul_(torch.sigmoid(gate * alpha)).mul_(up.clamp_(-limit, limit).add_(1))
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate, inplace=True).mul_(up)
+
+
+def _geglu_tanh(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def glu(activation: str, cfg: ModelConfig) -> Glu:
+    """A gated feed-forward's (gate, up) -> hidden as BlockVariant.activation names it (silu,
+    gelu_tanh: act(gate) * up; clamped_swiglu: gpt-oss's, ModelConfig.swiglu_limit), computed in
+    place where it can be (the intermediates held twice, not 4x)."""
+    if activation == "clamped_swiglu":
+        return partial(_clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+    return {"silu": _swiglu, "gelu_tanh": _geglu_tanh}[activation]
 
 
 class FeedForward(nn.Module):
-    """down(act(gate(x)) * up(x)), act as ACTIVATIONS names it."""
+    """down(glu(gate(x), up(x))), the SwiGLU unless given another (glu()); each product with its
+    bias where `biases` (gate's, up's, down's) gives one."""
 
-    def __init__(self, gate: Weight, up: Weight, down: Weight, activation: str = "silu"):
+    def __init__(self, gate: Weight, up: Weight, down: Weight, act: Glu = _swiglu, biases: tuple = (None,) * 3):
         super().__init__()
-        self.act = ACTIVATIONS[activation]
-        self.gate_up = fused([gate, up], [None, None])
+        self.act = act
+        self.gate_up = fused([gate, up], list(biases[:2]))
         if self.gate_up is None:
-            self.gate, self.up = linear(gate), linear(up)
-        self.down = linear(down)
+            self.gate, self.up = linear(gate, biases[0]), linear(up, biases[1])
+        self.down = linear(down, biases[2])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -415,7 +473,7 @@ class FeedForward(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate(x), self.up(x)
-        return self.down(self.act(gate, inplace=True).mul_(up))  # the intermediates held twice, not 4x
+        return self.down(self.act(gate, up))
 
 
 class MixtureOfExperts(nn.Module):
@@ -424,18 +482,26 @@ class MixtureOfExperts(nn.Module):
     and their outputs are summed with those scores as weights (renormalized to sum to 1 where the
     model says so, then scaled). Experts no token chose never run."""
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight]):
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], activation: str = "silu"):
         super().__init__()
-        self.router = linear(w["ffn_gate_inp.weight"])
+        self.router = linear(w["ffn_gate_inp.weight"], w.get("ffn_gate_inp.bias"))
+        # each expert's biases, where the block has them (gpt-oss): [experts, rows] a matrix
+        biases = [w.get(f"{m}.bias") for m in EXPERT_MATRICES]
         # all experts in one module that runs each row's chosen ones (weights/ggml_cpu.GGMLExperts),
         # or one FeedForward per expert
         self.grouped = w.get(GROUPED_EXPERTS)
-        if self.grouped is None:
+        if self.grouped is not None:
+            getattr(self.grouped, "inner", self.grouped).set_activation(activation, biases, cfg)  # (-ot: Elsewhere)
+        else:
+            act = glu(activation, cfg)
+            matrices = [[w[f"{m}.{e}.weight"] for m in EXPERT_MATRICES] for e in range(cfg.n_experts)]
             self.experts = nn.ModuleList(
-                FeedForward(*(w[f"{m}.{e}.weight"] for m in EXPERT_MATRICES)) for e in range(cfg.n_experts)
+                FeedForward(*matrices[e], act, tuple(b if b is None else b[e] for b in biases))
+                for e in range(cfg.n_experts)
             )
         self.k, self.renormalize = cfg.n_experts_used, cfg.expert_norm
         self.sigmoid, self.scale = cfg.expert_gating == "sigmoid", cfg.expert_weights_scale
+        self.softmax_of_chosen = cfg.expert_gating == "top_k_softmax"
         self.groups, self.groups_used = cfg.expert_groups, cfg.expert_groups_used
         self.choice_bias = w[CHOICE_BIAS].float() if self.sigmoid else None
         # an expert every token runs beside the chosen ones, its output scaled by a sigmoid gate
@@ -449,7 +515,10 @@ class MixtureOfExperts(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts [rows, k] and their weights [rows, k] in x's dtype."""
         logits = self.router(x).float()
-        if not self.sigmoid:
+        if self.softmax_of_chosen:
+            top, chosen = logits.topk(self.k, dim=-1)
+            weights = F.softmax(top, dim=-1)
+        elif not self.sigmoid:
             weights, chosen = F.softmax(logits, dim=-1).topk(self.k, dim=-1)
         else:
             scores = torch.sigmoid(logits)
@@ -520,10 +589,10 @@ class Block(nn.Module):
             self.attn = Attention(cfg, w, variant)
         self.ffn_norm = RMSNorm(w["ffn_norm.weight"], cfg.norm_eps)
         if variant.ffn == "experts":
-            self.ffn = MixtureOfExperts(cfg, w)
+            self.ffn = MixtureOfExperts(cfg, w, variant.activation)
         else:
             gate_up_down = (w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
-            self.ffn = FeedForward(*gate_up_down, variant.activation)
+            self.ffn = FeedForward(*gate_up_down, glu(variant.activation, cfg))
         # norms of the token mixer's and the feed-forward's outputs, before their residuals (Gemma)
         self.post_attn_norm = self.post_ffn_norm = None
         if variant.post_norms:
@@ -655,6 +724,7 @@ class Stage(nn.Module):
             self.inv_freq,
             self.dtype,
             self.local_inv_freq,
+            rope_gain(self.cfg),
         )
 
     def _prompt_piece(self, x: torch.Tensor) -> int | None:

@@ -54,8 +54,7 @@ def converter() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
     try:
         archive = _archive(tmp / "sdist")
-        for part in PARTS:
-            top = ggml_source._extract(archive, tmp, f"vendor/llama.cpp/{part}")
+        top = ggml_source._extract(archive, tmp, *(f"vendor/llama.cpp/{part}" for part in PARTS))
         os.rename(top / "vendor" / "llama.cpp", root)
     except OSError as e:
         if not script.is_file():  # else another process extracted it first
@@ -200,6 +199,56 @@ def tiny_deepseek3(folder: Path, *, layers: int = 4, seed: int = 0, **config) ->
     )
     return tiny_hf_model(
         folder, "DeepseekV3Config", "DeepseekV3ForCausalLM", fields | config, seed, ("e_score_correction_bias",)
+    )
+
+
+# The special tokens of OpenAI's harmony format, which gpt-oss's tokenizer and chat template use
+HARMONY_TOKENS = (
+    "<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>",
+    "<|call|>",
+)  # fmt: skip
+
+
+def tiny_gpt_oss(folder: Path, *, layers: int = 4, seed: int = 0, **config) -> Path:
+    """A random gpt-oss (GptOssForCausalLM, float32) on GPT-2's vocabulary with harmony's special
+    tokens: attention with biases and a learned sink logit per head, blocks alternating between a
+    4-position sliding window and full attention, YaRN 4x over 64 positions (untruncated, as the
+    published config says), 8 experts (2 a token, chosen on the router's logits) with biases and the
+    clamped SwiGLU. Its RoPE base puts the ends of YaRN's ramp within 0.1% of whole pairs (0 and 2),
+    where llama.cpp's rounding of them (it always rounds; gpt-oss's config says not to) changes
+    nothing: at the published base the file llama.cpp reads and the folder transformers reads part
+    by that rounding, each as its own engine computes it."""
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10800.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        initializer_range=0.15,
+    )
+    return tiny_hf_model(
+        folder,
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        fields | config,
+        seed,
+        ("sinks", "bias"),
+        HARMONY_TOKENS,
+        chat_template("openai-gpt-oss-120b"),
     )
 
 

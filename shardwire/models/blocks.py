@@ -75,9 +75,12 @@ def ffn_required(cfg: ModelConfig, block: int, shared_gate: bool = True) -> tupl
 
 
 def routing(cfg: ModelConfig) -> str:
-    """The router's arithmetic (BlockVariant.routing): softmax_top_k, or sigmoid_biased_top_k (the
-    choice by score plus bias, in groups where there are several, the weights scaled); normalized
-    where the chosen weights are divided by their sum."""
+    """The router's arithmetic (BlockVariant.routing): softmax_top_k, sigmoid_biased_top_k (the
+    choice by score plus bias, in groups where there are several, the weights scaled), or
+    top_k_softmax (chosen by logit, a softmax over the chosen); normalized where the chosen weights
+    are divided by their sum."""
+    if cfg.expert_gating == "top_k_softmax":
+        return "top_k_softmax"
     kind = "softmax_top_k" if cfg.expert_gating == "softmax" else "sigmoid_biased_top_k"
     return f"{kind}_normalized" if cfg.expert_norm else kind
 

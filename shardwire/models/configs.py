@@ -39,15 +39,23 @@ def from_gguf_metadata(meta: dict, tensor_names: set[str], where: str) -> ModelC
     if scaling_type == "linear":
         scaling = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
     elif scaling_type == "yarn":
+        factor = float(key("rope.scaling.factor"))
+        # DeepSeek's converter writes its mscale_all_dim as 0.1 times it
+        mscale_all_dim = float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        # the gain on RoPE's cos and sin, as llama.cpp derives it (transformers' attention_factor):
+        # DeepSeek-V2 Lite's mscale is its mscale_all_dim, every other file's 1
+        mscale = mscale_all_dim if arch == "deepseek2" and mscale_all_dim not in (0.0, 1.0) else 1.0
+        gain = yarn_mscale(factor)
+        if mscale_all_dim:
+            gain = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         scaling = {
             "type": "yarn",
-            "factor": float(key("rope.scaling.factor")),
+            "factor": factor,
             "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
             "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
             "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
-            # DeepSeek's converter writes its mscale_all_dim as 0.1 times it
-            "mscale_all_dim": float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1,
-            "attention_factor": float(key("rope.scaling.yarn_attn_factor", 1.0)),
+            "mscale_all_dim": mscale_all_dim,
+            "attention_factor": gain * float(key("rope.scaling.attn_factor", 1.0)),
         }
     elif scaling_type not in ("none", ""):
         raise ConfigError(
@@ -124,6 +132,7 @@ def _hf_rope(cfg: dict, where: str) -> tuple[float, dict | None]:
             "beta_slow": float(scaling.get("beta_slow") or 1.0),
             "mscale_all_dim": float(mscale_all_dim or 0.0),
             "attention_factor": float(attention),
+            "truncate": bool(scaling.get("truncate", True)),
         }
     if kind == "llama3":
         return float(theta), {

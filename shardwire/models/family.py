@@ -30,16 +30,17 @@ class BlockVariant:
     mixer: str = "attention"  # attention | gated_attention (Qwen3.5's output gate) | gated_delta_net
     qk_norm: bool = False  # an RMS norm on each query and key head before RoPE
     ffn: str = "dense"  # dense | experts
-    activation: str = "silu"  # the gated feed-forward's: silu | gelu_tanh
+    activation: str = "silu"  # the gated feed-forward's: silu | gelu_tanh | clamped_swiglu (gpt-oss's)
     routing: str = ""  # experts: softmax_top_k, or softmax_top_k_normalized (chosen weights sum to 1)
     shared_expert: str = ""  # experts: one more every token runs: "sigmoid_gated" (its output behind a gate) or "plain"
     post_norms: bool = False  # an RMS norm on the mixer's and on the feed-forward's output (Gemma)
     window: int = 0  # sliding-window attention: the keys a query sees, its own included; 0: all
     local_rope: bool = False  # RoPE of the model's local base (ModelConfig.local_rope_theta), unscaled
     query_scale: float = 0.0  # attention scores' scale; 0: 1 / sqrt(head_dim)
+    sinks: bool = False  # a learned logit per head in each query's softmax, reading no value (gpt-oss)
 
     def __str__(self) -> str:
-        words = [self.mixer + (" with q/k norms" if self.qk_norm else "")]
+        words = [self.mixer + (" with q/k norms" if self.qk_norm else "") + (" with sinks" if self.sinks else "")]
         if self.window:
             words.append(f"a {self.window}-key window" + (" with local RoPE" if self.local_rope else ""))
         if self.query_scale:
@@ -72,6 +73,16 @@ class GGUFKeys:
         if default is None:
             return require(self.meta, full, self.where)
         return self.meta.get(full, default)
+
+    def sliding_blocks(self, n_layers: int, period: int) -> tuple[int, ...]:
+        """The blocks on a sliding window, as llama.cpp reads them: a per-block list of flags
+        (attention.sliding_window_pattern), else a period (the key's, or the family's `period`)
+        of which every block but the last slides (0: all do)."""
+        pattern = self("attention.sliding_window_pattern", period)
+        if isinstance(pattern, list):
+            return tuple(i for i, on in enumerate(pattern[:n_layers]) if on)
+        period = int(pattern)
+        return tuple(i for i in range(n_layers) if period == 0 or i % period < period - 1)
 
     def count(self, name: str, default=None) -> int:
         """A count that hybrids may list per block (0 for blocks without it): the largest."""

@@ -57,11 +57,7 @@ def _sqrt32(x: int) -> float:
 def gguf_fields(keys: GGUFKeys, n_layers: int) -> dict[str, Any]:
     dim, n_heads = int(keys("embedding_length")), keys.count("attention.head_count")
     window = int(keys("attention.sliding_window", 0))
-    pattern = keys("attention.sliding_window_pattern", SLIDING_PATTERN)
-    if isinstance(pattern, list):
-        sliding = tuple(i for i, on in enumerate(pattern[:n_layers]) if on)
-    else:
-        sliding = tuple(i for i in range(n_layers) if int(pattern) == 0 or i % int(pattern) < int(pattern) - 1)
+    sliding = keys.sliding_blocks(n_layers, SLIDING_PATTERN)
     # llama.cpp scales the 27B's queries by its width per head (gemma_pytorch's query_pre_attn_scalar),
     # which its GGUF does not record, and every other size's by 1 / sqrt(head_dim)
     query_scale = 1 / math.sqrt(dim // n_heads) if n_layers == 62 else 0.0

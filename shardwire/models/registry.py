@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
-from . import deepseek2, gemma3, glm4moe, llama, qwen35
+from . import deepseek2, gemma3, glm4moe, gpt_oss, llama, qwen35
 from .family import BlockVariant, Family
 
-FAMILIES: tuple[Family, ...] = tuple(Family.of(module) for module in (llama, qwen35, gemma3, glm4moe, deepseek2))
+FAMILIES: tuple[Family, ...] = tuple(
+    Family.of(module) for module in (llama, qwen35, gemma3, glm4moe, deepseek2, gpt_oss)
+)
 _BY_ARCH = {arch: family for family in FAMILIES for arch in family.archs}
 _BY_HF_TYPE = {model_type: family for family in FAMILIES for model_type in family.hf_types}
 ARCHS = tuple(_BY_ARCH)

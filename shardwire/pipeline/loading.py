@@ -34,7 +34,7 @@ def undo_qk_interleave(t, n_heads: int):
 
 
 # Tensors the model uses as they are, not as a matrix product: never packed
-_USED_AS_TENSORS = ("ssm_conv1d.weight",)
+_USED_AS_TENSORS = ("ssm_conv1d.weight", "_exps.bias", "attn_sinks.weight")
 # Tensors kept in float32 whatever the stage's dtype (small, and precision matters)
 _FULL_PRECISION = ("rope_freqs.weight", ".ssm_a", ".ssm_dt.bias")
 

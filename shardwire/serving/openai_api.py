@@ -19,7 +19,8 @@ from .. import __version__
 from ..constrain import ConstraintError, Grammar, vocabulary_of
 from ..engine import Event, Request
 from ..sampling import MAX_LOGIT_BIAS, SamplingParams
-from .reasoning import ReasoningSplit, close_thinking, opens_thinking, tags_of
+from .harmony import splitter
+from .reasoning import close_thinking, opens_thinking, tags_of
 from .tools import ToolError, ToolSpec, ToolStream, history_message, parse_tools
 
 MAX_CHOICES = 128  # prompts x n in one request
@@ -475,7 +476,7 @@ class Choice:
     def __init__(self, index: int, tokenizer, skip_ids: frozenset[int], job: "Job | None" = None):
         self.index, self.tokenizer, self.skip_ids = index, tokenizer, skip_ids
         tags = job.reasoning if job is not None else None
-        self.split = ReasoningSplit(tags, job.thinking) if tags is not None else None
+        self.split = splitter(tags, job.thinking) if tags is not None else None
         self.text = ""  # the answer (without the reasoning, where it is read apart)
         self.reasoning = ""
         self.new_reasoning = ""  # what the last add() added to it

@@ -2,21 +2,23 @@
 Qwen3, QwQ and DeepSeek-R1). llama-server returns it apart, as message.reasoning_content (and
 delta.reasoning_content when streamed); so does shardwire, for models whose chat template uses
 the tags. A template may open the block itself (DeepSeek-R1's ends the prompt with <think>), so
-the reply can start inside it."""
+the reply can start inside it. gpt-oss writes its reasoning in harmony's analysis channel instead
+(harmony.py), read apart the same way."""
 
 from __future__ import annotations
 
-TAGS = (("<think>", "</think>"),)
+HARMONY = ("<|channel|>", "<|message|>")  # not tags around reasoning: the marks of harmony's messages
+TAGS = (("<think>", "</think>"), HARMONY)
 
 
 def tags_of(template: str | None) -> tuple[str, str] | None:
-    """The reasoning tags a chat template writes, if any."""
+    """The reasoning tags a chat template writes (or HARMONY), if any."""
     return next((tags for tags in TAGS if template and tags[0] in template), None)
 
 
 def opens_thinking(prompt: str, tags: tuple[str, str]) -> bool:
     """Whether the template left the prompt inside an open block (the reply starts in it)."""
-    return prompt.rstrip().endswith(tags[0])
+    return tags != HARMONY and prompt.rstrip().endswith(tags[0])
 
 
 def close_thinking(prompt: str, tags: tuple[str, str]) -> str:
@@ -25,7 +27,7 @@ def close_thinking(prompt: str, tags: tuple[str, str]) -> str:
     return prompt + tags[1] if opens_thinking(prompt, tags) else prompt
 
 
-def _held(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """How many characters at the end of `text` may be the start of `tag`."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
 
@@ -58,7 +60,7 @@ class ReasoningSplit:
                     reasoning += buf[:end]
                     buf, self.state = buf[end + len(self.close) :], "after"
                     continue
-                keep = _held(buf, self.close)
+                keep = held_back(buf, self.close)
                 reasoning += buf[: len(buf) - keep]
                 self.held = buf[len(buf) - keep :]
                 return reasoning, answer

@@ -36,6 +36,10 @@ tokenizer's special tokens (call_syntax):
       <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
       <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>   (on one line)
 
+- gpt-oss: harmony messages addressed to a function (harmony.py hands them over as one form):
+
+      <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}
+
 Text that is not entirely well-formed calls of known functions stays content. tool_choice
 "required" or a named function constrains the output to one such JSON object, or with
 parallel_tool_calls to a JSON list of one or more of them, so the model must write valid calls.
@@ -48,9 +52,12 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from .harmony import CALL, CALL_OPEN, CHANNEL
+
 __all__ = [
     "DEEPSEEK",
     "GLM",
+    "HARMONY",
     "KIMI",
     "HERMES",
     "LLAMA3",
@@ -70,6 +77,7 @@ MISTRAL_TAG, ARGS_TAG = "[TOOL_CALLS]", "[ARGS]"
 ARG_KEY = "<arg_key>"
 DEEPSEEK_CALLS, KIMI_CALLS = "<｜tool▁calls▁begin｜>", "<|tool_calls_section_begin|>"
 HERMES, LLAMA3, MISTRAL, GLM, DEEPSEEK, KIMI = "hermes", "llama3", "mistral", "glm", "deepseek", "kimi"
+HARMONY = "harmony"
 _DEEPSEEK_CALL = re.compile(
     r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(.*?)(?:<｜tool▁sep｜>|\n)"
     r"\s*(?:```(?:json)?\s*)?(.*?)\s*(?:```\s*)?<｜tool▁call▁end｜>",
@@ -103,7 +111,7 @@ def _is_special_token(tokenizer, text: str) -> bool:
 
 
 def call_syntax(tokenizer) -> str:
-    """How the model writes calls: HERMES, LLAMA3, MISTRAL, GLM, DEEPSEEK or KIMI. Its chat template
+    """How the model writes calls: HERMES, LLAMA3, MISTRAL, GLM, DEEPSEEK, KIMI or HARMONY. Its chat template
     names the markers it renders calls with; a model without a template that names any is judged by
     its special tokens."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -112,6 +120,7 @@ def call_syntax(tokenizer) -> str:
         (PYTHON_TAG, LLAMA3),
         (DEEPSEEK_CALLS, DEEPSEEK),
         (KIMI_CALLS, KIMI),
+        (CHANNEL, HARMONY),
         (ARG_KEY, GLM),
         (OPEN, HERMES),
     )
@@ -409,12 +418,25 @@ def _section_calls(text: str, names: set[str], syntax: str) -> tuple[str | None,
     return text[:at].strip() or None, calls
 
 
+def _harmony_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """gpt-oss's calls as harmony.HarmonySplit hands them over; the text around them is content."""
+    calls = []
+    for m in CALL.finditer(text):
+        call = _call({"name": m[1].strip(), "arguments": m[2].strip()}, names)
+        if call is None:
+            return text, []
+        calls.append(call)
+    return CALL.sub("", text).strip() or None, calls
+
+
 def _read_calls(
     text: str, names: set[str], syntax: str, strings: dict[str, set[str]]
 ) -> tuple[str | None, list[ToolCall]]:
     for section, (begin, _, _) in _SECTIONS.items():
         if begin in text:
             return _section_calls(text, names, section)
+    if CALL_OPEN in text:
+        return _harmony_calls(text, names)
     if OPEN in text:
         return _hermes_calls(text, names, strings)
     if MISTRAL_TAG in text:
@@ -470,7 +492,7 @@ class ToolStream:
         self.names, self.forced, self.syntax, self.parallel = names, forced, syntax, parallel
         self.strings = strings or {}
         self.text, self.sent = "", 0
-        self.openers = [OPEN, MISTRAL_TAG, DEEPSEEK_CALLS, KIMI_CALLS]
+        self.openers = [OPEN, MISTRAL_TAG, DEEPSEEK_CALLS, KIMI_CALLS, CALL_OPEN]
         self.named_openers = [n + end for n in names for end in ("{", ARGS_TAG)] if syntax == MISTRAL else []
         self.bare_name = _bare_name_pattern(names) if self.named_openers else None
 

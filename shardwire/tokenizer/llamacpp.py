@@ -42,6 +42,7 @@ EOG_TEXTS = frozenset(
         "[e~[",
     ]
 )
+HARMONY_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _EOT_TEXTS = (
     "<|eot_id|>",
     "<|im_end|>",
@@ -174,6 +175,14 @@ class LlamaCppTokenizer(Tokenizer):
                 eog.add(self._ids[text])
                 mark(self._ids[text])
         eog.update(ids[k] for k in ("eos", "eot", "eom") if k in ids)
+        # harmony (gpt-oss): its message marks are written out like text, and a message's <|end|>
+        # ends no reply where <|return|> and <|call|> do
+        for text in HARMONY_RENDERED:
+            if text in self._ids:
+                self.attrs[self._ids[text]] = USER_DEFINED
+        if all(t in self._ids and self._ids[t] in eog for t in ("<|return|>", "<|call|>", "<|end|>")):
+            eog.discard(self._ids["<|end|>"])
+            self.attrs[self._ids["<|end|>"]] = USER_DEFINED
         return eog
 
     def _prepare_partition(self, md: dict):

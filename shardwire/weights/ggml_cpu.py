@@ -531,31 +531,64 @@ class _ExpertsGraph(_Built):
     back unsummed. Built with the repacked ones among the three (`lent`), whose buffer and kernel
     traits the plan and the computation dispatch on."""
 
-    NODES = 16
+    NODES = 32
     lends = True
 
-    def __init__(self, types: tuple[int, int, int], D: int, F: int, E: int, k: int, n: int, lent: tuple, threads: int):
+    def __init__(
+        self,
+        types: tuple[int, int, int],
+        D: int,
+        F: int,
+        E: int,
+        k: int,
+        n: int,
+        biased: bool,
+        clamped: tuple[float, float] | None,
+        lent: tuple,
+        threads: int,
+    ):
+        """biased: each matrix's product plus its expert's bias; clamped: (limit, alpha) of gpt-oss's
+        clamped SwiGLU, else the SwiGLU."""
         super().__init__(self.NODES, self.NODES)
-        self.gate, self.up, self.down = expert_tensors(self.ctx, types, D, F, E, lent)
-        self.x = ggml.ggml_new_tensor_3d(self.ctx, ggml.GGML_TYPE_F32, D, 1, n)
-        self.ids = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_I32, k, n)
-        g = ggml.ggml_mul_mat_id(self.ctx, self.gate, self.x, self.ids)  # [F, k, n]
-        u = ggml.ggml_mul_mat_id(self.ctx, self.up, self.x, self.ids)
-        h = ggml.ggml_swiglu_split(self.ctx, g, u)  # silu(g) * u
-        self.y = ggml.ggml_mul_mat_id(self.ctx, self.down, h, self.ids)  # [D, k, n]
-        self.between = (g, u, h)  # intermediates: a call gives them memory for its own duration
-        self.between_size = F * k * n
+        ctx = self.ctx
+        self.gate, self.up, self.down = expert_tensors(ctx, types, D, F, E, lent)
+        self.x = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, D, 1, n)
+        self.ids = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, k, n)
+        self.biases = tuple(ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, r, E) for r in (F, F, D)) if biased else ()
+
+        made = []  # every tensor the graph computes before y: a call gives them memory for its own duration
+
+        def product(i: int, w, x):
+            out = ggml.ggml_mul_mat_id(ctx, w, x, self.ids)
+            if biased:
+                made.append(out)
+                out = ggml.ggml_add_id(ctx, out, self.biases[i], self.ids)
+            return out
+
+        g, u = product(0, self.gate, self.x), product(1, self.up, self.x)  # [F, k, n]
+        if clamped is None:
+            h = ggml.ggml_swiglu_split(ctx, g, u)  # silu(g) * u
+        else:
+            h = ggml.ggml_swiglu_oai(ctx, g, u, clamped[1], clamped[0])
+        self.y = product(2, self.down, h)  # [D, k, n]
+        self.between = [*made, g, u, h]
+        self.between_sizes = [ggml.ggml_nelements(t) for t in self.between]
         self._finish(self.y, threads)
 
-    def run(self, weights: tuple, x: int, ids: int, y: int) -> None:
-        """weights: gate, up and down, each the address of its stored blocks or its _Repacked."""
+    def run(self, weights: tuple, x: int, ids: int, y: int, biases: tuple = ()) -> None:
+        """weights: gate, up and down, each the address of its stored blocks or its _Repacked;
+        biases: the addresses of their [experts, rows] float32 biases, where built biased."""
         for t, weight in zip((self.gate, self.up, self.down), weights):
             point_at(t, weight)
+        for t, bias in zip(self.biases, biases):
+            t.contents.data = bias
         self.x.contents.data, self.ids.contents.data, self.y.contents.data = x, ids, y
         # a prompt's are large: held only while computing, not for as long as the graph is kept
-        between = torch.empty(3, self.between_size, dtype=torch.float32)
-        for i, t in enumerate(self.between):
-            t.contents.data = between[i].data_ptr()
+        between = torch.empty(sum(self.between_sizes), dtype=torch.float32)
+        at = 0
+        for t, size in zip(self.between, self.between_sizes):
+            t.contents.data = between[at:].data_ptr()
+            at += size
         self._compute()
 
 
@@ -605,6 +638,18 @@ class GGMLExperts(nn.Module):
         self.n_experts, self.ffn_dim = self.gate.shape[0], self.gate.shape[1]
         self.dim = self.down.shape[1]
         self.fmt = "repacked" if any(isinstance(w, _Repacked) for w in self._weights) else "ggml"
+        self.clamped: tuple[float, float] | None = None  # (limit, alpha) of a clamped SwiGLU; None: SwiGLU
+        self.biases: tuple[torch.Tensor, ...] = ()  # gate's, up's and down's [experts, rows], where they have them
+
+    def set_activation(self, activation: str, biases: list, cfg) -> None:
+        """The block's activation (BlockVariant.activation: silu, or clamped_swiglu with
+        ModelConfig's limit and alpha) and its experts' biases (gate's, up's, down's, or Nones)."""
+        if activation not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"ggml's experts compute silu or clamped_swiglu, not {activation}")
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("experts with biases on some of gate, up and down but not all")
+        self.clamped = (cfg.swiglu_limit, cfg.swiglu_alpha) if activation == "clamped_swiglu" else None
+        self.biases = tuple(b.float().cpu().contiguous() for b in biases) if biases[0] is not None else ()
 
     def tensors(self, ctx) -> tuple:
         """Gate, up and down as ggml tensors on the bytes this module holds (expert_tensors)."""
@@ -621,6 +666,7 @@ class GGMLExperts(nn.Module):
         ids = chosen.to(torch.int32).contiguous()
         y = torch.empty(n, k, self.dim, dtype=torch.float32)
         lent = tuple(w if isinstance(w, _Repacked) else None for w in self._weights)
-        graph = _kept(_ExpertsGraph, self._types, self.dim, self.ffn_dim, self.n_experts, k, n, weight=lent)
-        graph.run(self._held(), x32.data_ptr(), ids.data_ptr(), y.data_ptr())
+        shape = (self._types, self.dim, self.ffn_dim, self.n_experts, k, n, bool(self.biases), self.clamped)
+        graph = _kept(_ExpertsGraph, *shape, weight=lent)
+        graph.run(self._held(), x32.data_ptr(), ids.data_ptr(), y.data_ptr(), tuple(b.data_ptr() for b in self.biases))
         return torch.einsum("nkd,nk->nd", y, weights.to(torch.float32)).to(x.dtype)

@@ -4,8 +4,9 @@ import pytest
 
 from shardwire.engine import Event
 from shardwire.serving.chat import render_chat
+from shardwire.serving.harmony import HarmonySplit
 from shardwire.serving.openai_api import Choice, chat_text, chunk_choice, parse_chat, response, usage
-from shardwire.serving.reasoning import ReasoningSplit
+from shardwire.serving.reasoning import HARMONY, ReasoningSplit
 
 THINK = ("<think>", "</think>")
 # the shapes of Qwen3's template (the block only when thinking is off) and DeepSeek-R1's (it
@@ -32,8 +33,8 @@ class Templated:
         return chr(token)
 
 
-def split_all(pieces, inside=False):
-    split, reasoning, answer = ReasoningSplit(THINK, inside), "", ""
+def split_all(pieces, inside=False, split=None):
+    split, reasoning, answer = split or ReasoningSplit(THINK, inside), "", ""
     for piece in pieces:
         r, a = split.feed(piece)
         reasoning, answer = reasoning + r, answer + a
@@ -129,3 +130,41 @@ def test_glm_s_template_thinks_by_default_and_its_reasoning_comes_apart():
     choice.add(Event("\n<think>The capital is Paris.</think>\nParis.", finish_reason="stop"))
     message = response(job, "m", [choice], usage(1, 4))["choices"][0]["message"]
     assert message["content"] == "Paris." and message["reasoning_content"] == "The capital is Paris."
+
+
+HARMONY_REPLY = (
+    "<|channel|>analysis<|message|>The user asks for a capital.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris."
+)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (HARMONY_REPLY, ("The user asks for a capital.", "Paris.")),
+        ("<|channel|>final<|message|>Only an answer.", ("", "Only an answer.")),
+        ("<|channel|>analysis<|message|>cut off mid-thou", ("cut off mid-thou", "")),
+        ("Plain text, not harmony <|end|>", ("", "Plain text, not harmony <|end|>")),
+        # a call: its recipient and arguments handed on in the form tools.py reads
+        (
+            "<|channel|>analysis<|message|>Needs the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}',
+            ("Needs the weather.", '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Rome"}<|end|>'),
+        ),
+    ],
+)
+def test_harmony_s_analysis_channel_is_the_reasoning_wherever_the_pieces_break(text, expected):
+    assert split_all([text], split=HarmonySplit()) == expected
+    assert split_all(list(text), split=HarmonySplit()) == expected  # one character at a time
+
+
+def test_gpt_oss_s_template_reads_as_harmony_and_its_reasoning_comes_apart():
+    convert = pytest.importorskip("shardwire_kit.convert")
+    oss = Templated(convert.chat_template("openai-gpt-oss-120b"))
+    job = parse_chat({"messages": [{"role": "user", "content": "Capital of France?"}]}, oss)
+    assert job.reasoning == HARMONY and not job.thinking
+    assert chat_text(oss, [{"role": "user", "content": "Hi"}], {}).endswith("<|start|>assistant")
+    choice = Choice(0, None, frozenset(), job)
+    choice.add(Event(HARMONY_REPLY, finish_reason="stop"))
+    message = response(job, "m", [choice], usage(1, 4))["choices"][0]["message"]
+    assert message["content"] == "Paris." and message["reasoning_content"] == "The user asks for a capital."

@@ -674,3 +674,55 @@ def test_deepseek_v3_s_fenced_calls_are_read_and_malformed_sections_stay_content
         "<|tool_calls_section_begin|>stray<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
     ):
         assert parse_tool_calls(text, NAMES, DEEPSEEK if "｜" in text else KIMI) == (text, [])
+
+
+def test_gpt_oss_s_harmony_calls_are_read_apart_from_its_reasoning_whole_and_streamed():
+    """A harmony reply (reasoning, then a message to=functions.NAME) through a job of gpt-oss's
+    own template: the analysis channel comes back as reasoning, the message as a call; a call of an
+    unknown function or with broken arguments stays content."""
+    from shardwire.engine import Event
+    from shardwire.serving.harmony import HarmonySplit
+    from shardwire.serving.openai_api import usage
+    from shardwire.serving.tools import HARMONY
+
+    convert = pytest.importorskip("shardwire_kit.convert")
+
+    class Harmony:
+        chat_template = convert.chat_template("openai-gpt-oss-120b")
+
+        def apply_chat_template(self, messages, add_generation_prompt=True, **extra):
+            from shardwire.serving.chat import render_chat
+
+            return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **extra)
+
+        def encode(self, text, add_special=True, parse_special=False):
+            return [ord(c) for c in text]
+
+    tokenizer = Harmony()
+    assert call_syntax(tokenizer) == HARMONY
+    timed = {"type": "function", "function": {**TIME["function"], "description": "The time."}}  # its template reads one
+    job = parse_chat({"messages": HISTORY[:1], "tools": [WEATHER, timed]}, tokenizer)
+    reply = (
+        "<|channel|>analysis<|message|>Needs the weather.<|end|>"
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}'
+    )
+    choice = Choice(0, None, frozenset(), job)
+    choice.add(Event(reply, finish_reason="stop"))
+    (out,) = response(job, "m", [choice], usage(1, 4))["choices"]
+    assert out["finish_reason"] == "tool_calls" and out["message"]["reasoning_content"] == "Needs the weather."
+    assert out["message"]["content"] is None
+    assert names_and_args([c for c in job.tools.read_calls(choice.text)[1]]) == [("get_weather", {"city": "Rome"})]
+    split = HarmonySplit()
+    answer = "".join(split.feed(ch)[1] for ch in reply) + split.flush()[1]
+    sent, rest, deltas = stream_through(job, answer, tokenizer)
+    assert (sent, rest) == ("", "")
+    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == [
+        ("get_weather", {"city": "Rome"})
+    ]
+    for broken in ('{"city": ', "rm_rf"):
+        text = (
+            answer.replace('{"city": "Rome"}', broken)
+            if broken.startswith("{")
+            else answer.replace("get_weather", broken)
+        )
+        assert parse_tool_calls(text, NAMES, HARMONY) == (text, [])

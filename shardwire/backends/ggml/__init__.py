@@ -33,6 +33,7 @@ IMPLEMENTED = {
     "window": (0,),
     "local_rope": (False,),
     "query_scale": (0.0,),
+    "sinks": (False,),
 }
 
 

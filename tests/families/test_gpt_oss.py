@@ -1,0 +1,171 @@
+"""gpt-oss (shardwire/models/gpt_oss.py): a tiny random model from transformers' own GptOssConfig
+(attention sinks, blocks alternating between a sliding window and full attention, YaRN, biased
+experts with the clamped SwiGLU), the GGUF llama.cpp's own converter writes from it, against
+transformers float32 and llama.cpp's logits; in one process and on 2 workers split where a full
+block meets a sliding one. Its chat goes through the file's harmony template: reasoning comes back
+apart, and a call as a call."""
+
+import asyncio
+import json
+import logging
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwire.backends import ggml as ggml_backend
+from shardwire.config import ConfigError
+from shardwire.formats import open_model
+from shardwire.models import variant
+from shardwire.pipeline.loading import load_stage
+from shardwire.weights import ggml_cpu
+
+from models import converted_checkpoint, llama_cpp_logits, transformers_greedy
+from parity import BACKENDS, greedy_tokens, our_logits
+from runs import assert_same, distributed, single_process
+
+transformers = pytest.importorskip("transformers")
+convert = pytest.importorskip("shardwire_kit.convert")
+
+# longer than the sliding window (4), so that the sliding blocks see less than the full ones
+PROMPT = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13, 632, 373]
+
+
+def gpt_oss(form: str) -> Path:
+    """The tiny gpt-oss's folder ("hf") or the converter's float32 GGUF of it ("gguf")."""
+    return converted_checkpoint("gpt-oss", convert.tiny_gpt_oss, form)
+
+
+@lru_cache(maxsize=None)
+def reference():
+    return transformers_greedy(gpt_oss("hf"), PROMPT)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)  # the parity matrix of test_model.py, gpt-oss's row
+def test_logits_and_greedy_tokens_match_transformers(backend):
+    ref_logits, ref_tokens = reference()
+    path = gpt_oss("gguf")
+    ours = our_logits(path, PROMPT, backend)
+    spread = float(ref_logits.max() - ref_logits.min())
+    # without the sinks the logits part by 58% of a row's spread, without YaRN's gain on RoPE by 19%
+    assert float((ours - ref_logits).abs().max()) <= 1e-3 * spread
+    assert greedy_tokens(path, PROMPT, 16, backend) == ref_tokens
+
+
+def test_llama_cpp_computes_the_converters_file_as_shardwire_does():
+    theirs = llama_cpp_logits(gpt_oss("gguf"), PROMPT)
+    ours = our_logits(gpt_oss("gguf"), PROMPT)
+    spread = float(theirs.max() - theirs.min())
+    assert float((ours - theirs).abs().max()) <= 1e-3 * spread
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_the_converters_file_reads_as_the_model_transformers_runs():
+    cfg = open_model(gpt_oss("gguf")).config
+    assert (cfg.sliding_window, cfg.sliding_blocks) == (4, (0, 2))  # llama.cpp's default: even blocks slide
+    assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_gating) == (8, 2, "top_k_softmax")
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (7.0, 1.702)
+    # YaRN's gain on cos and sin, as transformers' attention_factor: 0.1 ln(factor) + 1
+    assert cfg.rope_scaling["type"] == "yarn" and math.isclose(
+        cfg.rope_scaling["attention_factor"], 0.1 * math.log(4) + 1
+    )
+    assert str(variant(cfg, 0)) == "attention with sinks, a 4-key window, clamped_swiglu experts (top_k_softmax)"
+    assert str(variant(cfg, 1)) == "attention with sinks, clamped_swiglu experts (top_k_softmax)"
+
+
+def test_a_folder_is_refused_with_what_to_do():
+    with pytest.raises(ConfigError, match="convert the folder with llama.cpp's convert_hf_to_gguf.py"):
+        open_model(gpt_oss("hf"))
+
+
+def test_ggmls_experts_add_their_biases_and_clamp_as_the_modules_do():
+    """The experts held as stored under ggml (one graph for a block's chosen experts: biases added
+    per expert, the clamped SwiGLU) give the logits of one PyTorch module per expert."""
+    if not ggml_cpu.available():
+        pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
+    model = open_model(gpt_oss("gguf"))
+    modules = load_stage(model, 0, model.config.n_layers)
+    grouped = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
+    experts = grouped.blocks[0].ffn.grouped
+    assert isinstance(experts, ggml_cpu.GGMLExperts) and experts.clamped == (7.0, 1.702) and len(experts.biases) == 3
+    assert modules.blocks[0].ffn.grouped is None
+    outs = []
+    for stage in (modules, grouped):
+        stage.allocate_cache(1, 64)
+        outs.append(stage(torch.tensor([PROMPT]), [0], [0], all_logits=True)[0])
+    assert float((outs[0] - outs[1]).abs().max()) <= 1e-4 * float(outs[0].max() - outs[0].min())
+
+
+def test_ggml_refuses_its_blocks_says_so_and_the_modules_compute_them(caplog):
+    if not ggml_cpu.available():
+        pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
+    model = open_model(gpt_oss("gguf"))
+    with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
+        stage = load_stage(model, 0, model.config.n_layers)
+    assert stage.runner is None and all(block.runner is None for block in stage.blocks)
+    why = ggml_backend.refusal(variant(model.config, 0))
+    assert "sinks=True" in why and "activation='clamped_swiglu'" in why
+    assert any("sinks=True" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_two_workers_split_where_a_full_block_meets_a_sliding_one_give_the_single_process_tokens(worker_pool, tmp_path):
+    path = gpt_oss("gguf")
+    workers = worker_pool(2)
+    got, plan, _ = distributed(
+        path, [w.address for w in workers], tmp_path / "coord", tensor_split=[1, 1], prompt=PROMPT
+    )
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4)]  # block 1 full, block 2 sliding
+    assert_same(single_process(path, prompt=PROMPT), got)
+
+
+def test_chat_renders_through_the_harmony_template_and_a_forced_call_comes_back_as_a_call():
+    """The converter's GGUF carries gpt-oss's harmony template: a chat request renders through it
+    (the tools in the developer turn, the reply opened for the assistant), harmony's message marks
+    read as tokens and written back as text, and a named tool_choice makes the random model write a
+    call, returned as tool_calls, over the real HTTP app in process."""
+    from aiohttp import ClientSession
+
+    from shardwire.serving.openai_api import parse_chat
+    from shardwire.serving.reasoning import HARMONY
+    from shardwire.serving.tools import HARMONY as HARMONY_CALLS
+    from shardwire.serving.tools import call_syntax
+    from shardwire.tokenizer import load_tokenizer
+
+    from served import served
+    from tool_calls import WEATHER
+
+    closed = {**WEATHER["function"]["parameters"], "additionalProperties": False}  # a random model's keys end
+    weather = {"type": "function", "function": {**WEATHER["function"], "parameters": closed}}
+    model = open_model(gpt_oss("gguf"))
+    tokenizer = load_tokenizer(model)
+    assert call_syntax(tokenizer) == HARMONY_CALLS
+    asked = {"messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": [weather]}
+    job = parse_chat(asked, tokenizer)
+    prompt = tokenizer.decode(job.prompts[0], skip_special=False)
+    assert "namespace functions" in prompt and prompt.endswith("Weather in Rome?<|end|><|start|>assistant")
+    assert job.reasoning == HARMONY
+    # <|end|> ends a message, not the reply (as llama.cpp reads o200k_harmony); <|return|> and <|call|> do
+    end, done, call = (
+        tokenizer.encode(t, add_special=False, parse_special=True)[0] for t in ("<|end|>", "<|return|>", "<|call|>")
+    )
+    assert end not in tokenizer.stop_ids and {done, call} <= tokenizer.stop_ids
+    marks = "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>ok"
+    assert tokenizer.decode(tokenizer.encode(marks, add_special=False, parse_special=True)) == marks
+
+    async def scenario():
+        body = {**asked, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 60}
+        async with served(load_stage(model, 0, model.config.n_layers), tokenizer) as url, ClientSession() as http:
+            async with http.post(
+                f"{url}/v1/chat/completions", json={**body, "parallel_tool_calls": False, "seed": 1}
+            ) as r:
+                assert r.status == 200, await r.text()
+                (choice,) = (await r.json())["choices"]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+
+    asyncio.run(scenario())
