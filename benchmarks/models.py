@@ -1,5 +1,7 @@
 """The benchmark's model files: real GGUF with random weights, written by shardwire's writer
-(F16) and quantized by llama.cpp's own llama-quantize, cached by name.
+(F16), or for a family it does not write (gpt-oss) made by transformers from its own config class
+and converted by llama.cpp's converter, then quantized by llama.cpp's own llama-quantize, cached by
+name.
 
     python -m benchmarks.models [small 1b-q8_0 ...]    # make (or find) them, print their paths
 
@@ -28,8 +30,9 @@ LAYOUT_VERSION = 1
 @dataclass(frozen=True)
 class Layout:
     name: str
-    params: dict  # shardwire_kit.synthetic.random_model arguments besides vocab_size
+    params: dict  # shardwire_kit.synthetic.random_model arguments besides vocab_size, or `converted`'s config
     vocab: str = "llama-spm"  # a llama.cpp vocabulary in ../shared/vocab (32000 tokens for Llama 2)
+    converted: str = ""  # a shardwire_kit.convert builder of a transformers folder that llama.cpp's converter reads
 
 
 _MOE = dict(
@@ -75,6 +78,35 @@ LAYOUTS = {
     # weights routed to 2 and to 8, so a step's cost can be set against the experts it runs).
     **{name: Layout(name, dict(_MOE, n_experts_used=k)) for name, k in (("moe", 4), ("moe-top2", 2), ("moe-top8", 8))},
     "moe35": Layout("moe35", _MOE35),
+    # gpt-oss-20b's blocks at 1B scale: 16 blocks alternating a 128-position window and full
+    # attention, 16 heads of 64 (4 key heads) with sinks, 32 experts (4 a token) of width 512 with
+    # biases and the clamped SwiGLU, YaRN as published; GPT-2's vocabulary (50k) with harmony's tokens
+    "oss": Layout(
+        "oss",
+        dict(
+            layers=16,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            intermediate_size=512,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            initializer_range=0.02,
+        ),
+        converted="tiny_gpt_oss",
+    ),
 }
 
 
@@ -109,11 +141,12 @@ WORKLOADS = {
         Workload("moe-top8-q4_0", "moe-top8", "Q4_0"),
         Workload("moe35-q8_0", "moe35", "Q8_0"),
         Workload("moe35-f16", "moe35", "F16"),
+        Workload("oss-mxfp4", "oss", "MXFP4"),  # llama-quantize's MXFP4_MOE: the experts MXFP4, as gpt-oss ships
     ]
 }
 
 # llama-quantize's names for the types (Q4_K means its Q4_K_M recipe, what users download).
-_QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16", "F32": "F32"}
+_QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16", "F32": "F32", "MXFP4": "MXFP4_MOE"}
 _IMPORTANCE = ("IQ4_XS", "IQ2_XXS")  # quantized with an importance matrix (llama-imatrix over the README)
 
 
@@ -135,6 +168,23 @@ def llama_cpp_prefix(build: bool = True) -> Path | None:
 def _f16_file(layout: Layout) -> Path:
     path = CACHE / "models" / f"v{LAYOUT_VERSION}" / f"{layout.name}-f16.gguf"
     if path.is_file():
+        return path
+    if layout.converted:
+        import shutil
+        import tempfile
+
+        from shardwire_kit import convert
+
+        said = f"writing {path.name} (transformers' random weights, llama.cpp's converter) ..."
+        print(said, file=sys.stderr, flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f"{layout.name}-hf-", dir=path.parent))
+        try:
+            getattr(convert, layout.converted)(folder, seed=1234, **layout.params)
+            convert.convert(folder, path.with_suffix(".tmp.gguf"), outtype="f16")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        os.replace(path.with_suffix(".tmp.gguf"), path)
         return path
     from shardwire_kit.synthetic import load_vocab, random_model
     from shardwire_kit.writer import write_gguf
@@ -177,6 +227,8 @@ def ensure(workload: Workload, prefix: Path | None) -> Path:
             capture_output=True,
             timeout=3600,
         )
+    elif layout.converted:
+        raise RuntimeError(f"{workload.name} is made by llama-quantize (benchmarks/build_llama_cpp.sh builds it)")
     else:
         from shardwire_kit.synthetic import load_vocab, random_model
         from shardwire_kit.writer import write_gguf

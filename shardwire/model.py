@@ -431,7 +431,7 @@ def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: f
     return gate.mul_(torch.sigmoid(gate * alpha)).mul_(up.clamp_(-limit, limit).add_(1))
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate, inplace=True).mul_(up)
 
 
@@ -445,14 +445,14 @@ def glu(activation: str, cfg: ModelConfig) -> Glu:
     place where it can be (the intermediates held twice, not 4x)."""
     if activation == "clamped_swiglu":
         return partial(_clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
-    return {"silu": _swiglu, "gelu_tanh": _geglu_tanh}[activation]
+    return {"silu": swiglu, "gelu_tanh": _geglu_tanh}[activation]
 
 
 class FeedForward(nn.Module):
     """down(glu(gate(x), up(x))), the SwiGLU unless given another (glu()); each product with its
     bias where `biases` (gate's, up's, down's) gives one."""
 
-    def __init__(self, gate: Weight, up: Weight, down: Weight, act: Glu = _swiglu, biases: tuple = (None,) * 3):
+    def __init__(self, gate: Weight, up: Weight, down: Weight, act: Glu = swiglu, biases: tuple = (None,) * 3):
         super().__init__()
         self.act = act
         self.gate_up = fused([gate, up], list(biases[:2]))

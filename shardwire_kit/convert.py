@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from shardwire.weights.cache import default_cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -250,6 +252,41 @@ def tiny_gpt_oss(folder: Path, *, layers: int = 4, seed: int = 0, **config) -> P
         HARMONY_TOKENS,
         chat_template("openai-gpt-oss-120b"),
     )
+
+
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)  # e2m1's magnitudes, by code
+
+
+def _mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., K] float32 as OpenAI stores MXFP4: per 32 values an E8M0 scale (the largest value's
+    power of two over 4, the largest code's), and 16 bytes holding values 2i and 2i + 1 in their
+    low and high nibbles (sign bit 3, then the nearest magnitude's code): blocks [..., K / 32, 16]
+    and scales [..., K / 32]."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    largest = np.abs(groups).max(-1)
+    exponent = np.where(largest > 0, np.floor(np.log2(np.maximum(largest, 1e-30))) - 2, -127).clip(-127, 127)
+    x = groups / np.exp2(exponent)[..., None]
+    code = np.abs(np.abs(x)[..., None] - _FP4).argmin(-1).astype(np.uint8) | ((x < 0).astype(np.uint8) << 3)
+    return code[..., 0::2] | (code[..., 1::2] << 4), (exponent + 127).astype(np.uint8)
+
+
+def openai_mxfp4(folder: Path, out: Path) -> Path:
+    """A copy of a transformers-saved gpt-oss folder with its experts as OpenAI publishes them:
+    gate_up_proj and down_proj as MXFP4 _blocks and _scales ([experts, out, in / 32, ...], not
+    transposed), the config saying so."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4(tensors.pop(name).transpose(1, 2).contiguous().numpy())
+        tensors[name + "_blocks"], tensors[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def tiny_hf_model(

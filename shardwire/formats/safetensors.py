@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 from ..models import Family, family_of, hf_family, require
+from . import openai_experts
 from .names import EXPERT_MATRICES, expert_name
 from .tensors import TensorInfo
 
@@ -187,17 +188,22 @@ def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
         files = [folder / "model.safetensors"]
     else:
         raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    tensors: dict[str, TensorInfo] = {}
-    skipped_mtp = 0
+    stored: dict[str, TensorInfo] = {}
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{file}: shard listed in {index_path.name} is missing")
-        for info in read_safetensors_header(file).values():
-            skipped_mtp += info.name.startswith("mtp.")
-            try:
+        stored.update(read_safetensors_header(file))
+    tensors: dict[str, TensorInfo] = {}
+    try:
+        own = openai_experts.experts(stored) if family.hf_experts == "openai" else {}
+        for made in own.values():
+            tensors.update(made)
+        for info in stored.values():
+            if info.name not in own:
                 tensors.update(canonical_tensors(info, family))
-            except ValueError as e:
-                raise SafetensorsError(str(e)) from None
+    except ValueError as e:
+        raise SafetensorsError(str(e)) from None
+    skipped_mtp = sum(name.startswith("mtp.") for name in stored)
     if skipped_mtp:
         log.info(
             "%s: skipping %d multi-token-prediction (mtp.*) tensors: shardwire does not run them", folder, skipped_mtp

@@ -131,6 +131,9 @@ class Family:
     # a config.json's per-block tensor names of this family beyond the Llama ones -> short names here
     hf_block_names: Mapping[str, str] = field(default_factory=dict)
     hf_block_params: Mapping[str, str] = field(default_factory=dict)  # the same for tensors with no .weight
+    # how a Hugging Face folder holds experts beyond one tensor per expert: "" (transformers 5's
+    # fused [experts, 2 ffn, dim], gate rows then up rows), or "openai" (formats/openai_experts.py)
+    hf_experts: str = ""
     # config.json keys that name one value, as transformers' attribute_map aliases them (which of
     # them it saves has changed between its releases)
     hf_aliases: tuple[tuple[str, ...], ...] = ()

@@ -9,16 +9,20 @@ from typing import Any
 
 from ..config import ConfigError, ModelConfig
 from . import blocks
-from .family import BlockVariant, GGUFKeys, Shapes
+from .family import BlockVariant, GGUFKeys, Shapes, require
 
 ARCHS = ("gpt-oss",)
 HF_TYPES = {"gpt_oss": "gpt-oss"}
 HF_CLASSES = {"gpt-oss": "GptOssForCausalLM"}
-
+HF_BLOCK_NAMES = {"mlp.router": "ffn_gate_inp"}
+HF_BLOCK_PARAMS = {"self_attn.sinks": "attn_sinks.weight"}
+HF_ALIASES = (("num_local_experts", "num_experts"), ("num_experts_per_tok", "experts_per_token"))
+HF_EXPERTS = "openai"  # formats/openai_experts.py: transposed, gate and up interleaved, or MXFP4 blocks
 SLIDING_PATTERN = 2  # llama.cpp's for a file that lists none: even blocks slide, odd ones see everything
 # llama.cpp's clamped SwiGLU (its GGUF records neither): the limit and the sigmoid's gain
 SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702
 SINKS = "attn_sinks.weight"
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "ffn_gate_inp.bias")
 EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
 
@@ -65,10 +69,23 @@ gguf_tensors = blocks.ffn_norm_renamed  # its converter writes the norm before t
 
 
 def hf_fields(cfg: dict, head_dim: int, where: str) -> dict[str, Any]:
-    raise ConfigError(
-        f"{where}: gpt-oss's Hugging Face folders are not read yet (their experts are stored transposed, with "
-        "gate and up interleaved, and as MXFP4 blocks in the published checkpoints); convert the folder with "
-        "llama.cpp's convert_hf_to_gguf.py and load the GGUF"
+    n_layers = int(require(cfg, "num_hidden_layers", where))
+    types = cfg.get("layer_types") or [_LAYER_TYPES[i % 2] for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ConfigError(f"{where}: layer_types must list one of {', '.join(_LAYER_TYPES)} per layer")
+    window = int(cfg.get("sliding_window") or 0)
+    expert_ffn = int(require(cfg, "intermediate_size", where))
+    return dict(
+        ffn_dim=expert_ffn,
+        n_experts=int(require(cfg, "num_local_experts", where)),
+        n_experts_used=int(require(cfg, "num_experts_per_tok", where)),
+        expert_ffn_dim=expert_ffn,
+        expert_gating="top_k_softmax",
+        expert_norm=False,
+        sliding_window=window,
+        sliding_blocks=tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else (),
+        swiglu_limit=float(cfg.get("swiglu_limit", SWIGLU_LIMIT)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", SWIGLU_ALPHA)),
     )
 
 

@@ -62,7 +62,7 @@ class HashIndex:
         with self._lock:
             for info in infos:
                 identity = _identity(info.path)
-                key = f"{info.offset}:{info.nbytes}"
+                key = f"{info.offset}:{info.nbytes}" + (f":{info.name}" if info.derive is not None else "")
                 known = self._entries(identity).get(key)
                 if known:
                     out[info.name] = known

@@ -72,7 +72,7 @@ def test_ggml_refuses_every_block_says_so_and_the_modules_compute_it(caplog):
         stage = load_stage(model, 0, model.config.n_layers)
     assert stage.runner is None and all(block.runner is None and block.feed_runner is None for block in stage.blocks)
     said = [r.getMessage() for r in caplog.records]
-    assert any("blocks 0-4, 6" in line and "window=4" in line and "gelu_tanh" in line for line in said), said
+    assert any("blocks 0-4, 6" in line and "local_rope=True" in line and "gelu_tanh" in line for line in said), said
     assert any(line.startswith("blocks 5 (") and "post_norms=True" in line for line in said), said
 
 
@@ -80,7 +80,8 @@ def test_a_variant_the_graphs_do_not_implement_is_refused_a_known_one_taken():
     assert ggml_backend.refusal(BlockVariant()) is None
     assert ggml_backend.refusal(BlockVariant(mixer="gated_delta_net", ffn="experts", routing="softmax_top_k")) is None
     assert "activation='gelu_tanh'" in ggml_backend.refusal(BlockVariant(activation="gelu_tanh"))
-    assert "window=128" in ggml_backend.refusal(BlockVariant(window=128))
+    assert ggml_backend.refusal(BlockVariant(window=128, sinks=True)) is None  # gpt-oss's sliding blocks
+    assert "local_rope=True" in ggml_backend.refusal(BlockVariant(window=128, local_rope=True))
     assert "query_scale=0.1" in ggml_backend.refusal(BlockVariant(query_scale=0.1))
 
 

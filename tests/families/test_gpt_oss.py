@@ -1,23 +1,26 @@
 """gpt-oss (shardwire/models/gpt_oss.py): a tiny random model from transformers' own GptOssConfig
 (attention sinks, blocks alternating between a sliding window and full attention, YaRN, biased
-experts with the clamped SwiGLU), the GGUF llama.cpp's own converter writes from it, against
-transformers float32 and llama.cpp's logits; in one process and on 2 workers split where a full
-block meets a sliding one. Its chat goes through the file's harmony template: reasoning comes back
-apart, and a call as a call."""
+experts with the clamped SwiGLU), its folder as transformers saves it and as OpenAI publishes its
+experts (MXFP4), and the GGUF llama.cpp's own converter writes from each, against transformers
+float32 and llama.cpp's logits; in one process and on 2 workers split where a full block meets a
+sliding one. Its chat goes through the file's harmony template: reasoning comes back apart, and a
+call as a call."""
 
 import asyncio
+import dataclasses
 import json
-import logging
 import math
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from shardwire.backends import ggml as ggml_backend
-from shardwire.config import ConfigError
+from shardwire.backends.ggml import block as ggml_block
 from shardwire.formats import open_model
+from shardwire.formats.tensors import TensorReader
 from shardwire.models import variant
 from shardwire.pipeline.loading import load_stage
 from shardwire.weights import ggml_cpu
@@ -44,9 +47,10 @@ def reference():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)  # the parity matrix of test_model.py, gpt-oss's row
-def test_logits_and_greedy_tokens_match_transformers(backend):
+@pytest.mark.parametrize("form", ["hf", "gguf"])
+def test_logits_and_greedy_tokens_match_transformers(form, backend):
     ref_logits, ref_tokens = reference()
-    path = gpt_oss("gguf")
+    path = gpt_oss(form)
     ours = our_logits(path, PROMPT, backend)
     spread = float(ref_logits.max() - ref_logits.min())
     # without the sinks the logits part by 58% of a row's spread, without YaRN's gain on RoPE by 19%
@@ -75,9 +79,38 @@ def test_the_converters_file_reads_as_the_model_transformers_runs():
     assert str(variant(cfg, 1)) == "attention with sinks, clamped_swiglu experts (top_k_softmax)"
 
 
-def test_a_folder_is_refused_with_what_to_do():
-    with pytest.raises(ConfigError, match="convert the folder with llama.cpp's convert_hf_to_gguf.py"):
-        open_model(gpt_oss("hf"))
+def test_the_gguf_and_the_folder_read_as_one_model():
+    """The folder says YaRN's ramp is not to be rounded (gpt-oss's config); llama.cpp rounds it,
+    so the GGUF's scaling says nothing of it."""
+    gguf, hf = open_model(gpt_oss("gguf")), open_model(gpt_oss("hf"))
+    cfg = gguf.config
+    assert cfg == dataclasses.replace(hf.config, norm_eps=cfg.norm_eps, rope_scaling=cfg.rope_scaling)
+    assert hf.config.rope_scaling["truncate"] is False and "truncate" not in gguf.config.rope_scaling
+    # transformers' experts (transposed, gate and up interleaved) read as the converter writes them
+    reader = TensorReader()
+    for name in ("blk.1.ffn_gate_exps.3.weight", "blk.1.ffn_up_exps.3.weight", "blk.1.ffn_down_exps.3.weight",
+                 "blk.1.ffn_gate_exps.bias", "blk.1.ffn_up_exps.bias", "blk.1.attn_sinks.weight"):  # fmt: skip
+        assert hf.tensors[name].shape == gguf.tensors[name].shape
+        assert np.array_equal(reader.read(hf.tensors[name]), reader.read(gguf.tensors[name])), name
+
+
+def test_a_folder_of_openai_s_mxfp4_experts_holds_the_converters_bytes_and_runs_as_its_gguf(tmp_path):
+    """gpt-oss as OpenAI publishes it, its experts in MXFP4 blocks and scales apart: read as ggml's
+    MXFP4, every expert's bytes those llama.cpp's converter writes from the same folder, and the
+    logits the same."""
+    folder = convert.openai_mxfp4(gpt_oss("hf"), tmp_path / "mxfp4")
+    converted = convert.convert(folder, tmp_path / "mxfp4.gguf")
+    hf, gguf = open_model(folder), open_model(converted)
+    reader = TensorReader()
+    experts = [name for name in hf.tensors if "_exps" in name]
+    assert len(experts) == 4 * (3 * 8 + 3)  # a block's 8 experts' 3 matrices, and their 3 biases
+    assert {hf.tensors[n].dtype for n in experts if n.endswith("weight")} == {"MXFP4"}
+    for name in experts:
+        assert hf.tensors[name].dtype == gguf.tensors[name].dtype
+        assert np.array_equal(reader.read(hf.tensors[name]), reader.read(gguf.tensors[name])), name
+    # to within the folder's unrounded YaRN ramp against the file's rounded one (0.04% of a pair here)
+    ours, theirs = our_logits(folder, PROMPT), our_logits(converted, PROMPT)
+    assert float((ours - theirs).abs().max()) <= 1e-4 * float(theirs.max() - theirs.min())
 
 
 def test_ggmls_experts_add_their_biases_and_clamp_as_the_modules_do():
@@ -98,16 +131,47 @@ def test_ggmls_experts_add_their_biases_and_clamp_as_the_modules_do():
     assert float((outs[0] - outs[1]).abs().max()) <= 1e-4 * float(outs[0].max() - outs[0].min())
 
 
-def test_ggml_refuses_its_blocks_says_so_and_the_modules_compute_them(caplog):
+def _steps(stage, use_graphs: bool) -> list[torch.Tensor]:
+    """A 10-token prompt read in chunks of 6 and 4, a decode step of 2 sequences (one past the
+    window, one inside it), and one of 9 (more rows than a graph takes), with or without the
+    blocks' and the stage's graphs."""
+    kept = stage.runner, [b.runner for b in stage.blocks]
+    if not use_graphs:
+        stage.runner = None
+        for b in stage.blocks:
+            b.runner = None
+    try:
+        stage.allocate_cache(9, 32)
+        out = [stage(torch.tensor([PROMPT[:6]]), [0], [0], all_logits=True)]
+        out.append(stage(torch.tensor([PROMPT[6:10]]), [0], [6], all_logits=True))
+        out.append(stage(torch.tensor([[PROMPT[10]], [PROMPT[0]]]), [0, 1], [10, 0]))
+        out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [11, 1] + [0] * 7))
+        return out
+    finally:
+        stage.runner = kept[0]
+        for b, runner in zip(stage.blocks, kept[1]):
+            b.runner = runner
+
+
+@pytest.mark.parametrize("stored", ["F32", "MXFP4"])
+def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give(stored, tmp_path):
+    """Sinks, the sliding window (a prompt's rows each over its own window, a decode step's over
+    the last 4 keys), YaRN's gain and the experts' routing, biases and clamp, in ggml's graphs
+    and a stage's one-graph decode step, with keys and values in float16 as llama.cpp keeps them."""
     if not ggml_cpu.available():
         pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
-    model = open_model(gpt_oss("gguf"))
-    with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
-        stage = load_stage(model, 0, model.config.n_layers)
-    assert stage.runner is None and all(block.runner is None for block in stage.blocks)
-    why = ggml_backend.refusal(variant(model.config, 0))
-    assert "sinks=True" in why and "activation='clamped_swiglu'" in why
-    assert any("sinks=True" in r.getMessage() for r in caplog.records)
+    path = gpt_oss("gguf")
+    if stored == "MXFP4":
+        path = convert.convert(convert.openai_mxfp4(gpt_oss("hf"), tmp_path / "mxfp4"), tmp_path / "mxfp4.gguf")
+    model = open_model(path)
+    assert all(ggml_backend.refusal(variant(model.config, i)) is None for i in range(model.config.n_layers))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={stored: "ggml", "F32": "ggml"})
+    assert all(isinstance(b.runner, ggml_block.BlockGraphs) for b in stage.blocks)
+    assert isinstance(stage.runner, ggml_block.StageGraph) and stage.runner.windows == [4]
+    with_graphs, without = _steps(stage, True), _steps(stage, False)
+    for a, b in zip(with_graphs, without):
+        assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 graph.py), which blocks they take, and the stage's one-graph decode step.
 
 The graphs implement the block variants in IMPLEMENTED and nothing else. A block of another
-variant (another activation, norms after the mixer, a sliding window, a field of BlockVariant
+variant (another activation, norms after the mixer, RoPE of a local base, a field of BlockVariant
 this table has not heard of) is refused with a log line and runs on the PyTorch modules, which
 implement every variant the families declare: a family the graphs do not know computes slower,
 never differently."""
@@ -14,6 +14,7 @@ from dataclasses import fields
 
 import torch
 
+from ...model import rope_gain
 from ...models import BlockVariant
 from .block import BlockGraphs, FeedForwardGraphs, StageGraph
 from .deltanet import DeltaNetGraphs
@@ -26,14 +27,14 @@ IMPLEMENTED = {
     "mixer": ("attention", "gated_attention", "gated_delta_net"),
     "qk_norm": (False, True),
     "ffn": ("dense", "experts"),
-    "activation": ("silu",),
-    "routing": ("", "softmax_top_k", "softmax_top_k_normalized"),
+    "activation": ("silu", "clamped_swiglu"),
+    "routing": ("", "softmax_top_k", "softmax_top_k_normalized", "top_k_softmax"),
     "shared_expert": ("", "sigmoid_gated"),
     "post_norms": (False,),
-    "window": (0,),
+    "window": range(1 << 31),
     "local_rope": (False,),
     "query_scale": (0.0,),
-    "sinks": (False,),
+    "sinks": (False, True),
 }
 
 
@@ -68,7 +69,7 @@ def attach(stage) -> None:
         if why is not None:
             refused.setdefault((block.variant, why), []).append(i)
             continue
-        block.runner = BlockGraphs.of(block, stage.inv_freq, stage.cfg.rope_theta)
+        block.runner = BlockGraphs.of(block, stage.inv_freq, stage.cfg.rope_theta, rope_gain(stage.cfg))
         if block.runner is None:  # a token mixer the block's graphs do not take: a delta-net's
             block.feed_runner = FeedForwardGraphs.of(block)
             block.runner = DeltaNetGraphs.of(block, block.feed_runner)

@@ -37,7 +37,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ...model import Attention, FeedForward, Linear, MixtureOfExperts, ffn_piece_rows, prefers_whole
+from ...model import Attention, FeedForward, Linear, MixtureOfExperts, ffn_piece_rows, prefers_whole, swiglu
 from ...weights import ggml_cpu
 from ...weights.ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
 from ...weights.packed import GGUFLinear
@@ -157,6 +157,13 @@ def _vector(ctx, t: torch.Tensor):
     return v
 
 
+def _matrix_2d(ctx, t: torch.Tensor):
+    """A float32 [rows, columns] tensor as ggml's [columns, rows]."""
+    m = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, t.shape[1], t.shape[0])
+    m.contents.data = t.data_ptr()
+    return m
+
+
 def _linear(ctx, m: _Matrix, h):
     y = ggml.ggml_mul_mat(ctx, m.tensor(ctx), h)
     return y if m.bias is None else ggml.ggml_add(ctx, y, _vector(ctx, m.bias))
@@ -183,7 +190,9 @@ class _Dense:
 
     @classmethod
     def of(cls, ffn: nn.Module) -> "_Dense | None":
-        """model.FeedForward `ffn`, None where ggml cannot run its matrices as held."""
+        """model.FeedForward `ffn` (a SwiGLU), None where ggml cannot run its matrices as held."""
+        if ffn.act is not swiglu:
+            return None
         sizes = None if ffn.gate_up is None else [ffn.gate_up.weight.shape[0] // 2] * 2
         gate_up = _projections(ffn.gate_up, sizes, lambda: (ffn.gate, ffn.up))
         down = _matrices(ffn.down)
@@ -200,12 +209,15 @@ class _Sparse:
     the chosen experts' gate, up and down by ggml's mul_mat_id on the experts as held, their
     weighted sum; plus the shared expert behind its sigmoid gate, where the model has one."""
 
-    def __init__(self, router: _Matrix, experts: GGMLExperts, k: int, renormalize: bool, shared, shared_gate):
+    def __init__(
+        self, router: _Matrix, experts: GGMLExperts, k: int, renormalize: bool, shared, shared_gate, of_chosen: bool
+    ):
         self.router, self.experts, self.k, self.renormalize = router, experts, k, renormalize
         self.shared, self.shared_gate = shared, shared_gate
+        self.of_chosen = of_chosen  # chosen by logit, weighed by a softmax over the chosen (gpt-oss)
         self.matrices = [router, *([] if shared is None else [*shared.matrices, shared_gate])]
         self.hidden = experts.ffn_dim
-        self.nodes = 3 * k + 48
+        self.nodes = 3 * k + 56
 
     @classmethod
     def of(cls, moe: nn.Module) -> "_Sparse | None":
@@ -220,22 +232,35 @@ class _Sparse:
             if shared is None or shared_gate is None:
                 return None
             shared_gate = shared_gate[0]
-        return cls(router[0], moe.grouped, moe.k, moe.renormalize, shared, shared_gate)
+        return cls(router[0], moe.grouped, moe.k, moe.renormalize, shared, shared_gate, moe.softmax_of_chosen)
 
     def __call__(self, ctx, h):
         D, rows, E, k = h.contents.ne[0], h.contents.ne[1], self.experts.n_experts, self.k
-        probs = ggml.ggml_soft_max(ctx, _linear(ctx, self.router, h))  # [E, rows]
+        logits = _linear(ctx, self.router, h)  # [E, rows]
+        probs = logits if self.of_chosen else ggml.ggml_soft_max(ctx, logits)
         chosen = ggml.ggml_argsort_top_k(ctx, probs, k)  # [k, rows]
         weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, E, rows), chosen)  # [1, k, rows]
+        if self.of_chosen:
+            flat = ggml.ggml_soft_max(ctx, ggml.ggml_reshape_2d(ctx, weights, k, rows))
+            weights = ggml.ggml_reshape_3d(ctx, flat, 1, k, rows)
         if self.renormalize:
             flat = ggml.ggml_reshape_2d(ctx, weights, k, rows)
             weights = ggml.ggml_reshape_3d(ctx, ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat)), 1, k, rows)
         gate, up, down = self.experts.tensors(ctx)
+        biases = [_matrix_2d(ctx, b) for b in self.experts.biases]
+
+        def product(i, w, x):  # the chosen experts' products, each plus its expert's bias where they have them
+            out = ggml.ggml_mul_mat_id(ctx, w, x, chosen)
+            return ggml.ggml_add_id(ctx, out, biases[i], chosen) if biases else out
+
         x = ggml.ggml_reshape_3d(ctx, h, D, 1, rows)
-        act = ggml.ggml_swiglu_split(
-            ctx, ggml.ggml_mul_mat_id(ctx, gate, x, chosen), ggml.ggml_mul_mat_id(ctx, up, x, chosen)
-        )  # [F, k, rows]
-        each = ggml.ggml_mul(ctx, ggml.ggml_mul_mat_id(ctx, down, act, chosen), weights)  # [D, k, rows]
+        g, u = product(0, gate, x), product(1, up, x)  # [F, k, rows]
+        clamped = self.experts.clamped  # (limit, alpha) of gpt-oss's clamped SwiGLU
+        if clamped is None:
+            act = ggml.ggml_swiglu_split(ctx, g, u)
+        else:
+            act = ggml.ggml_swiglu_oai(ctx, g, u, clamped[1], clamped[0])
+        each = ggml.ggml_mul(ctx, product(2, down, act), weights)  # [D, k, rows]
         nb1, nb2 = each.contents.nb[1], each.contents.nb[2]
         out = None
         for i in range(k):
@@ -315,7 +340,7 @@ class FeedForwardGraphs:
                 (lambda g: build(self, g, rows, built, pool)) if built else (lambda g: build(self, g, rows)),
                 self._names(kind, rows),
                 PROMPT if kind == SHARED or rows > MAX_ROWS else rows,
-                64 + 16 * rows * (built > 0) + self.ffn.nodes,
+                64 + 20 * rows * (built > 0) + self.ffn.nodes,
                 torch.get_num_threads(),
             )
             graph.keys = built
@@ -359,20 +384,29 @@ class BlockGraphs(FeedForwardGraphs):
         if attn.q_norm is not None:
             eps = attn.q_norm.eps
             self.head_norms = ((_f32(attn.q_norm.weight), eps), (_f32(attn.k_norm.weight), eps))
-        self.rope: tuple | None = None  # (rotated dims, base, frequency factors or None)
+        self.sinks = _f32(attn.sinks)  # a logit per head in each row's softmax (gpt-oss), or None
+        self.window = attn.window  # the keys a row sees, its own included (0: all)
+        self.rope: tuple | None = None  # (rotated dims, base, frequency factors or None, gain on cos and sin)
 
-    def _set_rope(self, inv_freq: torch.Tensor, base: float) -> None:
+    def _set_rope(self, inv_freq: torch.Tensor, base: float, gain: float) -> None:
         """The stage's RoPE frequencies, as ggml computes them: base^(-2i/dims), each divided by a
-        factor (Llama 3.1's or linear scaling; none where every factor is 1)."""
+        factor (Llama 3.1's, linear or YaRN's scaling; none where every factor is 1), and YaRN's
+        gain on cos and sin (model.rope_gain)."""
         dims = 2 * inv_freq.shape[0]
         plain = base ** (-torch.arange(0, dims, 2, dtype=torch.float64) / dims)
         factors = (plain / inv_freq.double()).float()
-        self.rope = (dims, base, None if torch.allclose(factors, torch.ones_like(factors)) else factors.contiguous())
+        unscaled = torch.allclose(factors, torch.ones_like(factors))
+        self.rope = (dims, base, None if unscaled else factors.contiguous(), gain)
+
+    def seen(self, count: int) -> tuple[int, int]:
+        """Of the first `count` keys of a row's sequence, how many it attends to and the first of them."""
+        n = min(count, self.window) if self.window else count
+        return n, count - n
 
     @classmethod
-    def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float) -> "BlockGraphs | None":
+    def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float, gain: float = 1.0) -> "BlockGraphs | None":
         """The graphs for a block with attention and a feed-forward ggml can run as held (dense,
-        or experts held as one GGMLExperts); its stage's RoPE frequencies and base."""
+        or experts held as one GGMLExperts); its stage's RoPE frequencies, base and gain."""
         attn = block.attn
         if not ggml_cpu.available() or not isinstance(attn, Attention):
             return None
@@ -384,7 +418,7 @@ class BlockGraphs(FeedForwardGraphs):
         if qkv is None or out is None or ffn is None:
             return None
         graphs = cls(block, qkv, out[0], ffn, _piece(ffn, list(block.modules())))
-        graphs._set_rope(inv_freq, rope_base)
+        graphs._set_rope(inv_freq, rope_base, gain)
         return graphs
 
     # -- the arithmetic -----------------------------------------------------------------------------
@@ -394,10 +428,10 @@ class BlockGraphs(FeedForwardGraphs):
         t = ggml.ggml_reshape_3d(ctx, t, self.head_dim, heads, rows)
         if norm is not None:
             t = _norm(ctx, t, *norm)
-        dims, base, factors = self.rope
+        dims, base, factors, gain = self.rope
         factors = None if factors is None else _vector(ctx, factors)
         mode = ggml.GGML_ROPE_TYPE_NEOX
-        t = ggml.ggml_rope_ext(ctx, t, positions, factors, dims, mode, 0, base, 1.0, 0.0, 1.0, 32.0, 1.0)
+        t = ggml.ggml_rope_ext(ctx, t, positions, factors, dims, mode, 0, base, 1.0, 0.0, gain, 32.0, 1.0)
         return ggml.ggml_reshape_2d(ctx, t, self.head_dim * heads, rows)
 
     def _project(self, ctx, x, rows: int, positions) -> list:
@@ -475,20 +509,31 @@ class BlockGraphs(FeedForwardGraphs):
             query = self._half(g, query)
         scores = ggml.ggml_mul_mat(ctx, keys, query)
         g.fields.follow(scores, n, built, ne=(0,), nb=(1, 2, 3))
+        sinks = self.sinks is not None
+        if sinks:  # ggml's softmax reads a row's sink by its index in dimension 2: one head each
+            flat = ggml.ggml_reshape_3d(ctx, scores, built, 1, self.heads)
+            scores = g.fields.follow(flat, n, built, ne=(0,), nb=(1, 2, 3))
         probs = ggml.ggml_soft_max_ext(ctx, scores, None, 1 / math.sqrt(self.head_dim), 0.0)
+        if sinks:
+            ggml.ggml_soft_max_add_sinks(probs, _vector(ctx, self.sinks))
         g.fields.follow(probs, n, built, ne=(0,), nb=(1, 2, 3))
+        if sinks:
+            grouped = ggml.ggml_reshape_3d(ctx, probs, built, self.heads // self.kv_heads, self.kv_heads)
+            probs = g.fields.follow(grouped, n, built, ne=(0,), nb=(1, 2, 3))
         if half:
             probs = self._half(g, probs, n, built)
         turned = g.fields.follow(ggml.ggml_transpose(ctx, probs), n, built, ne=(1,), nb=(0, 2, 3))
         return g.then(ggml.ggml_out_prod(ctx, values, turned))
 
-    def _attend_each(self, g: Graph, rows: int, built: int, kind: int, pools: list, query, place) -> None:
-        """Attention of `rows` sequences' one row each (row r's queries query(r)), over their own
-        keys (at "index<r>", "n<r>" of them) in pools of type `kind`; place(r, out) says where a
-        row's result goes."""
+    def _attend_each(
+        self, g: Graph, rows: int, built: int, kind: int, pools: list, query, place, named: str = ""
+    ) -> None:
+        """Attention of `rows` rows (row r's queries query(r)), each over its own keys (at
+        "index<r>", "n<r>" of them, with `named` after the names) in pools of type `kind`;
+        place(r, out) says where a row's result goes."""
         for r in range(rows):
-            n = f"n{r}"
-            index = self._index(g, f"index{r}", n, built)
+            n = f"n{r}{named}"
+            index = self._index(g, f"index{r}{named}", n, built)
             keys, values = (self._gather(g, p, index, n, built) for p in pools)
             place(r, self._attend_row(g, query(r), keys, values, n, built, kind))
 
@@ -566,7 +611,7 @@ class BlockGraphs(FeedForwardGraphs):
 
     def nodes(self, rows: int) -> int:
         """Graph nodes its part of a stage's decode graph takes, at most."""
-        return 96 + 16 * rows + self.ffn.nodes
+        return 96 + 20 * rows + self.ffn.nodes
 
     def decode(self, g: Graph, x, rows: int, built: int, kind: int, positions, write):
         """This block's part of a stage's decode graph: x [dim, rows] -> the block's output, the
@@ -582,7 +627,10 @@ class BlockGraphs(FeedForwardGraphs):
         def query(r):
             return ggml.ggml_view_3d(ctx, q, D, group, KV, D * 4, group * D * 4, r * width)
 
-        self._attend_each(g, rows, built, kind, pools, query, lambda r, t: g.inside(t, attn, r * width))
+        def place(r, t):
+            g.inside(t, attn, r * width)
+
+        self._attend_each(g, rows, built, kind, pools, query, place, window_names(self.window))
         return self._rest(ctx, x, attn, *gate)
 
     # -- running ------------------------------------------------------------------------------------
@@ -661,23 +709,32 @@ class BlockGraphs(FeedForwardGraphs):
         qkv_at, qkv_row = qkv.data_ptr(), qkv.shape[-1] * 4
         index_at, index_row = ctx.at.read_at
         counts = ctx.key_counts
+
+        def keys_of(s: int, t: int) -> tuple[int, int]:  # the keys row t of sequence s sees: how many, where listed
+            n, first = self.seen(counts[s][t])
+            return n, index_at + s * index_row + 4 * first
+
         if T == 1 and B <= MAX_ROWS:  # a decode step: one graph for the rest of the block
-            seen = [c[0] for c in counts]
+            seen, indexes = zip(*(keys_of(s, 0) for s in range(B)))
             out = torch.empty_like(flat)
-            at = [flat.data_ptr(), qkv_at, out.data_ptr(), *pools, *seen]
-            at += [index_at + s * index_row for s in range(B)] + ([gate.data_ptr()] if gate is not None else [])
-            self._graph(STEP, B, max(seen), kind)(at)
+            at = [flat.data_ptr(), qkv_at, out.data_ptr(), *pools, *seen, *indexes]
+            self._graph(STEP, B, max(seen), kind)(at + ([gate.data_ptr()] if gate is not None else []))
             return out.view(x.shape)
         # more rows: their attention a few at a time (graphs of a few sizes, whatever the number
         # of rows), then the rest in pieces
         attn = scratch("attention", B * T, self.out.K)
         attn_at, attn_row = attn.data_ptr(), attn.shape[1] * 4
-        if T == 1:  # many sequences' decode step
-            for a in range(0, B, MAX_ROWS):
-                seen = [c[0] for c in counts[a : a + MAX_ROWS]]
-                at = [qkv_at + a * qkv_row, attn_at + a * attn_row, *pools, *seen]
-                at += [index_at + s * index_row for s in range(a, a + len(seen))]
-                self._graph(EACH, len(seen), max(seen), kind)(at)
+        if T == 1 or self.window:
+            if T == 1:  # many sequences' decode step
+                groups = [[(s, 0) for s in range(a, min(a + MAX_ROWS, B))] for a in range(0, B, MAX_ROWS)]
+            else:  # a prompt's rows, each over its own window of keys
+                starts = range(T - 1, T) if last_only else range(0, T, MAX_ROWS)
+                groups = [[(s, t) for t in range(a, min(a + MAX_ROWS, T))] for s in range(B) for a in starts]
+            for rows in groups:
+                seen, indexes = zip(*(keys_of(s, t) for s, t in rows))
+                first = rows[0][0] * T + rows[0][1]
+                at = [qkv_at + first * qkv_row, attn_at + first * attn_row, *pools, *seen, *indexes]
+                self._graph(EACH, len(rows), max(seen), kind)(at)
         else:  # prompts: rows of one sequence share their keys
             for s in range(B):
                 for a in range(T - 1, T) if last_only else range(0, T, MAX_ROWS):
@@ -688,6 +745,11 @@ class BlockGraphs(FeedForwardGraphs):
             last = None if gate is None else gate.view(B, T, -1)[:, -1:]
             return self.finish(x[:, -1:], attn.view(B, T, -1)[:, -1:], last)
         return self.finish(x, attn, gate)
+
+
+def window_names(window: int) -> str:
+    """What a stage graph's names of a row's keys (count and index) end with for blocks of `window`."""
+    return f"w{window}" if window else ""
 
 
 class StageGraph:
@@ -705,6 +767,7 @@ class StageGraph:
         self.blocks = blocks  # BlockGraphs, and DeltaNetGraphs (deltanet.py)
         self.attending = [b for b in blocks if isinstance(b, BlockGraphs)]
         self.mixing = [b for b in blocks if not isinstance(b, BlockGraphs)]
+        self.windows = sorted({b.window for b in self.attending if b.window})  # the sliding windows' sizes
         self.dim = blocks[0].dim
         self.head = head  # (norm weight, eps, the head's matrix)
         self.table = table  # the token embedding: a call takes token ids
@@ -763,7 +826,9 @@ class StageGraph:
     def _graph(self, rows: int, keys: int, kind: int, slots: int) -> Graph:
         def make() -> Graph:
             built = _capacity(keys)
-            counts, indexes = [f"n{r}" for r in range(rows)], [f"index{r}" for r in range(rows)]
+            named = ["", *(window_names(w) for w in self.windows)]
+            counts = [f"n{r}{w}" for w in named for r in range(rows)]
+            indexes = [f"index{r}{w}" for w in named for r in range(rows)]
             pools = [f"{name}{b.layer}" for b in self.attending for name in ("k", "v")]
             names = ["x", "positions", "write", "out", "pool", *counts, *indexes, *pools]
             if self.mixing:
@@ -797,8 +862,13 @@ class StageGraph:
         out = torch.empty(B, 1, self.head[2].N if self.head is not None else self.dim, dtype=torch.float32)
         seen = [c[0] for c in ctx.key_counts]
         index_at, index_row = ctx.at.read_at
-        at = [x_at, ctx.positions_at, ctx.at.write_at, out.data_ptr(), cache.k.shape[2]]
-        at += [*seen, *(index_at + s * index_row for s in range(B)), *pool_addresses(cache, range(len(self.attending)))]
+        at = [x_at, ctx.positions_at, ctx.at.write_at, out.data_ptr(), cache.k.shape[2], *seen]
+        windowed = [[min(n, w) for n in seen] for w in self.windows]  # the keys each window's blocks see
+        at += [n for counts in windowed for n in counts]
+        at += [index_at + s * index_row for s in range(B)]
+        for counts in windowed:  # each row's window starts that many keys into its list
+            at += [index_at + s * index_row + 4 * (n - w) for s, (n, w) in enumerate(zip(seen, counts))]
+        at += pool_addresses(cache, range(len(self.attending)))
         slots = 0
         if self.mixing:
             recurrent = cache.recurrent
