@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardwire.backends import ggml as ggml_backend
+from shardwire.backends.ggml import block as ggml_block
 from shardwire.config import ConfigError
 from shardwire.formats import open_model
 from shardwire.kvcache import stage_cache_nbytes
@@ -23,7 +24,7 @@ from shardwire.pipeline.plan import PlanDevice, PlanError, make_plan
 from shardwire.weights import ggml_cpu
 
 from models import converted_checkpoint, llama_cpp_logits, transformers_greedy
-from parity import BACKENDS, greedy_tokens, our_logits
+from parity import BACKENDS, greedy_tokens, our_logits, stage_outputs
 from runs import assert_same, distributed, single_process
 
 transformers = pytest.importorskip("transformers")
@@ -131,16 +132,24 @@ def test_settings_it_does_not_compute_are_refused(tmp_path):
         open_model(folder)
 
 
-def test_ggml_refuses_its_blocks_says_so_and_the_modules_compute_them(caplog):
+def test_ggml_refuses_latent_attention_says_so_and_runs_the_feed_forward_halves(caplog):
+    """The graphs do not implement latent attention: the modules run it, and the graphs each
+    block's feed-forward half after it (the dense one, and the experts' sigmoid routing in groups
+    beside the shared expert), giving the modules' logits."""
     if not ggml_cpu.available():
         pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
     model = open_model(deepseek("gguf"))
     with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
-        stage = load_stage(model, 0, model.config.n_layers)
+        stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
     assert stage.runner is None and all(block.runner is None for block in stage.blocks)
+    assert all(isinstance(block.feed_runner, ggml_block.FeedForwardGraphs) for block in stage.blocks)
     said = [r.getMessage() for r in caplog.records]
     assert any("mixer='latent_attention'" in line for line in said), said
-    assert "mixer='latent_attention'" in ggml_backend.refusal(variant(model.config, 0))
+    assert ggml_backend.refusal(variant(model.config, 1)) == "ggml's graphs do not implement mixer='latent_attention'"
+    with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
+    for a, b in zip(with_graphs, without):
+        assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 @pytest.mark.slow

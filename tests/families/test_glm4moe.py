@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardwire.backends import ggml as ggml_backend
+from shardwire.backends.ggml import block as ggml_block
 from shardwire.config import ConfigError
 from shardwire.formats import open_model
 from shardwire.models import variant
@@ -21,7 +22,7 @@ from shardwire.pipeline.loading import load_stage
 from shardwire.weights import ggml_cpu
 
 from models import converted_checkpoint, llama_cpp_logits, transformers_greedy
-from parity import BACKENDS, greedy_tokens, our_logits
+from parity import BACKENDS, greedy_tokens, our_logits, stage_outputs
 from runs import assert_same, distributed, single_process
 
 transformers = pytest.importorskip("transformers")
@@ -97,17 +98,21 @@ def test_settings_it_does_not_compute_are_refused(tmp_path):
         open_model(folder)
 
 
-def test_ggml_refuses_the_expert_blocks_says_so_and_the_modules_compute_them(caplog):
+def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give():
+    """The dense block and the expert blocks (sigmoid scores, the routing bias where experts are
+    chosen, the weights renormalized and scaled, the shared expert without a gate) in ggml's graphs
+    and a stage's one-graph decode step."""
     if not ggml_cpu.available():
         pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
     model = open_model(glm("gguf"))
-    with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
-        stage = load_stage(model, 0, model.config.n_layers)
-    assert stage.blocks[0].runner is not None  # the dense block is one the graphs run
-    assert all(block.runner is None for block in stage.blocks[1:])
-    said = [r.getMessage() for r in caplog.records]
-    assert any(line.startswith("blocks 1-3 (") and "sigmoid_biased_top_k" in line for line in said), said
-    assert "shared_expert='plain'" in ggml_backend.refusal(variant(model.config, 1))
+    assert all(ggml_backend.refusal(variant(model.config, i)) is None for i in range(model.config.n_layers))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
+    assert all(isinstance(b.runner, ggml_block.BlockGraphs) for b in stage.blocks)
+    assert isinstance(stage.runner, ggml_block.StageGraph)
+    with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
+    for a, b in zip(with_graphs, without):
+        assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from shardwire.pipeline.loading import load_stage
 from shardwire.weights import ggml_cpu
 
 from models import converted_checkpoint, llama_cpp_logits, transformers_greedy
-from parity import BACKENDS, greedy_tokens, our_logits
+from parity import BACKENDS, greedy_tokens, our_logits, stage_outputs
 from runs import assert_same, distributed, single_process
 
 transformers = pytest.importorskip("transformers")
@@ -131,28 +131,6 @@ def test_ggmls_experts_add_their_biases_and_clamp_as_the_modules_do():
     assert float((outs[0] - outs[1]).abs().max()) <= 1e-4 * float(outs[0].max() - outs[0].min())
 
 
-def _steps(stage, use_graphs: bool) -> list[torch.Tensor]:
-    """A 10-token prompt read in chunks of 6 and 4, a decode step of 2 sequences (one past the
-    window, one inside it), and one of 9 (more rows than a graph takes), with or without the
-    blocks' and the stage's graphs."""
-    kept = stage.runner, [b.runner for b in stage.blocks]
-    if not use_graphs:
-        stage.runner = None
-        for b in stage.blocks:
-            b.runner = None
-    try:
-        stage.allocate_cache(9, 32)
-        out = [stage(torch.tensor([PROMPT[:6]]), [0], [0], all_logits=True)]
-        out.append(stage(torch.tensor([PROMPT[6:10]]), [0], [6], all_logits=True))
-        out.append(stage(torch.tensor([[PROMPT[10]], [PROMPT[0]]]), [0, 1], [10, 0]))
-        out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [11, 1] + [0] * 7))
-        return out
-    finally:
-        stage.runner = kept[0]
-        for b, runner in zip(stage.blocks, kept[1]):
-            b.runner = runner
-
-
 @pytest.mark.parametrize("stored", ["F32", "MXFP4"])
 def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give(stored, tmp_path):
     """Sinks, the sliding window (a prompt's rows each over its own window, a decode step's over
@@ -168,7 +146,8 @@ def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give(stored, tmp
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={stored: "ggml", "F32": "ggml"})
     assert all(isinstance(b.runner, ggml_block.BlockGraphs) for b in stage.blocks)
     assert isinstance(stage.runner, ggml_block.StageGraph) and stage.runner.windows == [4]
-    with_graphs, without = _steps(stage, True), _steps(stage, False)
+    # a prompt past the window in two chunks; decode steps of a sequence past it and one inside it
+    with_graphs, without = stage_outputs(stage, True, (6, 4)), stage_outputs(stage, False, (6, 4))
     for a, b in zip(with_graphs, without):
         assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
         assert torch.equal(a.argmax(-1), b.argmax(-1))

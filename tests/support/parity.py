@@ -57,9 +57,10 @@ def greedy_tokens(path, ids, n, backend: str | None = None):
         engine.close()
 
 
-def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
-    """Logits of a 3-token prompt, then decode steps of 2 and of 9 sequences (the second more rows
-    than the graphs take), with or without the blocks' graphs."""
+def stage_outputs(stage, use_graphs: bool, chunks: tuple[int, ...] = (3,)) -> list[torch.Tensor]:
+    """Logits of a prompt read in chunks of these lengths, then decode steps of 2 sequences (the
+    prompt's and a new one) and of 9 (more rows than the graphs take), with or without the blocks'
+    graphs."""
     kept, kept_stage = [(b.runner, b.feed_runner) for b in stage.blocks], stage.runner
     if not use_graphs:
         stage.runner = None
@@ -67,9 +68,12 @@ def stage_outputs(stage, use_graphs: bool) -> list[torch.Tensor]:
             b.runner = b.feed_runner = None
     try:
         stage.allocate_cache(9, 32)
-        out = [stage(torch.tensor([PROMPT[:3]]), [0], [0])]
-        out.append(stage(torch.tensor([[PROMPT[3]], [PROMPT[4]]]), [0, 1], [3, 0]))
-        out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [4, 1, 0, 0, 0, 0, 0, 0, 0]))
+        out, n = [], 0
+        for size in chunks:
+            out.append(stage(torch.tensor([PROMPT[n : n + size]]), [0], [n]))
+            n += size
+        out.append(stage(torch.tensor([[PROMPT[n]], [PROMPT[n + 1]]]), [0, 1], [n, 0]))
+        out.append(stage(torch.tensor([[t] for t in PROMPT[:9]]), list(range(9)), [n + 1, 1, 0, 0, 0, 0, 0, 0, 0]))
         return out
     finally:
         stage.runner = kept_stage

@@ -205,19 +205,21 @@ class _Dense:
 
 class _Sparse:
     """model.MixtureOfExperts as the graphs run it, as llama.cpp's CPU graph does: the router's
-    softmax, each row's top k experts and their weights (renormalized where the model says so),
-    the chosen experts' gate, up and down by ggml's mul_mat_id on the experts as held, their
-    weighted sum; plus the shared expert behind its sigmoid gate, where the model has one."""
+    scores (a softmax, or sigmoids with a bias where experts are chosen, only among the best
+    groups), each row's top k experts and their weights (a softmax over the chosen ones' logits,
+    renormalized, scaled, as the model says), the chosen experts' gate, up and down by ggml's
+    mul_mat_id on the experts as held, their weighted sum; plus the shared expert (behind its
+    sigmoid gate where the model has one)."""
 
-    def __init__(
-        self, router: _Matrix, experts: GGMLExperts, k: int, renormalize: bool, shared, shared_gate, of_chosen: bool
-    ):
-        self.router, self.experts, self.k, self.renormalize = router, experts, k, renormalize
+    def __init__(self, router: _Matrix, moe: nn.Module, shared, shared_gate):
+        self.router, self.experts, self.k, self.renormalize = router, moe.grouped, moe.k, moe.renormalize
         self.shared, self.shared_gate = shared, shared_gate
-        self.of_chosen = of_chosen  # chosen by logit, weighed by a softmax over the chosen (gpt-oss)
-        self.matrices = [router, *([] if shared is None else [*shared.matrices, shared_gate])]
-        self.hidden = experts.ffn_dim
-        self.nodes = 3 * k + 56
+        self.of_chosen = moe.softmax_of_chosen  # chosen by logit, weighed by a softmax over the chosen (gpt-oss)
+        self.choice_bias = _f32(moe.choice_bias) if moe.sigmoid else None  # sigmoid scores, biased where chosen
+        self.groups, self.groups_used, self.scale = moe.groups, moe.groups_used, moe.scale
+        self.matrices = [router, *([] if shared is None else shared.matrices), *([shared_gate] if shared_gate else [])]
+        self.hidden = self.experts.ffn_dim
+        self.nodes = 3 * self.k + 72
 
     @classmethod
     def of(cls, moe: nn.Module) -> "_Sparse | None":
@@ -228,17 +230,40 @@ class _Sparse:
             return None
         shared = shared_gate = None
         if moe.shared is not None:
-            shared, shared_gate = _Dense.of(moe.shared), _matrices(moe.shared_gate)
-            if shared is None or shared_gate is None:
+            shared = _Dense.of(moe.shared)
+            if shared is None:
                 return None
-            shared_gate = shared_gate[0]
-        return cls(router[0], moe.grouped, moe.k, moe.renormalize, shared, shared_gate, moe.softmax_of_chosen)
+            if moe.shared_gate is not None:
+                shared_gate = _matrices(moe.shared_gate)
+                if shared_gate is None:
+                    return None
+                shared_gate = shared_gate[0]
+        return cls(router[0], moe, shared, shared_gate)
+
+    def _best_groups_only(self, ctx, choice, rows: int):
+        """choice [E, rows] with every expert outside each row's groups_used best groups (a group
+        scored by its two best) at -inf."""
+        E, G = self.experts.n_experts, self.groups
+        groups = ggml.ggml_reshape_3d(ctx, choice, E // G, G, rows)
+        two = ggml.ggml_argsort_top_k(ctx, groups, 2)  # [2, G, rows]
+        best = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_4d(ctx, groups, 1, E // G, G, rows), two)  # [1, 2, G, rows]
+        score = ggml.ggml_sum_rows(ctx, ggml.ggml_reshape_3d(ctx, best, 2, G, rows))  # [1, G, rows]
+        kept = ggml.ggml_argsort_top_k(ctx, ggml.ggml_reshape_2d(ctx, score, G, rows), self.groups_used)
+        others = ggml.ggml_fill(ctx, groups, float("-inf"))
+        masked = ggml.ggml_set_rows(ctx, others, ggml.ggml_get_rows(ctx, groups, kept), kept)  # [E / G, G, rows]
+        return ggml.ggml_reshape_2d(ctx, masked, E, rows)
 
     def __call__(self, ctx, h):
         D, rows, E, k = h.contents.ne[0], h.contents.ne[1], self.experts.n_experts, self.k
         logits = _linear(ctx, self.router, h)  # [E, rows]
-        probs = logits if self.of_chosen else ggml.ggml_soft_max(ctx, logits)
-        chosen = ggml.ggml_argsort_top_k(ctx, probs, k)  # [k, rows]
+        if self.choice_bias is not None:
+            probs = ggml.ggml_sigmoid(ctx, logits)
+            choice = ggml.ggml_add(ctx, probs, _vector(ctx, self.choice_bias))
+            if self.groups > 1:
+                choice = self._best_groups_only(ctx, choice, rows)
+        else:
+            probs = choice = logits if self.of_chosen else ggml.ggml_soft_max(ctx, logits)
+        chosen = ggml.ggml_argsort_top_k(ctx, choice, k)  # [k, rows]
         weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, E, rows), chosen)  # [1, k, rows]
         if self.of_chosen:
             flat = ggml.ggml_soft_max(ctx, ggml.ggml_reshape_2d(ctx, weights, k, rows))
@@ -246,6 +271,8 @@ class _Sparse:
         if self.renormalize:
             flat = ggml.ggml_reshape_2d(ctx, weights, k, rows)
             weights = ggml.ggml_reshape_3d(ctx, ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat)), 1, k, rows)
+        if self.scale != 1.0:
+            weights = ggml.ggml_scale(ctx, weights, self.scale)
         gate, up, down = self.experts.tensors(ctx)
         biases = [_matrix_2d(ctx, b) for b in self.experts.biases]
 
@@ -267,8 +294,10 @@ class _Sparse:
             part = ggml.ggml_view_2d(ctx, each, D, rows, nb2, i * nb1)
             out = part if out is None else ggml.ggml_add(ctx, out, part)
         if self.shared is not None:
-            scale = ggml.ggml_sigmoid(ctx, _linear(ctx, self.shared_gate, h))  # [1, rows]
-            out = ggml.ggml_add(ctx, out, ggml.ggml_mul(ctx, self.shared(ctx, h), scale))
+            shared = self.shared(ctx, h)
+            if self.shared_gate is not None:
+                shared = ggml.ggml_mul(ctx, shared, ggml.ggml_sigmoid(ctx, _linear(ctx, self.shared_gate, h)))
+            out = ggml.ggml_add(ctx, out, shared)
         return out
 
 
