@@ -107,6 +107,33 @@ LAYOUTS = {
         ),
         converted="tiny_gpt_oss",
     ),
+    # DeepSeek-V3's blocks at 1B scale: 16 blocks (the first dense) of latent attention (16 heads,
+    # a 512-value latent and 64 rotated dimensions, as V3's; queries through a 384-wide bottleneck),
+    # then 32 experts of width 512 in 4 groups (2 groups and 4 experts a token) beside a shared one
+    "deepseek": Layout(
+        "deepseek",
+        dict(
+            layers=16,
+            hidden_size=1024,
+            intermediate_size=2816,
+            moe_intermediate_size=512,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=384,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            n_routed_experts=32,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            initializer_range=0.02,
+        ),
+        converted="tiny_deepseek3",
+    ),
 }
 
 
@@ -142,6 +169,8 @@ WORKLOADS = {
         Workload("moe35-q8_0", "moe35", "Q8_0"),
         Workload("moe35-f16", "moe35", "F16"),
         Workload("oss-mxfp4", "oss", "MXFP4"),  # llama-quantize's MXFP4_MOE: the experts MXFP4, as gpt-oss ships
+        Workload("deepseek-q4_k", "deepseek", "Q4_K"),  # llama-quantize's Q4_K_M mix
+        Workload("deepseek-iq2_xxs", "deepseek", "IQ2_XXS"),  # as unsloth's smallest DeepSeek files
     ]
 }
 
