@@ -6,7 +6,6 @@ inside the run of expert blocks. The cache keeps what llama.cpp's does: one late
 rotated key part per position and block."""
 
 import dataclasses
-import logging
 from functools import lru_cache
 from pathlib import Path
 
@@ -132,21 +131,20 @@ def test_settings_it_does_not_compute_are_refused(tmp_path):
         open_model(folder)
 
 
-def test_ggml_refuses_latent_attention_says_so_and_runs_the_feed_forward_halves(caplog):
-    """The graphs do not implement latent attention: the modules run it, and the graphs each
-    block's feed-forward half after it (the dense one, and the experts' sigmoid routing in groups
-    beside the shared expert), giving the modules' logits."""
+def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give():
+    """Latent attention in the graphs, absorbed as llama.cpp's (the queries through their
+    bottleneck and each head's key matrix, the cached latents and shared rotated part, each head's
+    value matrix), and the feed-forward halves (the dense one, the experts' sigmoid routing in
+    groups beside the shared expert), in a prompt read in two chunks and a stage's one-graph
+    decode step, with the cache in float16 as llama.cpp keeps it."""
     if not ggml_cpu.available():
         pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
     model = open_model(deepseek("gguf"))
-    with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
-        stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
-    assert stage.runner is None and all(block.runner is None for block in stage.blocks)
-    assert all(isinstance(block.feed_runner, ggml_block.FeedForwardGraphs) for block in stage.blocks)
-    said = [r.getMessage() for r in caplog.records]
-    assert any("mixer='latent_attention'" in line for line in said), said
-    assert ggml_backend.refusal(variant(model.config, 1)) == "ggml's graphs do not implement mixer='latent_attention'"
-    with_graphs, without = stage_outputs(stage, True), stage_outputs(stage, False)
+    assert all(ggml_backend.refusal(variant(model.config, i)) is None for i in range(model.config.n_layers))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
+    assert all(isinstance(block.runner, ggml_block.LatentGraphs) for block in stage.blocks)
+    assert isinstance(stage.runner, ggml_block.StageGraph)
+    with_graphs, without = stage_outputs(stage, True, (6, 4)), stage_outputs(stage, False, (6, 4))
     for a, b in zip(with_graphs, without):
         assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
         assert torch.equal(a.argmax(-1), b.argmax(-1))

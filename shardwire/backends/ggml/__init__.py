@@ -5,8 +5,8 @@ The graphs implement the block variants in IMPLEMENTED and nothing else. A block
 variant (another activation, norms after the mixer, RoPE of a local base, a field of BlockVariant
 this table has not heard of) is refused with a log line and runs on the PyTorch modules, which
 implement every variant the families declare: a family the graphs do not know computes slower,
-never differently. A block refused for its token mixer alone (DeepSeek's latent attention) runs
-its feed-forward half in the graphs after the modules' mixer."""
+never differently. A block refused for its token mixer alone runs its feed-forward half in the
+graphs after the modules' mixer."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ log = logging.getLogger("shardwire.ggml")
 
 # BlockVariant field -> the values the graphs compute
 IMPLEMENTED = {
-    "mixer": ("attention", "gated_attention", "gated_delta_net"),
+    "mixer": ("attention", "gated_attention", "gated_delta_net", "latent_attention"),
     "qk_norm": (False, True),
     "ffn": ("dense", "experts"),
     "activation": ("silu", "clamped_swiglu"),

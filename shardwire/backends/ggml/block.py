@@ -28,7 +28,6 @@ step) share the graph-building helpers and the rules of the thread's scratch.
 
 from __future__ import annotations
 
-import math
 import threading
 from array import array
 from collections import OrderedDict
@@ -37,7 +36,16 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ...model import Attention, FeedForward, Linear, MixtureOfExperts, ffn_piece_rows, prefers_whole, swiglu
+from ...model import (
+    Attention,
+    FeedForward,
+    LatentAttention,
+    Linear,
+    MixtureOfExperts,
+    ffn_piece_rows,
+    prefers_whole,
+    swiglu,
+)
 from ...weights import ggml_cpu
 from ...weights.ggml_cpu import GGMLExperts, GGMLLinear, RepackedLinear, ggml, least_recently_used, point_at
 from ...weights.packed import GGUFLinear
@@ -415,6 +423,8 @@ class BlockGraphs(FeedForwardGraphs):
             self.head_norms = ((_f32(attn.q_norm.weight), eps), (_f32(attn.k_norm.weight), eps))
         self.sinks = _f32(attn.sinks)  # a logit per head in each row's softmax (gpt-oss), or None
         self.window = attn.window  # the keys a row sees, its own included (0: all)
+        self.scale = attn.scale  # of the scores
+        self.attn_width = out.K  # a row's attention output, before the output projection
         self.rope: tuple | None = None  # (rotated dims, base, frequency factors or None, gain on cos and sin)
 
     def _set_rope(self, inv_freq: torch.Tensor, base: float, gain: float) -> None:
@@ -437,6 +447,8 @@ class BlockGraphs(FeedForwardGraphs):
         """The graphs for a block with attention and a feed-forward ggml can run as held (dense,
         or experts held as one GGMLExperts); its stage's RoPE frequencies, base and gain."""
         attn = block.attn
+        if ggml_cpu.available() and isinstance(attn, LatentAttention):
+            return LatentGraphs.of(block, inv_freq, rope_base, gain)
         if not ggml_cpu.available() or not isinstance(attn, Attention):
             return None
         ffn = _feed_forward(block.ffn)
@@ -486,7 +498,20 @@ class BlockGraphs(FeedForwardGraphs):
         of its norm."""
         if gate is not None:
             attn = ggml.ggml_mul(ctx, attn, ggml.ggml_sigmoid(ctx, gate))
-        return self.residual_ffn(ctx, ggml.ggml_add(ctx, x, _linear(ctx, self.out, attn)))
+        return self.residual_ffn(ctx, ggml.ggml_add(ctx, x, self._output(ctx, attn)))
+
+    def _output(self, ctx, attn):
+        """The output projection of the heads' outputs [attn_width, rows]."""
+        return _linear(ctx, self.out, attn)
+
+    POOLS = ("k", "v")  # the cache pools of a layer the graphs write and read
+
+    def _pools(self, g: Graph, built: int, kind: int) -> list:
+        return [self._pool(g, name, built, kind) for name in self.POOLS]
+
+    def _pair(self, g: Graph, gathered: list, n: str, built: int) -> tuple:
+        """The keys and the values a row attends to, out of what it gathered from the pools."""
+        return gathered[0], gathered[1]
 
     def _pool(self, g: Graph, name: str, built: int, kind: int):
         """A layer's keys or values pool, head-major [KV, positions, D]: as ggml sees it [D, positions, KV]."""
@@ -542,7 +567,7 @@ class BlockGraphs(FeedForwardGraphs):
         if sinks:  # ggml's softmax reads a row's sink by its index in dimension 2: one head each
             flat = ggml.ggml_reshape_3d(ctx, scores, built, 1, self.heads)
             scores = g.fields.follow(flat, n, built, ne=(0,), nb=(1, 2, 3))
-        probs = ggml.ggml_soft_max_ext(ctx, scores, None, 1 / math.sqrt(self.head_dim), 0.0)
+        probs = ggml.ggml_soft_max_ext(ctx, scores, None, self.scale, 0.0)
         if sinks:
             ggml.ggml_soft_max_add_sinks(probs, _vector(ctx, self.sinks))
         g.fields.follow(probs, n, built, ne=(0,), nb=(1, 2, 3))
@@ -563,7 +588,7 @@ class BlockGraphs(FeedForwardGraphs):
         for r in range(rows):
             n = f"n{r}{named}"
             index = self._index(g, f"index{r}{named}", n, built)
-            keys, values = (self._gather(g, p, index, n, built) for p in pools)
+            keys, values = self._pair(g, [self._gather(g, p, index, n, built) for p in pools], n, built)
             place(r, self._attend_row(g, query(r), keys, values, n, built, kind))
 
     # -- a block's graphs -----------------------------------------------------------------------------
@@ -575,7 +600,7 @@ class BlockGraphs(FeedForwardGraphs):
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
         q, k, v, *gate = self._project(g.ctx, x, rows, positions)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
-        for name, t in zip(("k", "v"), (k, v)):
+        for name, t in zip(self.POOLS, (k, v)):
             self._store(g, t, name, rows, built, kind, write)
         if gate:  # the gates, for the rest of the block (FINISH or STEP)
             g.fields.data(g.then(gate[0]).contents.view_src, "gate")
@@ -595,22 +620,22 @@ class BlockGraphs(FeedForwardGraphs):
         return [_input(g, "gate", self.out.K, rows)] if self.gated else []
 
     def _build_finish(self, g: Graph, rows: int):
-        x, attn = _input(g, "x", self.dim, rows), _input(g, "attn", self.out.K, rows)
+        x, attn = _input(g, "x", self.dim, rows), _input(g, "attn", self.attn_width, rows)
         return g.fields.data(self._rest(g.ctx, x, attn, *self._gates(g, rows)), "out")
 
     def _build_step(self, g: Graph, rows: int, built: int, kind: int):
         x = _input(g, "x", self.dim, rows)
-        attn = ggml.ggml_new_tensor_2d(g.ctx, ggml.GGML_TYPE_F32, self.out.K, rows)
-        pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
-        width = self.out.K * 4
+        attn = ggml.ggml_new_tensor_2d(g.ctx, ggml.GGML_TYPE_F32, self.attn_width, rows)
+        pools = self._pools(g, built, kind)
+        width = self.attn_width * 4
         self._attend_each(
             g, rows, built, kind, pools, lambda r: self._query(g, r), lambda r, t: g.inside(t, attn, r * width)
         )
         return g.fields.data(self._rest(g.ctx, x, attn, *self._gates(g, rows)), "out")
 
     def _build_each(self, g: Graph, rows: int, built: int, kind: int):
-        pools = [self._pool(g, name, built, kind) for name in ("k", "v")]
-        width, done = self.out.K * 4, []
+        pools = self._pools(g, built, kind)
+        width, done = self.attn_width * 4, []
         self._attend_each(
             g,
             rows,
@@ -627,15 +652,15 @@ class BlockGraphs(FeedForwardGraphs):
         once (as many as the last row sees, "seen") and each row takes the first it sees."""
         ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
         index = self._index(g, "index0", "seen", built)
-        gathered = [self._gather(g, self._pool(g, name, built, kind), index, "seen", built) for name in ("k", "v")]
+        gathered = [self._gather(g, pool, index, "seen", built) for pool in self._pools(g, built, kind)]
         for r in range(rows):
             n, firsts = f"n{r}", []
             for t in gathered:
                 view = ggml.ggml_view_3d(ctx, t, D, built, KV, t.contents.nb[1], t.contents.nb[2], 0)
                 g.fields.follow(view, n, built, ne=(1,))
                 firsts.append(g.fields.follow(view, "seen", built, nb=(2, 3)))
-            row = self._attend_row(g, self._query(g, r), *firsts, n, built, kind)
-            out = g.fields.data(row, "out", r * self.out.K * 4)
+            row = self._attend_row(g, self._query(g, r), *self._pair(g, firsts, n, built), n, built, kind)
+            out = g.fields.data(row, "out", r * self.attn_width * 4)
         return out
 
     def nodes(self, rows: int) -> int:
@@ -648,13 +673,13 @@ class BlockGraphs(FeedForwardGraphs):
         ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
         q, k, v, *gate = self._project(ctx, x, rows, positions)
         pools = [
-            self._store(g, t, f"{name}{self.layer}", rows, built, kind, write) for name, t in zip(("k", "v"), (k, v))
+            self._store(g, t, f"{name}{self.layer}", rows, built, kind, write) for name, t in zip(self.POOLS, (k, v))
         ]
-        attn = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.out.K, rows)
-        group, width = self.heads // KV, self.out.K * 4
+        attn = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.attn_width, rows)
+        group, width = self.heads // KV, self.attn_width * 4
 
         def query(r):
-            return ggml.ggml_view_3d(ctx, q, D, group, KV, D * 4, group * D * 4, r * width)
+            return ggml.ggml_view_3d(ctx, q, D, group, KV, D * 4, group * D * 4, r * self.heads * D * 4)
 
         def place(r, t):
             g.inside(t, attn, r * width)
@@ -751,7 +776,7 @@ class BlockGraphs(FeedForwardGraphs):
             return out.view(x.shape)
         # more rows: their attention a few at a time (graphs of a few sizes, whatever the number
         # of rows), then the rest in pieces
-        attn = scratch("attention", B * T, self.out.K)
+        attn = scratch("attention", B * T, self.attn_width)
         attn_at, attn_row = attn.data_ptr(), attn.shape[1] * 4
         if T == 1 or self.window:
             if T == 1:  # many sequences' decode step
@@ -774,6 +799,105 @@ class BlockGraphs(FeedForwardGraphs):
             last = None if gate is None else gate.view(B, T, -1)[:, -1:]
             return self.finish(x[:, -1:], attn.view(B, T, -1)[:, -1:], last)
         return self.finish(x, attn, gate)
+
+
+class LatentGraphs(BlockGraphs):
+    """A block of multi-head latent attention (model.LatentAttention: DeepSeek-V2/V3, Kimi K2) in
+    the graphs, in absorbed form as llama.cpp's: the queries through their bottleneck, each head's
+    plain part taken into the latent space through its key matrix (k_b) beside its rotated part,
+    attending over the cached latents with the rotated key part every head shares (one key head
+    of kv_lora_rank + rope_dim, whose first kv_lora_rank values are its value), the latent each
+    head reads out through its value matrix (v_b), then the output projection. RoPE turns each
+    adjacent pair (GGML_ROPE_TYPE_NORM), as DeepSeek trains it."""
+
+    POOLS = ("k",)  # the cache keeps no values: they are the keys' latent part
+
+    def __init__(self, block: nn.Module, projections: dict, out: _Matrix, ffn, piece: int | None):
+        FeedForwardGraphs.__init__(self, block, ffn, piece)
+        attn = block.attn
+        self.attn_norm, self.eps_attn = _f32(block.attn_norm.weight), block.attn_norm.eps
+        self.projections, self.out = projections, out
+        for m in [*projections.values(), out]:
+            m.bias = _f32(m.bias)
+        q_a_norm = getattr(attn, "q_a_norm", None)  # where the queries go through a bottleneck
+        self.q_a_norm = None if q_a_norm is None else (_f32(q_a_norm.weight), q_a_norm.eps)
+        self.kv_a_norm = _f32(attn.kv_a_norm.weight), attn.kv_a_norm.eps
+        self.k_b, self.v_b = _f32(attn.k_b), _f32(attn.v_b)  # [H, latent, nope], [H, v, latent]
+        self.latent, self.rope_dim, self.nope, self.v_dim = attn.latent, attn.rope_dim, attn.nope, attn.v_dim
+        self.heads, self.kv_heads, self.head_dim = attn.n_heads, 1, attn.latent + attn.rope_dim
+        self.gated, self.head_norms, self.sinks, self.window = False, None, None, 0
+        self.scale = attn.scale
+        self.attn_width = self.heads * self.latent
+        self.layer = block.layer
+
+    @classmethod
+    def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float, gain: float = 1.0) -> "LatentGraphs | None":
+        attn, ffn = block.attn, _feed_forward(block.ffn)
+        names = ("wq_a", "wq_b", "wkv_a") if hasattr(attn, "wq_a") else ("wq", "wkv_a")
+        found = {name: _matrices(getattr(attn, name)) for name in names}
+        out = _matrices(attn.wo)
+        if ffn is None or out is None or any(m is None for m in found.values()):
+            return None
+        graphs = cls(block, {name: m[0] for name, m in found.items()}, out[0], ffn, _piece(ffn, list(block.modules())))
+        graphs._set_rope(inv_freq, rope_base, gain)
+        return graphs
+
+    def _tensor_3d(self, ctx, t: torch.Tensor):
+        """A float32 [a, b, c] tensor as ggml's [c, b, a]."""
+        m = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, t.shape[2], t.shape[1], t.shape[0])
+        m.contents.data = t.data_ptr()
+        return m
+
+    def _turn(self, ctx, t, heads: int, rows: int, positions):
+        """RoPE on each adjacent pair of t [rope_dim, heads, rows] (a view is made contiguous)."""
+        dims, base, factors, gain = self.rope
+        factors = None if factors is None else _vector(ctx, factors)
+        t = ggml.ggml_cont(ctx, t)
+        return ggml.ggml_rope_ext(ctx, t, positions, factors, dims, 0, 0, base, 1.0, 0.0, gain, 32.0, 1.0)
+
+    def _project(self, ctx, x, rows: int, positions) -> list:
+        """The absorbed queries [heads * (latent + rope_dim), rows] and the cached keys [latent +
+        rope_dim, rows] (no values)."""
+        H, L, R, N = self.heads, self.latent, self.rope_dim, self.nope
+        h = _norm(ctx, x, self.attn_norm, self.eps_attn)
+        p = self.projections
+        if self.q_a_norm is not None:
+            q = _linear(ctx, p["wq_b"], _norm(ctx, _linear(ctx, p["wq_a"], h), *self.q_a_norm))
+        else:
+            q = _linear(ctx, p["wq"], h)
+        q = ggml.ggml_reshape_3d(ctx, q, N + R, H, rows)
+        q_nope = ggml.ggml_view_3d(ctx, q, N, H, rows, q.contents.nb[1], q.contents.nb[2], 0)
+        q_rot = ggml.ggml_view_3d(ctx, q, R, H, rows, q.contents.nb[1], q.contents.nb[2], N * 4)
+        q_rot = self._turn(ctx, q_rot, H, rows, positions)  # [R, H, rows]
+        # each head's plain part through its key matrix: [N, rows, H] x [N, L, H] -> [L, rows, H]
+        heads_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3))
+        absorbed = ggml.ggml_mul_mat(ctx, self._tensor_3d(ctx, self.k_b), heads_first)
+        absorbed = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, absorbed, 0, 2, 1, 3))  # [L, H, rows]
+        query = ggml.ggml_concat(ctx, absorbed, q_rot, 0)  # [L + R, H, rows]
+        kv = _linear(ctx, p["wkv_a"], h)  # [L + R, rows]
+        latent = ggml.ggml_view_2d(ctx, kv, L, rows, kv.contents.nb[1], 0)
+        latent = _norm(ctx, ggml.ggml_cont(ctx, latent), *self.kv_a_norm)
+        k_rot = ggml.ggml_view_3d(ctx, kv, R, 1, rows, kv.contents.nb[1], kv.contents.nb[1], L * 4)
+        k_rot = ggml.ggml_reshape_2d(ctx, self._turn(ctx, k_rot, 1, rows, positions), R, rows)
+        key = ggml.ggml_concat(ctx, latent, k_rot, 0)  # [L + R, rows]
+        return [ggml.ggml_reshape_2d(ctx, query, (L + R) * H, rows), key, None]
+
+    def _pair(self, g: Graph, gathered: list, n: str, built: int) -> tuple:
+        """The keys, and their latent part as the values (one key head: its stride between heads unused)."""
+        keys = gathered[0]
+        values = ggml.ggml_view_3d(g.ctx, keys, self.latent, built, 1, keys.contents.nb[1], keys.contents.nb[2], 0)
+        return keys, g.fields.follow(values, n, built, ne=(1,))
+
+    def _output(self, ctx, attn):
+        """Each head's latent [latent, heads, rows] through its value matrix, then the output
+        projection. (attn may be a call's input, which no view may read: the graphs place a view's
+        data once, at build, and an input's moves with each call.)"""
+        H, rows = self.heads, attn.contents.ne[1]
+        latents = ggml.ggml_reshape_3d(ctx, ggml.ggml_cont(ctx, attn), self.latent, H, rows)
+        heads_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, latents, 0, 2, 1, 3))  # [latent, rows, H]
+        read = ggml.ggml_mul_mat(ctx, self._tensor_3d(ctx, self.v_b), heads_first)  # [v, rows, H]
+        read = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, read, 0, 2, 1, 3))  # [v, H, rows]
+        return _linear(ctx, self.out, ggml.ggml_reshape_2d(ctx, read, self.v_dim * H, rows))
 
 
 def window_names(window: int) -> str:
