@@ -274,6 +274,11 @@ def _dense(weight: Weight) -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
+def _held(module: nn.Module) -> torch.Tensor:
+    """A matrix module's weight as a dense tensor (a packed one's decoded)."""
+    return module.weight if isinstance(module, Linear) else module.dequantize()
+
+
 def _pairs_apart(x: torch.Tensor) -> torch.Tensor:
     """A head's rotated part stored as DeepSeek trains it, (x0, x1) (x2, x3) ... each pair one
     frequency, laid out as rotate-half RoPE (apply_rope) reads it: the pairs' first elements, then
@@ -300,12 +305,14 @@ class LatentAttention(nn.Module):
             self.wq = linear(w["attn_q.weight"])
         self.wkv_a = linear(w["attn_kv_a_mqa.weight"])
         self.kv_a_norm = RMSNorm(w["attn_kv_a_norm.weight"], cfg.norm_eps)
-        if "attn_k_b.weight" in w:  # as today's converter splits kv_b: [H, latent, nope] and [H, v, latent]
-            self.k_b, self.v_b = _dense(w["attn_k_b.weight"]), _dense(w["attn_v_b.weight"])
+        # each head's key matrix [latent, nope] and value matrix [v, latent], every head's rows in
+        # one matrix, held as stored where the converter split them (ggml's graphs multiply them so)
+        if "attn_k_b.weight" in w:
+            self.k_b, self.v_b = linear(w["attn_k_b.weight"]), linear(w["attn_v_b.weight"])
         else:  # transformers' kv_b_proj: each head's key rows, then its value rows
             kv_b = _dense(w["attn_kv_b.weight"]).view(self.n_heads, self.nope + self.v_dim, self.latent)
-            self.k_b = kv_b[:, : self.nope].transpose(1, 2).contiguous()
-            self.v_b = kv_b[:, self.nope :].contiguous()
+            self.k_b = linear(kv_b[:, : self.nope].transpose(1, 2).reshape(-1, self.nope).contiguous())
+            self.v_b = linear(kv_b[:, self.nope :].reshape(-1, self.latent).contiguous())
         self.wo = linear(w["attn_output.weight"])
         scaling = cfg.rope_scaling or {}
         stretched = scaling.get("type") == "yarn"
@@ -325,11 +332,13 @@ class LatentAttention(nn.Module):
         k_rot = apply_rope(_pairs_apart(k_rot)[:, :, None], cos, sin)
         new = torch.cat((self.kv_a_norm(latent)[:, :, None], k_rot), dim=-1).transpose(1, 2)  # [B, 1, T, latent + R]
         keys, _ = cache.update(layer, new, new[..., :0], ctx.at)
-        absorbed = torch.einsum("bthn,hln->bhtl", q_nope, self.k_b.to(q.dtype))
+        k_b = _held(self.k_b).view(H, self.latent, self.nope)
+        absorbed = torch.einsum("bthn,hln->bhtl", q_nope, k_b.to(q.dtype))
         query = torch.cat((absorbed, q_rot.transpose(1, 2)), dim=-1)
         half = cache.dtype == torch.float16
         read = attention(query, keys, keys[..., : self.latent], ctx, half, self.scale)  # [B, H, T, latent]
-        out = torch.einsum("bhtl,hvl->bthv", read, self.v_b.to(read.dtype))
+        v_b = _held(self.v_b).view(H, self.v_dim, self.latent)
+        out = torch.einsum("bhtl,hvl->bthv", read, v_b.to(read.dtype))
         return self.wo(out.reshape(B, T, H * self.v_dim))
 
 

@@ -6,6 +6,7 @@ the best groups, weights scaled; V2's by a softmax."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
@@ -53,8 +54,10 @@ def block_shapes(cfg: ModelConfig, block: int) -> Shapes:
         "attn_kv_a_mqa.weight": (latent + rope, cfg.dim),
         "attn_kv_a_norm.weight": (latent,),
         "attn_kv_b.weight": (H * (nope + cfg.v_head_dim), latent),
-        "attn_k_b.weight": (H, latent, nope),
-        "attn_v_b.weight": (H, cfg.v_head_dim, latent),
+        # each head's key and value matrices, GGUF's [heads, rows, columns] held as one matrix of
+        # every head's rows (multiplied per head: model.LatentAttention)
+        "attn_k_b.weight": (H * latent, nope),
+        "attn_v_b.weight": (H * cfg.v_head_dim, latent),
         "attn_output.weight": (cfg.dim, H * cfg.v_head_dim),
     } | blocks.ffn_shapes(cfg, block)
 
@@ -65,6 +68,17 @@ def required(cfg: ModelConfig, block: int) -> tuple[str, ...]:
     kv_b = ("attn_kv_b.weight",) if cfg.hf_layout else ("attn_k_b.weight", "attn_v_b.weight")
     attention = ("attn_norm.weight", *query, "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", *kv_b)
     return (*attention, "attn_output.weight", *blocks.ffn_required(cfg, block, shared_gate=False))
+
+
+def gguf_tensors(cfg: ModelConfig, tensors: dict, path) -> dict:
+    """The converter's per-head key and value matrices [heads, rows, columns] as one matrix of
+    every head's rows: the same bytes, which a matrix's formats hold as stored."""
+    out = {}
+    for name, info in tensors.items():
+        if name.endswith((".attn_k_b.weight", ".attn_v_b.weight")) and len(info.shape) == 3:
+            info = replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
+        out[name] = info
+    return out
 
 
 def gguf_fields(keys: GGUFKeys, n_layers: int) -> dict[str, Any]:

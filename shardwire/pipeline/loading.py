@@ -35,6 +35,9 @@ def undo_qk_interleave(t, n_heads: int):
 
 # Tensors the model uses as they are, not as a matrix product: never packed
 _USED_AS_TENSORS = ("ssm_conv1d.weight", "_exps.bias", "attn_sinks.weight")
+# Matrices multiplied a head's rows at a time (DeepSeek's per-head key and value matrices): as
+# stored under ggml, not in a repacked layout, whose kernels take the whole matrix
+_PER_HEAD = ("attn_k_b.weight", "attn_v_b.weight")
 # Tensors kept in float32 whatever the stage's dtype (small, and precision matters)
 _FULL_PRECISION = ("rope_freqs.weight", ".ssm_a", ".ssm_dt.bias")
 
@@ -115,6 +118,8 @@ def build_stage(
     for name in formats:
         if name.endswith(_USED_AS_TENSORS):
             formats[name] = "dense"
+        elif name.endswith(_PER_HEAD) and formats[name] == "repacked":
+            formats[name] = "ggml"
     built, embedding = {}, None
     stacks: dict[tuple[int, str], tuple] = {}
     grouped = _grouped_blocks(formats, apart)

@@ -822,7 +822,8 @@ class LatentGraphs(BlockGraphs):
         q_a_norm = getattr(attn, "q_a_norm", None)  # where the queries go through a bottleneck
         self.q_a_norm = None if q_a_norm is None else (_f32(q_a_norm.weight), q_a_norm.eps)
         self.kv_a_norm = _f32(attn.kv_a_norm.weight), attn.kv_a_norm.eps
-        self.k_b, self.v_b = _f32(attn.k_b), _f32(attn.v_b)  # [H, latent, nope], [H, v, latent]
+        # each head's key and value matrices: [nope, latent, H] and [latent, v, H] as ggml sees them
+        self.k_b, self.v_b = (_per_head(m, attn.n_heads) for m in (attn.k_b, attn.v_b))
         self.latent, self.rope_dim, self.nope, self.v_dim = attn.latent, attn.rope_dim, attn.nope, attn.v_dim
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, 1, attn.latent + attn.rope_dim
         self.gated, self.head_norms, self.sinks, self.window = False, None, None, 0
@@ -842,11 +843,17 @@ class LatentGraphs(BlockGraphs):
         graphs._set_rope(inv_freq, rope_base, gain)
         return graphs
 
-    def _tensor_3d(self, ctx, t: torch.Tensor):
-        """A float32 [a, b, c] tensor as ggml's [c, b, a]."""
-        m = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, t.shape[2], t.shape[1], t.shape[0])
-        m.contents.data = t.data_ptr()
-        return m
+    @staticmethod
+    def _tensor_3d(ctx, held):
+        """A per-head matrix (_per_head) as a ggml tensor [columns, rows per head, heads]."""
+        m, heads, dense = held
+        if m is None:
+            t = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, dense.shape[1], dense.shape[0] // heads, heads)
+            t.contents.data = dense.data_ptr()
+            return t
+        t = ggml.ggml_new_tensor_3d(ctx, m.qtype, m.K, m.N // heads, heads)
+        point_at(t, m.data)
+        return t
 
     def _turn(self, ctx, t, heads: int, rows: int, positions):
         """RoPE on each adjacent pair of t [rope_dim, heads, rows] (a view is made contiguous)."""
@@ -898,6 +905,17 @@ class LatentGraphs(BlockGraphs):
         read = ggml.ggml_mul_mat(ctx, self._tensor_3d(ctx, self.v_b), heads_first)  # [v, rows, H]
         read = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, read, 0, 2, 1, 3))  # [v, H, rows]
         return _linear(ctx, self.out, ggml.ggml_reshape_2d(ctx, read, self.v_dim * H, rows))
+
+
+def _per_head(module: nn.Module, heads: int) -> tuple:
+    """A matrix of every head's rows as the graphs multiply it a head at a time: its stored blocks
+    where ggml reads them (not a repacked layout), else a dense float32 copy; (matrix or None,
+    heads, copy or None)."""
+    found = _matrices(module)
+    if found is not None and found[0].repacked is None:
+        return found[0], heads, None
+    weight = module.weight if isinstance(module, Linear) else module.dequantize()
+    return None, heads, weight.detach().to(torch.float32).contiguous()
 
 
 def window_names(window: int) -> str:
