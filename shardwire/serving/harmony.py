@@ -28,7 +28,7 @@ class HarmonySplit:
     does not write harmony) is answer as it is."""
 
     def __init__(self):
-        self.state = "start"  # start | header | body
+        self.state = "start"  # start | header | body | plain (not harmony)
         self.kind = ""  # the body's: reasoning | answer
         self.calling = False  # whether the body is a call's arguments
         self.held = ""
