@@ -5,13 +5,12 @@ The graphs implement the block variants in IMPLEMENTED and nothing else. A block
 variant (another activation, norms after the mixer, RoPE of a local base, a field of BlockVariant
 this table has not heard of) is refused with a log line and runs on the PyTorch modules, which
 implement every variant the families declare: a family the graphs do not know computes slower,
-never differently. A block refused for its token mixer alone runs its feed-forward half in the
-graphs after the modules' mixer."""
+never differently."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import torch
 
@@ -76,8 +75,6 @@ def attach(stage) -> None:
         why = refusal(block.variant)
         if why is not None:
             refused.setdefault((block.variant, why), []).append(i)
-            if refusal(replace(block.variant, mixer="attention")) is None:  # its feed-forward half they run
-                block.feed_runner = FeedForwardGraphs.of(block)
             continue
         block.runner = BlockGraphs.of(block, stage.inv_freq, stage.cfg.rope_theta, rope_gain(stage.cfg))
         if block.runner is None:  # a token mixer the block's graphs do not take: a delta-net's
