@@ -154,8 +154,11 @@ def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give(stored, tmp
 
 
 @pytest.mark.slow
-def test_two_workers_split_where_a_full_block_meets_a_sliding_one_give_the_single_process_tokens(worker_pool, tmp_path):
-    path = gpt_oss("gguf")
+@pytest.mark.parametrize("form", ["gguf", "hf"])  # the folder's experts are derived tensors, shipped as any other
+def test_two_workers_split_where_a_full_block_meets_a_sliding_one_give_the_single_process_tokens(
+    form, worker_pool, tmp_path
+):
+    path = gpt_oss(form)
     workers = worker_pool(2)
     got, plan, _ = distributed(
         path, [w.address for w in workers], tmp_path / "coord", tensor_split=[1, 1], prompt=PROMPT
