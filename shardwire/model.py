@@ -274,7 +274,7 @@ def _dense(weight: Weight) -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
-def _held(module: nn.Module) -> torch.Tensor:
+def dense_weight(module: nn.Module) -> torch.Tensor:
     """A matrix module's weight as a dense tensor (a packed one's decoded)."""
     return module.weight if isinstance(module, Linear) else module.dequantize()
 
@@ -332,12 +332,12 @@ class LatentAttention(nn.Module):
         k_rot = apply_rope(_pairs_apart(k_rot)[:, :, None], cos, sin)
         new = torch.cat((self.kv_a_norm(latent)[:, :, None], k_rot), dim=-1).transpose(1, 2)  # [B, 1, T, latent + R]
         keys, _ = cache.update(layer, new, new[..., :0], ctx.at)
-        k_b = _held(self.k_b).view(H, self.latent, self.nope)
+        k_b = dense_weight(self.k_b).view(H, self.latent, self.nope)
         absorbed = torch.einsum("bthn,hln->bhtl", q_nope, k_b.to(q.dtype))
         query = torch.cat((absorbed, q_rot.transpose(1, 2)), dim=-1)
         half = cache.dtype == torch.float16
         read = attention(query, keys, keys[..., : self.latent], ctx, half, self.scale)  # [B, H, T, latent]
-        v_b = _held(self.v_b).view(H, self.v_dim, self.latent)
+        v_b = dense_weight(self.v_b).view(H, self.v_dim, self.latent)
         out = torch.einsum("bhtl,hvl->bthv", read, v_b.to(read.dtype))
         return self.wo(out.reshape(B, T, H * self.v_dim))
 

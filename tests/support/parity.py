@@ -57,6 +57,15 @@ def greedy_tokens(path, ids, n, backend: str | None = None):
         engine.close()
 
 
+def assert_graphs_give_the_modules_outputs(stage, chunks: tuple[int, ...] = (3,), bound: float = 2e-3) -> None:
+    """stage_outputs with and without the graphs: within `bound` of the modules' largest value, and
+    the same largest entry in every row."""
+    with_graphs, without = stage_outputs(stage, True, chunks), stage_outputs(stage, False, chunks)
+    for a, b in zip(with_graphs, without):
+        assert float((a - b).abs().max()) <= bound * float(b.abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def stage_outputs(stage, use_graphs: bool, chunks: tuple[int, ...] = (3,)) -> list[torch.Tensor]:
     """Logits of a prompt read in chunks of these lengths, then decode steps of 2 sequences (the
     prompt's and a new one) and of 9 (more rows than the graphs take), with or without the blocks'

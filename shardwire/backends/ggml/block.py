@@ -42,6 +42,7 @@ from ...model import (
     LatentAttention,
     Linear,
     MixtureOfExperts,
+    dense_weight,
     ffn_piece_rows,
     prefers_whole,
     swiglu,
@@ -914,7 +915,7 @@ def _per_head(module: nn.Module, heads: int) -> tuple:
     found = _matrices(module)
     if found is not None and found[0].repacked is None:
         return found[0], heads, None
-    weight = module.weight if isinstance(module, Linear) else module.dequantize()
+    weight = dense_weight(module)
     return None, heads, weight.detach().to(torch.float32).contiguous()
 
 
