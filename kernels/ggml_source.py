@@ -32,11 +32,13 @@ kernel measurements of one build apart from another's by it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
@@ -338,6 +340,46 @@ def _sdist(name: str, version: str, sha256: str, into: Path) -> Path:
     return into / f"{name.replace('-', '_')}-{version}.tar.gz"
 
 
+def kept_llama_cpp() -> Path:
+    """Where the pinned llama.cpp sdist is kept between builds: the folder benchmarks/build_llama_cpp.sh
+    builds from, which llama.cpp's converter (shardwire_kit/convert.py) also reads."""
+    name, version, _ = LLAMA_CPP
+    cache = os.environ.get("LLAMA_CPP_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "shardwire", "llama.cpp"
+    )
+    return Path(cache, "src", f"{name.replace('-', '_')}-{version}.tar.gz")
+
+
+def kept_sdist() -> Path | None:
+    """The kept llama.cpp sdist where its hash is the pinned one, else None."""
+    kept = kept_llama_cpp()
+    if kept.is_file() and hashlib.sha256(kept.read_bytes()).hexdigest() == LLAMA_CPP[2]:
+        return kept
+    return None
+
+
+def keep_sdist(archive: Path) -> None:
+    """A downloaded llama.cpp sdist (its hash checked by pip) kept for the next build and the
+    converter, so neither fetches 76 MB again; where the cache cannot be written, nothing is kept."""
+    kept = kept_llama_cpp()
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=kept.parent, prefix=f".{kept.name}-", delete=False) as tmp:
+            shutil.copyfileobj(archive.open("rb"), tmp)
+        os.replace(tmp.name, kept)
+    except OSError:
+        pass
+
+
+def _llama_cpp_sdist(downloads: Path) -> Path:
+    kept = kept_sdist()
+    if kept is not None:
+        return kept
+    archive = _sdist(*LLAMA_CPP, downloads)
+    keep_sdist(archive)
+    return archive
+
+
 def _extract(archive: Path, into: Path, *under: str) -> Path:
     """The sdist's top folder, extracted (only the paths `under` within it where given), in one
     pass over the compressed archive."""
@@ -355,7 +397,7 @@ def prepared_source(work: Path) -> Path:
     holds them."""
     downloads = work / "sdists"
     bindings = _extract(_sdist(*BINDINGS, downloads), work)
-    llama_cpp = _extract(_sdist(*LLAMA_CPP, downloads), work, "vendor/llama.cpp/ggml")
+    llama_cpp = _extract(_llama_cpp_sdist(downloads), work, "vendor/llama.cpp/ggml")
     vendored, newer = bindings / "vendor" / "ggml", llama_cpp / "vendor" / "llama.cpp" / "ggml"
     for part in GGML_PARTS:
         target = vendored / part

@@ -4,7 +4,6 @@ sdist kernels/ggml_source.py pins) with the chat templates of the models llama.c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,12 +24,12 @@ PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "models/templates")
 
 
 def _archive(into: Path) -> Path:
-    """The pinned sdist: the copy benchmarks/build_llama_cpp.sh downloaded where its hash matches, else pip's."""
+    """The pinned sdist: the copy shardwire's build or benchmarks/build_llama_cpp.sh kept where its
+    hash matches, else pip's (then kept)."""
+    kept = ggml_source.kept_sdist()
+    if kept is not None:
+        return kept
     name, version, sha = ggml_source.LLAMA_CPP
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "shardwire", "llama.cpp")
-    local = Path(os.environ.get("LLAMA_CPP_CACHE") or cache, "src", f"{name.replace('-', '_')}-{version}.tar.gz")
-    if local.is_file() and hashlib.sha256(local.read_bytes()).hexdigest() == sha:
-        return local
     # pip reads an sdist's metadata with its build backend before it keeps it: here in an isolated
     # environment (ggml_source._sdist, run inside shardwire's build, takes the build's own)
     into.mkdir(parents=True, exist_ok=True)
@@ -43,7 +42,9 @@ def _archive(into: Path) -> Path:
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"pip could not download {name}=={version}: " + " ".join(done.stderr.splitlines()[-3:]))
-    return into / local.name
+    archive = into / ggml_source.kept_llama_cpp().name
+    ggml_source.keep_sdist(archive)
+    return archive
 
 
 def converter() -> Path:

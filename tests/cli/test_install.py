@@ -167,3 +167,24 @@ def test_a_long_reason_still_fits_the_line_a_worker_sends(monkeypatch):
     sent = Devices("w", "0.1.0", [DeviceInfo("cpu", 1, 2, "float32", False, {}, compute=line)])
     assert Devices.parse(sent.to_wire()).devices[0].compute == line
     assert "cmake exited with 1: xxx" in in_use.missing_kernels_warning()
+
+
+def test_the_llama_cpp_sdist_is_kept_once_and_reused_only_with_its_pinned_hash(tmp_path, monkeypatch):
+    """The build keeps the 76 MB sdist it fetched for the next build and for llama.cpp's converter;
+    a kept copy whose bytes are not the pinned ones is not used, and a cache that cannot be written
+    keeps nothing without failing the build."""
+    sys.path.insert(0, str(ROOT / "kernels"))
+    import ggml_source
+
+    monkeypatch.setenv("LLAMA_CPP_CACHE", str(tmp_path / "cache"))
+    download = tmp_path / "download.tar.gz"
+    download.write_bytes(b"not the pinned sdist")
+    ggml_source.keep_sdist(download)
+    assert ggml_source.kept_llama_cpp().read_bytes() == download.read_bytes()
+    assert ggml_source.kept_sdist() is None  # its hash is not the pinned one: fetched again
+
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("LLAMA_CPP_CACHE", str(blocked))
+    ggml_source.keep_sdist(download)
+    assert ggml_source.kept_sdist() is None
