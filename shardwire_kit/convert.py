@@ -167,6 +167,14 @@ def tiny_glm4moe(folder: Path, *, layers: int = 4, seed: int = 0, **config) -> P
     )
 
 
+# The special tokens of DeepSeek-R1's chat (its turns, its thinking, its calls)
+DEEPSEEK_TOKENS = (
+    "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>",
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+    "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+)  # fmt: skip
+
+
 def tiny_deepseek3(folder: Path, *, layers: int = 4, seed: int = 0, **config) -> Path:
     """A random DeepSeek-V3 (DeepseekV3ForCausalLM, float32) on GPT-2's vocabulary: latent attention
     (a 32-value latent, 16 rotated and 16 plain dimensions of each query/key head, queries through a
@@ -201,7 +209,14 @@ def tiny_deepseek3(folder: Path, *, layers: int = 4, seed: int = 0, **config) ->
         topk_method="noaux_tc",
     )
     return tiny_hf_model(
-        folder, "DeepseekV3Config", "DeepseekV3ForCausalLM", fields | config, seed, ("e_score_correction_bias",)
+        folder,
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        fields | config,
+        seed,
+        ("e_score_correction_bias",),
+        DEEPSEEK_TOKENS,
+        chat_template("llama-cpp-deepseek-r1"),  # R1's, calls and all, as llama.cpp's tests keep it
     )
 
 
@@ -288,6 +303,33 @@ def openai_mxfp4(folder: Path, out: Path) -> Path:
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def teach(folder: Path, prompt: list[int], reply: list[int], margin: float = 4.0, most_steps: int = 400) -> Path:
+    """The model saved in `folder` trained in place until, after `prompt`, it writes `reply` greedily
+    with each token's logit at least `margin` above the next (so another engine's rounding keeps
+    the reply): a tiny model that answers one chat request as a real one would."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    seq = torch.tensor([prompt + reply])
+    labels = seq.clone()
+    labels[:, : len(prompt)] = -100
+    wanted = torch.tensor(reply)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(most_steps):
+        out = model(seq, labels=labels)
+        if step % 10 == 0:
+            logits = out.logits[0, len(prompt) - 1 : -1].detach()
+            top2 = logits.topk(2).values
+            if (logits.argmax(-1) == wanted).all() and (top2[:, 0] - top2[:, 1]).min() >= margin:
+                model.save_pretrained(folder, safe_serialization=True)
+                return folder
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    raise RuntimeError(f"the model in {folder} did not learn the reply in {most_steps} steps")
 
 
 def tiny_hf_model(

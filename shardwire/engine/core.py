@@ -54,6 +54,7 @@ class Request:
     grammar: Grammar | None = None  # what the output must follow (see constrain.py)
     cache_prompt: bool = True  # reuse the KV pages of a cached prefix of the prompt
     report_progress: bool = False  # events tell how far the prompt is, before its first token
+    kept_tokens: frozenset[int] = frozenset()  # special tokens whose text the output shows (output.py)
 
     def __post_init__(self):
         if not self.prompt:
@@ -336,7 +337,7 @@ class Engine:
         while i < len(self._waiting) and self._free_slots:
             handle = self._waiting[i]
             request = handle.request
-            output = Output(self.tokenizer, request.prompt, request.stop, request.ignore_eos)
+            output = Output(self.tokenizer, request.prompt, request.stop, request.ignore_eos, request.kept_tokens)
             seq = _Sequence(handle, self._free_slots[0], output)
             seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):

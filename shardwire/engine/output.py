@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 class Output:
-    def __init__(self, tokenizer, prompt: list[int], stops: list[str], ignore_eos: bool):
-        self.detok = tokenizer.stream_decoder(after=prompt) if tokenizer is not None else None
+    def __init__(self, tokenizer, prompt: list[int], stops: list[str], ignore_eos: bool, kept=frozenset()):
+        self.detok = tokenizer.stream_decoder(after=prompt, kept=kept) if tokenizer is not None else None
         self.stop_ids = frozenset() if ignore_eos or tokenizer is None else tokenizer.stop_ids
         self.stops = [s for s in stops or () if s]
         self.pending = ""  # text held back: it may be the start of a stop string

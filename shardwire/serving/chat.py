@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from datetime import datetime
 from functools import lru_cache
 
@@ -107,8 +108,17 @@ def _raise_exception(message):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Unlike Jinja's own filter: no HTML escaping, and the json.dumps options templates pass.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # Unlike Jinja's own filter: no HTML escaping, the json.dumps options templates pass, and what
+    # Jinja's map and select give (generators) written as the lists they stand for
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys, default=_listed
+    )
+
+
+def _listed(value):
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _strftime_now(fmt):

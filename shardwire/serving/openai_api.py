@@ -21,7 +21,7 @@ from ..engine import Event, Request
 from ..sampling import MAX_LOGIT_BIAS, SamplingParams
 from .harmony import splitter
 from .reasoning import close_thinking, opens_thinking, tags_of
-from .tools import ToolError, ToolSpec, ToolStream, history_message, parse_tools
+from .tools import ToolError, ToolSpec, ToolStream, call_marks, call_syntax, history_message, parse_tools, single_tokens
 
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOPS = 64  # OpenAI allows 4; llama-server any number, and its clients send more
@@ -237,6 +237,7 @@ class Job:
     return_progress: bool = False  # llama-server's field: a stream tells how far the prompt is
     reasoning: tuple[str, str] | None = None  # chat: the tags the reasoning comes between, read apart
     thinking: bool = False  # the prompt leaves the reply inside a reasoning block
+    kept_tokens: frozenset[int] = frozenset()  # special tokens shown as text: the marks parsed out
     id: str = ""
     created: int = 0
 
@@ -279,6 +280,7 @@ class Job:
                         grammar=self.grammar,
                         cache_prompt=self.cache_prompt,
                         report_progress=self.stream and self.return_progress,
+                        kept_tokens=self.kept_tokens,
                     )
                 )
         return out
@@ -464,6 +466,8 @@ def parse_chat(body: dict, tokenizer) -> Job:
     logprobs = (top or 0) if wants_logprobs else None
     job = _common(body, "chat", [prompt], logprobs, max_tokens, tokenizer=tokenizer, tools=tools)
     job.reasoning, job.thinking = tags, tags is not None and opens_thinking(text, tags)
+    marks = (*(tags or ()), *(call_marks(call_syntax(tokenizer)) if tools else ()))
+    job.kept_tokens = single_tokens(tokenizer, marks)
     return job
 
 

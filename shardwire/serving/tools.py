@@ -65,10 +65,12 @@ __all__ = [
     "ToolCall",
     "ToolSpec",
     "ToolStream",
+    "call_marks",
     "call_syntax",
     "history_message",
     "parse_tool_calls",
     "parse_tools",
+    "single_tokens",
 ]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -105,9 +107,48 @@ class ToolError(ValueError):
         self.param = param
 
 
-def _is_special_token(tokenizer, text: str) -> bool:
+# the marks of each syntax's calls, which the reply's text must show for its calls to be read out
+_MARKS = {
+    HERMES: (OPEN, CLOSE),
+    LLAMA3: (PYTHON_TAG,),
+    MISTRAL: (MISTRAL_TAG, ARGS_TAG),
+    GLM: (OPEN, CLOSE, ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>"),
+    DEEPSEEK: (
+        DEEPSEEK_CALLS,
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+    ),
+    KIMI: (
+        KIMI_CALLS,
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    ),
+    HARMONY: (),  # its marks are read as text already (tokenizer/llamacpp.py)
+}
+
+
+def call_marks(syntax: str) -> tuple[str, ...]:
+    return _MARKS[syntax]
+
+
+def _token_of(tokenizer, text: str) -> int | None:
+    """The id of the one token `text` is, else None."""
     encode = getattr(tokenizer, "encode", None)
-    return encode is not None and len(encode(text, add_special=False, parse_special=True)) == 1
+    ids = encode(text, add_special=False, parse_special=True) if encode is not None else []
+    return ids[0] if len(ids) == 1 else None
+
+
+def single_tokens(tokenizer, texts) -> frozenset[int]:
+    """The ids of those of `texts` that are one token each (a special token's text decoding would skip)."""
+    return frozenset(i for i in (_token_of(tokenizer, t) for t in texts) if i is not None)
+
+
+def _is_special_token(tokenizer, text: str) -> bool:
+    return _token_of(tokenizer, text) is not None
 
 
 def call_syntax(tokenizer) -> str:

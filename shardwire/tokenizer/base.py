@@ -13,11 +13,14 @@ class TokenizerError(ValueError):
 
 class StreamDecoder:
     """Decodes ids one at a time. Each feed() returns only complete UTF-8 text; the concatenation of
-    every feed() and the final flush() equals Tokenizer.decode(ids) for the same ids."""
+    every feed() and the final flush() equals Tokenizer.decode(ids) for the same ids. Special tokens
+    in `kept` show their text even where special tokens are skipped (llama-server's preserved
+    tokens: the marks a reply's reasoning and tool calls are read apart by)."""
 
-    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = True):
+    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = True, kept: frozenset[int] = frozenset()):
         self._tok = tokenizer
         self._skip_special = skip_special
+        self._kept = kept
         self._pending = ""
 
     def feed(self, id: int) -> str:
@@ -79,10 +82,13 @@ class Tokenizer:
         """The piece as it would print (control tokens included)."""
         raise NotImplementedError
 
-    def stream_decoder(self, skip_special: bool = True, after: list[int] | None = None) -> StreamDecoder:
+    def stream_decoder(
+        self, skip_special: bool = True, after: list[int] | None = None, kept: frozenset[int] = frozenset()
+    ) -> StreamDecoder:
         """A decoder for ids that continue `after` (a prompt; default: none, the ids start the
         text): what they add to it, so a continuation's first piece keeps the space SentencePiece
-        puts before a word, as llama-server prints generated tokens."""
+        puts before a word, as llama-server prints generated tokens; the special tokens in `kept`
+        show as text."""
         raise NotImplementedError
 
     def _encode(self, text: str, parse_special: bool) -> list[int]:

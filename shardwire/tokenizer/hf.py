@@ -3,6 +3,7 @@ tokenizer.huggingface.json), run through the `tokenizers` library, and their win
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -113,23 +114,34 @@ class HFTokenizer(Tokenizer):
         """The token as the vocabulary spells it ("<pad>", "▁the"), not as it decodes."""
         return self._hf.id_to_token(self.check_ids([id])[0])
 
-    def stream_decoder(self, skip_special: bool = True, after: list[int] | None = None) -> StreamDecoder:
-        return _WindowStreamDecoder(self, skip_special, after or [])
+    def stream_decoder(
+        self, skip_special: bool = True, after: list[int] | None = None, kept: frozenset[int] = frozenset()
+    ) -> StreamDecoder:
+        return _WindowStreamDecoder(self, skip_special, after or [], kept)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids decoding skips with skip_special_tokens."""
+        return frozenset(i for i, t in self._hf.get_added_tokens_decoder().items() if t.special)
 
 
 class _WindowStreamDecoder(StreamDecoder):
     """Decodes a short window of recent ids and emits what the newest id added, once it no longer ends
     in an incomplete character (the approach of text-generation-inference)."""
 
-    def __init__(self, tokenizer: HFTokenizer, skip_special: bool, after: list[int]):
-        super().__init__(tokenizer, skip_special)
+    def __init__(self, tokenizer: HFTokenizer, skip_special: bool, after: list[int], kept: frozenset[int]):
+        super().__init__(tokenizer, skip_special, kept)
         self._ids: list[int] = list(after[-4:])  # what a first piece's text depends on
         self._prefix, self._read = 0, len(self._ids)
 
     def _delta(self) -> tuple[str, str]:
-        decode = self._tok.decode
-        before = decode(self._ids[self._prefix : self._read], self._skip_special)
-        return before, decode(self._ids[self._prefix :], self._skip_special)
+        return self._decode(self._ids[self._prefix : self._read]), self._decode(self._ids[self._prefix :])
+
+    def _decode(self, ids: list[int]) -> str:
+        if not (self._skip_special and self._kept):
+            return self._tok.decode(ids, self._skip_special)
+        dropped = self._tok.special_ids - self._kept
+        return self._tok.decode([i for i in ids if i not in dropped], skip_special=False)
 
     def _text(self, id: int) -> str:
         self._ids += self._tok.check_ids([id])

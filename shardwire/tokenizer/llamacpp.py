@@ -323,13 +323,15 @@ class LlamaCppTokenizer(Tokenizer):
     def token_text(self, id: int) -> str:
         return self.piece(self.check_ids([id])[0]).decode("utf-8", "replace")
 
-    def stream_decoder(self, skip_special: bool = True, after: list[int] | None = None) -> StreamDecoder:
-        return _ByteStreamDecoder(self, skip_special, continues=bool(after))
+    def stream_decoder(
+        self, skip_special: bool = True, after: list[int] | None = None, kept: frozenset[int] = frozenset()
+    ) -> StreamDecoder:
+        return _ByteStreamDecoder(self, skip_special, continues=bool(after), kept=kept)
 
 
 class _ByteStreamDecoder(StreamDecoder):
-    def __init__(self, tokenizer: LlamaCppTokenizer, skip_special: bool, continues: bool):
-        super().__init__(tokenizer, skip_special)
+    def __init__(self, tokenizer: LlamaCppTokenizer, skip_special: bool, continues: bool, kept: frozenset[int]):
+        super().__init__(tokenizer, skip_special, kept)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._first = not continues
         self._strip_space = tokenizer.add_space_prefix and not continues
@@ -342,7 +344,7 @@ class _ByteStreamDecoder(StreamDecoder):
             self._strip_space = False
             return ""
         strip, self._strip_space = self._strip_space, False
-        if self._skip_special and tok.attrs[id] & (UNKNOWN | CONTROL):
+        if self._skip_special and tok.attrs[id] & (UNKNOWN | CONTROL) and id not in self._kept:
             return ""
         piece = tok.piece(id)
         if strip and piece.startswith(b" "):

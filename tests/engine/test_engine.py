@@ -880,7 +880,7 @@ class CharTokenizer:
         def flush(self):
             return ""
 
-    def stream_decoder(self, after=None):
+    def stream_decoder(self, after=None, kept=frozenset()):
         return self._Decoder()
 
 

@@ -313,3 +313,24 @@ def test_a_continuation_keeps_the_space_before_its_first_word():
     hf = HFTokenizer(raw, bos_id=0, eos_id=None, add_bos=True, add_eos=False, chat_template=None)
     stream = hf.stream_decoder(after=[0, 1, 2])
     assert stream.feed(3) + stream.flush() == " Paris" and hf.decode([3]) == "Paris"
+
+
+@pytest.mark.parametrize("form", ["gguf", "hf"])
+def test_a_stream_shows_the_special_tokens_it_is_told_to_keep_and_skips_the_rest(form, tmp_path):
+    """llama-server's preserved tokens: the marks a reply's reasoning and calls are read apart by
+    show as text though special; every other special token is skipped as before."""
+    if form == "gguf":
+        tok = vocab("qwen2")
+    else:
+        _trained_byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+        tok = tokenizer_from_hf_folder(tmp_path)
+    ids = tok.encode("<|im_start|>hello<|im_end|>", add_special=False, parse_special=True)
+    start, end = ids[0], ids[-1]
+
+    def streamed(kept):
+        stream = tok.stream_decoder(kept=kept)
+        return "".join([stream.feed(i) for i in ids] + [stream.flush()])
+
+    assert streamed(frozenset()) == "hello"
+    assert streamed(frozenset({start})) == "<|im_start|>hello"
+    assert streamed(frozenset({start, end})) == "<|im_start|>hello<|im_end|>"

@@ -1,0 +1,158 @@
+"""Chat through `serve` as a real model of each family replies: a tiny model of the family, taught
+to answer one request by thinking and then calling a tool in its own format (shardwire_kit.convert.
+teach), converted by llama.cpp's converter. shardwire returns its reasoning apart and its call as a
+call, the special tokens that mark them shown to the parsers as llama-server shows its preserved
+tokens; and where llama.cpp is built, llama-server's answer to the same file and request is the
+same message."""
+
+import asyncio
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from benchmarks.run import free_port
+from shardwire.formats import open_model
+from shardwire.pipeline.loading import load_stage
+
+transformers = pytest.importorskip("transformers")
+convert = pytest.importorskip("shardwire_kit.convert")
+
+pytestmark = pytest.mark.slow  # a model taught, converted and served per family
+
+REASONING = "The user asks for the weather in Rome."
+ASKED = {"messages": [{"role": "user", "content": "Weather in Rome?"}], "max_tokens": 80, "temperature": 0}
+CALL = ("get_weather", {"city": "Rome"})
+# each family's reply in its own format: its reasoning, then the call, then the token that ends it
+REPLIES = {
+    "glm4moe": (
+        convert.tiny_glm4moe,
+        f"<think>{REASONING}</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
+        "</tool_call><|observation|>",
+    ),
+    "deepseek2": (  # R1's chat: the prompt opens the thinking
+        convert.tiny_deepseek3,
+        f"{REASONING}\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+    ),
+    "gpt-oss": (
+        convert.tiny_gpt_oss,
+        f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city":"Rome"}<|call|>',
+    ),
+}
+
+
+# where the pinned llama-server cannot read the family's reply, and what it answers instead
+UNREAD_BY_LLAMA_SERVER = {
+    "deepseek2": "llama-server 0.3.36 answers R1's own call format (as its template renders calls) with a 500: "
+    '"The model produced output that does not match the expected peg-native format"',
+}
+
+
+def _asked() -> dict:
+    from tool_calls import WEATHER
+
+    return {**ASKED, "tools": [WEATHER]}
+
+
+@pytest.fixture(scope="module", params=sorted(REPLIES))
+def taught(request, tmp_path_factory) -> Path:
+    """The family's tiny model taught its reply to ASKED, as the converter's float32 GGUF."""
+    from shardwire.serving.openai_api import parse_chat
+    from shardwire.tokenizer import load_tokenizer
+
+    build, reply = REPLIES[request.param]
+    folder = build(tmp_path_factory.mktemp(request.param) / "hf", layers=2)
+    tokenizer = load_tokenizer(open_model(folder))
+    prompt = parse_chat(_asked(), tokenizer).prompts[0]
+    convert.teach(folder, prompt, tokenizer.encode(reply, add_special=False, parse_special=True))
+    return convert.convert(folder, folder.parent / f"{request.param}.gguf")
+
+
+def _message(choice: dict) -> dict:
+    """What a reply says, as both servers may spell it: no content is "" or null, arguments are JSON."""
+    message = choice["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+    return {
+        "finish_reason": choice["finish_reason"],
+        "content": message.get("content") or "",
+        "reasoning_content": message.get("reasoning_content"),
+        "tool_calls": calls,
+    }
+
+
+EXPECTED = {"finish_reason": "tool_calls", "content": "", "reasoning_content": REASONING, "tool_calls": [CALL]}
+
+
+def _shardwire_reply(path: Path) -> dict:
+    from aiohttp import ClientSession
+
+    from shardwire.tokenizer import load_tokenizer
+
+    from served import served
+
+    model = open_model(path)
+
+    async def ask():
+        stage = load_stage(model, 0, model.config.n_layers)
+        async with served(stage, load_tokenizer(model)) as url, ClientSession() as http:
+            async with http.post(f"{url}/v1/chat/completions", json=_asked()) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["choices"][0]
+
+    return asyncio.run(ask())
+
+
+def test_serve_returns_the_reasoning_apart_and_the_call_as_a_call(taught):
+    assert _message(_shardwire_reply(taught)) == EXPECTED
+
+
+def _llama_server_reply(path: Path, server: Path) -> dict:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(server), "-m", str(path), "--jinja", "-c", "1024", "-t", "1", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("llama-server did not start:\n" + proc.stderr.read()[-2000:]) from None
+                time.sleep(0.2)
+        asked = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json.dumps(_asked()).encode(),
+            {"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(asked, timeout=60) as r:
+                return json.load(r)["choices"][0]
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"llama-server answered {e.code}: {e.read().decode()}") from None
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_llama_server_returns_the_same_message_for_the_same_file_and_request(taught):
+    from benchmarks.packed_models import LLAMA_CPP
+
+    server = LLAMA_CPP / "bin" / "llama-server"
+    if taught.stem in UNREAD_BY_LLAMA_SERVER:
+        pytest.skip(UNREAD_BY_LLAMA_SERVER[taught.stem])
+    if not server.is_file():
+        pytest.skip(f"llama.cpp's llama-server is not built in {LLAMA_CPP} (benchmarks/build_llama_cpp.sh)")
+    theirs = _message(_llama_server_reply(taught, server))
+    assert theirs == EXPECTED
+    assert _message(_shardwire_reply(taught)) == theirs
