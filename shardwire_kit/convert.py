@@ -313,21 +313,17 @@ def teach(folder: Path, prompt: list[int], reply: list[int], margin: float = 4.0
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    seq = torch.tensor([prompt + reply])
-    labels = seq.clone()
-    labels[:, : len(prompt)] = -100
-    wanted = torch.tensor(reply)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(most_steps):
-        out = model(seq, labels=labels)
-        if step % 10 == 0:
-            logits = out.logits[0, len(prompt) - 1 : -1].detach()
-            top2 = logits.topk(2).values
-            if (logits.argmax(-1) == wanted).all() and (top2[:, 0] - top2[:, 1]).min() >= margin:
-                model.save_pretrained(folder, safe_serialization=True)
-                return folder
+    seq, wanted = torch.tensor([prompt + reply]), torch.tensor(reply)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(most_steps):
+        # the logits of the positions that predict the reply alone (the head is most of the work)
+        logits = model(seq, logits_to_keep=len(reply) + 1).logits[0, :-1]
+        top2 = logits.detach().topk(2).values
+        if (logits.argmax(-1) == wanted).all() and (top2[:, 0] - top2[:, 1]).min() >= margin:
+            model.save_pretrained(folder, safe_serialization=True)
+            return folder
         optimizer.zero_grad()
-        out.loss.backward()
+        torch.nn.functional.cross_entropy(logits, wanted).backward()
         optimizer.step()
     raise RuntimeError(f"the model in {folder} did not learn the reply in {most_steps} steps")
 
