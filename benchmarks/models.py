@@ -161,6 +161,13 @@ WORKLOADS = {
         # matrix from llama-imatrix (IQ2_XXS needs one)
         Workload("1b-iq4_xs", "1b", "IQ4_XS"),
         Workload("1b-iq2_xxs", "1b", "IQ2_XXS"),
+        Workload("1b-iq1_s", "1b", "IQ1_S"),
+        Workload("1b-iq1_m", "1b", "IQ1_M"),
+        Workload("1b-iq2_xs", "1b", "IQ2_XS"),
+        Workload("1b-iq2_s", "1b", "IQ2_S"),  # llama-quantize's IQ2_M recipe, which stores IQ2_S
+        Workload("1b-iq3_xxs", "1b", "IQ3_XXS"),
+        Workload("1b-iq3_s", "1b", "IQ3_S"),
+        Workload("1b-iq4_nl", "1b", "IQ4_NL"),
         Workload("moe-q4_0", "moe", "Q4_0"),
         Workload("moe-q8_0", "moe", "Q8_0"),
         Workload("moe-q4_k", "moe", "Q4_K"),  # llama-quantize's Q4_K_M mix, as MoE users download
@@ -175,8 +182,17 @@ WORKLOADS = {
 }
 
 # llama-quantize's names for the types (Q4_K means its Q4_K_M recipe, what users download).
-_QUANTIZE_NAME = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M", "F16": "F16", "F32": "F32", "MXFP4": "MXFP4_MOE"}
-_IMPORTANCE = ("IQ4_XS", "IQ2_XXS")  # quantized with an importance matrix (llama-imatrix over the README)
+_QUANTIZE_NAME = {
+    "Q8_0": "Q8_0",
+    "Q4_0": "Q4_0",
+    "Q4_K": "Q4_K_M",
+    "F16": "F16",
+    "F32": "F32",
+    "MXFP4": "MXFP4_MOE",
+    "IQ2_S": "IQ2_M",
+}
+# quantized with an importance matrix (llama-imatrix over the README), as the codebook types' files are
+_IMPORTANCE = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 
 
 def llama_cpp_prefix(build: bool = True) -> Path | None:

@@ -167,11 +167,13 @@ def tiny_glm4moe(folder: Path, *, layers: int = 4, seed: int = 0, **config) -> P
     )
 
 
-# The special tokens of DeepSeek-R1's chat (its turns, its thinking, its calls)
-DEEPSEEK_TOKENS = (
-    "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>",
-    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
-    "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+# DeepSeek-R1's added tokens: its turns' special, its thinking's and calls' not (its tokenizer reads
+# and writes those as text, as llama.cpp then does)
+DEEPSEEK_TOKENS = ("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>")
+DEEPSEEK_TEXT_TOKENS = (
+    "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
 )  # fmt: skip
 
 
@@ -217,6 +219,7 @@ def tiny_deepseek3(folder: Path, *, layers: int = 4, seed: int = 0, **config) ->
         ("e_score_correction_bias",),
         DEEPSEEK_TOKENS,
         chat_template("llama-cpp-deepseek-r1"),  # R1's, calls and all, as llama.cpp's tests keep it
+        DEEPSEEK_TEXT_TOKENS,
     )
 
 
@@ -337,6 +340,7 @@ def tiny_hf_model(
     randomized: tuple[str, ...] = (),
     special_tokens: tuple[str, ...] = (),
     template: str | None = None,
+    plain_tokens: tuple[str, ...] = (),
 ) -> Path:
     """A random transformers model of `model_class` (float32) from its own config class, on GPT-2's
     vocabulary plus `special_tokens`, saved as transformers saves one (its own config.json keys), with
@@ -350,13 +354,14 @@ def tiny_hf_model(
     vocab = load_vocab("gpt-2")
     meta = vocab.gguf_metadata
     tokenizer = json.loads(vocab.tokenizer_json)
-    for token in special_tokens:
+    for token, special in [*((t, True) for t in special_tokens), *((t, False) for t in plain_tokens)]:
         tokenizer["added_tokens"].append(
             dict(id=vocab.size + len(tokenizer["added_tokens"]) - 1, content=token, single_word=False, lstrip=False,
-                 rstrip=False, normalized=False, special=True)
+                 rstrip=False, normalized=False, special=special)
         )  # fmt: skip
     tokens = dict(
-        vocab_size=vocab.size + len(special_tokens),  # the converter keeps a row per token the tokenizer has
+        # the converter keeps a row per token the tokenizer has
+        vocab_size=vocab.size + len(special_tokens) + len(plain_tokens),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),

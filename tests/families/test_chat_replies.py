@@ -49,8 +49,9 @@ REPLIES = {
 
 # where the pinned llama-server cannot read the family's reply, and what it answers instead
 UNREAD_BY_LLAMA_SERVER = {
-    "deepseek2": "llama-server 0.3.36 answers R1's own call format (as its template renders calls) with a 500: "
-    '"The model produced output that does not match the expected peg-native format"',
+    "deepseek2": "llama-server 0.3.36 answers R1's reply with a 500 (\"The model produced output that does not "
+    "match the expected peg-native format\"): its /completion shows the reply with R1's call marks dropped "
+    "(CONTROL tokens, as llama.cpp's converter types every <｜...｜> token)",
 }
 
 
