@@ -34,12 +34,21 @@ def held_back(text: str, tag: str) -> int:
 
 class ReasoningSplit:
     """Streamed text into (reasoning, answer) pieces; a piece that may be part of a tag is held
-    until the next one says."""
+    until the next one says. The reasoning comes without the blank space around it (as the whole
+    reply's reasoning_content, and llama-server's): blank space at its end is held until more of
+    it follows."""
 
     def __init__(self, tags: tuple[str, str], inside: bool):
         self.open, self.close = tags
         self.state = "reasoning" if inside else "start"
         self.held = ""
+        self.reasoned = False  # some reasoning came out: blank space before more of it is kept
+
+    def _reasoning(self, text: str) -> str:
+        if not self.reasoned:
+            text = text.lstrip()
+            self.reasoned = bool(text)
+        return text
 
     def feed(self, text: str) -> tuple[str, str]:
         buf, self.held = self.held + text, ""
@@ -57,12 +66,12 @@ class ReasoningSplit:
             elif self.state == "reasoning":
                 end = buf.find(self.close)
                 if end >= 0:
-                    reasoning += buf[:end]
+                    reasoning += self._reasoning(buf[:end].rstrip())
                     buf, self.state = buf[end + len(self.close) :], "after"
                     continue
-                keep = held_back(buf, self.close)
-                reasoning += buf[: len(buf) - keep]
-                self.held = buf[len(buf) - keep :]
+                said = buf[: len(buf) - held_back(buf, self.close)].rstrip()
+                reasoning += self._reasoning(said)
+                self.held = buf[len(said) :]
                 return reasoning, answer
             elif self.state == "after":  # blank space between the reasoning and the answer
                 buf = buf.lstrip()
@@ -78,5 +87,5 @@ class ReasoningSplit:
         reasoning)."""
         held, self.held = self.held, ""
         if self.state == "reasoning":
-            return held, ""
+            return self._reasoning(held.rstrip()), ""
         return "", held if self.state in ("start", "answer") and held.strip() else ""

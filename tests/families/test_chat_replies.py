@@ -9,7 +9,6 @@ import asyncio
 import json
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -87,12 +86,42 @@ def _message(choice: dict) -> dict:
     }
 
 
+def _streamed(chunks: list[dict]) -> dict:
+    """A streamed reply's deltas put together, as _message reads a whole one."""
+    message, calls, finish = {"content": "", "reasoning_content": ""}, {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice.get("delta") or {}
+            for field in message:
+                message[field] += delta.get(field) or ""
+            for call in delta.get("tool_calls") or []:
+                whole = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                for part, text in (call.get("function") or {}).items():
+                    whole[part] += text or ""
+            finish = choice.get("finish_reason") or finish
+    message["tool_calls"] = [{"function": calls[i]} for i in sorted(calls)]
+    return _message({"message": message, "finish_reason": finish})
+
+
+async def _replies(url: str) -> tuple[dict, dict]:
+    """The server's answer to ASKED, whole and streamed."""
+    from aiohttp import ClientSession
+
+    async with ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", json=_asked()) as r:
+            assert r.status == 200, await r.text()
+            whole = _message((await r.json())["choices"][0])
+        async with http.post(f"{url}/v1/chat/completions", json={**_asked(), "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            lines = [line.decode().strip() async for line in r.content]
+    events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: {")]
+    return whole, _streamed(events)
+
+
 EXPECTED = {"finish_reason": "tool_calls", "content": "", "reasoning_content": REASONING, "tool_calls": [CALL]}
 
 
-def _shardwire_reply(path: Path) -> dict:
-    from aiohttp import ClientSession
-
+def _shardwire_replies(path: Path) -> tuple[dict, dict]:
     from shardwire.tokenizer import load_tokenizer
 
     from served import served
@@ -101,19 +130,17 @@ def _shardwire_reply(path: Path) -> dict:
 
     async def ask():
         stage = load_stage(model, 0, model.config.n_layers)
-        async with served(stage, load_tokenizer(model)) as url, ClientSession() as http:
-            async with http.post(f"{url}/v1/chat/completions", json=_asked()) as r:
-                assert r.status == 200, await r.text()
-                return (await r.json())["choices"][0]
+        async with served(stage, load_tokenizer(model)) as url:
+            return await _replies(url)
 
     return asyncio.run(ask())
 
 
-def test_serve_returns_the_reasoning_apart_and_the_call_as_a_call(taught):
-    assert _message(_shardwire_reply(taught)) == EXPECTED
+def test_serve_returns_the_reasoning_apart_and_the_call_as_a_call_whole_and_streamed(taught):
+    assert _shardwire_replies(taught) == (EXPECTED, EXPECTED)
 
 
-def _llama_server_reply(path: Path, server: Path) -> dict:
+def _llama_server_replies(path: Path, server: Path) -> tuple[dict, dict]:
     port = free_port()
     proc = subprocess.Popen(
         [str(server), "-m", str(path), "--jinja", "-c", "1024", "-t", "1", "--host", "127.0.0.1", "--port", str(port)],
@@ -131,16 +158,7 @@ def _llama_server_reply(path: Path, server: Path) -> dict:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError("llama-server did not start:\n" + proc.stderr.read()[-2000:]) from None
                 time.sleep(0.2)
-        asked = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json.dumps(_asked()).encode(),
-            {"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(asked, timeout=60) as r:
-                return json.load(r)["choices"][0]
-        except urllib.error.HTTPError as e:
-            raise AssertionError(f"llama-server answered {e.code}: {e.read().decode()}") from None
+        return asyncio.run(_replies(f"http://127.0.0.1:{port}"))
     finally:
         proc.terminate()
         proc.wait(10)
@@ -154,6 +172,6 @@ def test_llama_server_returns_the_same_message_for_the_same_file_and_request(tau
         pytest.skip(UNREAD_BY_LLAMA_SERVER[taught.stem])
     if not server.is_file():
         pytest.skip(f"llama.cpp's llama-server is not built in {LLAMA_CPP} (benchmarks/build_llama_cpp.sh)")
-    theirs = _message(_llama_server_reply(taught, server))
-    assert theirs == EXPECTED
-    assert _message(_shardwire_reply(taught)) == theirs
+    theirs = _llama_server_replies(taught, server)
+    assert theirs == (EXPECTED, EXPECTED)
+    assert _shardwire_replies(taught) == theirs

@@ -45,7 +45,9 @@ def split_all(pieces, inside=False, split=None):
 @pytest.mark.parametrize(
     "pieces,inside,expected",
     [
-        (["<thi", "nk>\nI would", " say</th", "ink>\n\n", "Paris."], False, ("\nI would say", "Paris.")),
+        # the blank space around the reasoning dropped, as the whole reply's reasoning_content drops it
+        (["<thi", "nk>\nI would", " say \n", "</th", "ink>\n\n", "Paris."], False, ("I would say", "Paris.")),
+        (["<think>a \n", "b\n</think>c"], False, ("a \nb", "c")),  # held blank space inside it kept
         (["\n<think>a</think>b"], False, ("a", "b")),
         (["Paris, ", "<think> is", " text"], False, ("", "Paris, <think> is text")),  # no block at the start
         (["so", "me thought</think>", "Answer"], True, ("some thought", "Answer")),  # the prompt opened it
