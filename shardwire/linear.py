@@ -34,11 +34,15 @@ Weight = torch.Tensor | nn.Module  # a dense tensor, or a packed module from wei
 
 
 def linear(weight: Weight, bias: torch.Tensor | None = None) -> nn.Module:
-    """A Linear for a dense weight; a packed weight (weights/packed.PackedLinear) already is one."""
+    """A Linear for a dense weight; a packed weight (weights/packed.PackedLinear) already is one.
+    A weight -ot keeps on another device (model.Elsewhere) adds its bias there, in its dtype."""
     if isinstance(weight, torch.Tensor):
         return Linear(weight, bias)
     if bias is not None:
-        weight.bias = nn.Parameter(bias, requires_grad=False)
+        held = getattr(weight, "inner", weight)
+        if held is not weight:
+            bias = bias.to(weight.where, weight.where_dtype)
+        held.bias = nn.Parameter(bias, requires_grad=False)
     return weight
 
 

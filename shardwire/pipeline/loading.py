@@ -23,7 +23,7 @@ from ..weights.ggml_cpu import GGMLExperts, RepackError, repacked_experts
 from ..weights.kernels import kernels_on
 from ..weights.pack import pack_matrix
 from ..weights.policy import EMBEDDING, weight_formats
-from .plan import placed_apart
+from .plan import USED_AS_TENSORS, placed_apart
 
 
 def undo_qk_interleave(t, n_heads: int):
@@ -33,8 +33,6 @@ def undo_qk_interleave(t, n_heads: int):
     return t.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-# Tensors the model uses as they are, not as a matrix product: never packed
-_USED_AS_TENSORS = ("ssm_conv1d.weight", "_exps.bias", "attn_sinks.weight")
 # Matrices multiplied a head's rows at a time (DeepSeek's per-head key and value matrices): as
 # stored under ggml, not in a repacked layout, whose kernels take the whole matrix
 _PER_HEAD = ("attn_k_b.weight", "attn_v_b.weight")
@@ -116,7 +114,7 @@ def build_stage(
             weight_formats(group, False, False, False, weights, o.device.type, kernels_on(o.device), o.fastest)
         )
     for name in formats:
-        if name.endswith(_USED_AS_TENSORS):
+        if name.endswith(USED_AS_TENSORS):
             formats[name] = "dense"
         elif name.endswith(_PER_HEAD) and formats[name] == "repacked":
             formats[name] = "ggml"

@@ -108,16 +108,22 @@ def parse_overrides(specs: list[str] | None) -> list[tuple[str, str]]:
     return out
 
 
+# Tensors the model uses as they are, not as a matrix product: never packed, and kept with their
+# stage where -ot moves the matrices beside them (the experts' biases go to the experts' products
+# from there)
+USED_AS_TENSORS = ("ssm_conv1d.weight", "_exps.bias", "attn_sinks.weight")
+
+
 def placed_apart(tensors: dict, overrides) -> dict[str, object]:
     """Block matrices the first matching -ot pattern (searched in the name, as llama.cpp does)
-    keeps on another device: name -> that pattern's target. Norms, the embedding and the head
-    stay with their stage."""
+    keeps on another device: name -> that pattern's target. Norms, the embedding, the head and
+    the tensors used as they are (USED_AS_TENSORS) stay with their stage."""
     if not overrides:
         return {}
     compiled = [(re.compile(p), target) for p, target in overrides]
     out = {}
     for name, info in tensors.items():
-        if not name.startswith("blk.") or len(info.shape) < 2:
+        if not name.startswith("blk.") or len(info.shape) < 2 or name.endswith(USED_AS_TENSORS):
             continue
         target = next((t for rx, t in compiled if rx.search(name)), None)
         if target is not None:

@@ -1,5 +1,7 @@
 """One model split across real worker processes on loopback gives the single-process tokens."""
 
+import re
+
 import pytest
 
 from shardwire.coordinator import Cluster
@@ -8,7 +10,7 @@ from shardwire.formats import open_model
 from shardwire.sampling import SamplingParams
 
 from commands import run
-from models import PROMPT, hf_path, model_path
+from models import PROMPT, converted_checkpoint, hf_path, model_path
 from runs import (
     GREEDY_LOGPROBS,
     assert_same,
@@ -199,23 +201,43 @@ def test_mixture_of_experts_split_over_two_workers(worker_pool, tmp_path, name, 
     assert_same(single_process(path), got)
 
 
-def test_override_tensor_keeps_experts_on_a_second_device_of_the_worker(worker_pool, tmp_path):
-    """-ot 'ffn_.*_exps=cpu:1': the worker's cpu:0 takes every block, its cpu:1 the experts
-    (ASSIGN carries the pattern; the worker builds them there and counts them against it)."""
-    path = model_path("qwen3moe", "Q8_0")
+def _expert_file(family: str):
+    if family == "qwen3moe":
+        return model_path("qwen3moe", "Q8_0")
+    convert = pytest.importorskip("shardwire_kit.convert")
+    make = {"deepseek2": convert.tiny_deepseek3, "glm4moe": convert.tiny_glm4moe, "gpt-oss": convert.tiny_gpt_oss}
+    return converted_checkpoint(family, make[family], "gguf")
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "deepseek2", "glm4moe", "gpt-oss"])
+def test_override_tensor_keeps_experts_on_a_second_device_of_the_worker(worker_pool, tmp_path, family):
+    """-ot 'ffn_.*_exps=cpu:1': the worker's cpu:0 takes every block, its cpu:1 the routed experts'
+    matrices (ASSIGN carries the pattern; the worker builds them there and counts them against it),
+    on Qwen's experts and on the families with more beside them: a dense first block and a shared
+    expert, which stay (DeepSeek-V3, GLM-4.5), and gpt-oss's expert biases, which the pattern
+    matches too but which are added, not multiplied, and stay with the stage."""
+    path = _expert_file(family)
     two = worker_pool(1, devices="cpu:0,cpu:1")[0]
     model = open_model(path)
     cluster = Cluster([two.address], cache_dir=tmp_path / "coord", show_progress=False)
     try:
         cluster.connect(model)
         plan = cluster.make_plan(ctx=256, dtype="float32", overrides=[("ffn_.*_exps", "cpu:1")])
-        assert [(s.device.name, s.start, s.end) for s in plan.stages] == [("cpu:0", 0, 4)]
-        assert [d.name for d in plan.stages[0].elsewhere] == ["cpu:1"]
+        (stage,) = plan.stages
+        assert (stage.device.name, stage.start, stage.end) == ("cpu:0", 0, model.config.n_layers)
+        ((elsewhere, held),) = stage.elsewhere.items()
+        assert elsewhere.name == "cpu:1"
+        if family != "qwen3moe":  # F32 files, held as stored whatever this CPU measured: the matrices alone
+            assert held == sum(t.nbytes for n, t in model.tensors.items() if re.search(r"_exps\.\d+\.weight$", n))
         got = generate(cluster.load(plan))
     finally:
         cluster.close()
     assert_same(single_process(path), got)
 
+
+def test_plan_shows_what_override_tensor_keeps_where(worker_pool, tmp_path):
+    path = model_path("qwen3moe", "Q8_0")
+    two = worker_pool(1, devices="cpu:0,cpu:1")[0]
     shown = run("plan", str(path), "--rpc", two.address, "-ot", "ffn_.*_exps=cpu:1", "--cache-dir", str(tmp_path / "c"))
     assert shown.returncode == 0, shown.stderr
     assert f"-> {two.address}/cpu:1" in shown.stdout and "/ffn_.*_exps/" in shown.stdout
