@@ -27,6 +27,31 @@ _TEKKEN = (
 )
 
 
+_DEEPSEEK3 = (
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK_LATIN = (  # the letters of DeepSeek-V2's tokenizer, as llama.cpp lists them
+    "A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376"
+    "\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-"
+    "\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b"
+    "\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59"
+    "\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3"
+    "\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d"
+    "\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00"
+    "-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787"
+    "\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f"
+    "\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-"
+    "\U000118df\U0001e900-\U0001e943"
+)
+_CONTRACTED = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTED
+    + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTED
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)  # fmt: skip
+
+
 def _stage(pattern: str, hand_written: bool):
     """One split pass. llama.cpp's hand-written splitters (gpt2, llama3, qwen2, qwen35) cut an unmatched
     character off on its own; its std::regex fallback keeps each unmatched run as one piece."""
@@ -42,6 +67,20 @@ PRE_STAGES = {
     "gpt2": [_stage(_GPT2, True)],
     "tekken": [_stage(_TEKKEN, False)],
     "starcoder": [_stage(r"\p{N}", False), _stage(_GPT2, True)],
+    "deepseek-v3": [
+        _stage(r"\p{N}{1,3}", False),
+        _stage("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", False),
+        _stage(_DEEPSEEK3, False),
+    ],
+    "deepseek-llm": [
+        _stage("[\r\n]", False),
+        _stage(f"\\s?[{_DEEPSEEK_LATIN}]+", False),
+        _stage("\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", False),
+        _stage(r"\s+\Z", False),  # std::regex's $: the end of the piece searched only
+        _stage("[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", False),
+        _stage(r"\p{N}+", False),
+    ],
+    "gpt-4o": [_stage(_GPT4O, False)],
     "default": [
         _stage(r"[\p{P}\$\+<=>\^~\|]+", False),
         _stage(_GPT2, True),
@@ -85,6 +124,12 @@ PRE_TYPES = {
     ),
     **dict.fromkeys(["smollm", "command-r"], ("starcoder", False, False, False)),
     "tekken": ("tekken", True, False, True),
+    # DeepSeek-V3/R1/V3.1 (and llama.cpp's others that split alike), DeepSeek-V2's, GLM-4.5's, gpt-oss's
+    **dict.fromkeys(["deepseek-v3", "hunyuan-dense", "joyai-llm"], ("deepseek-v3", False, False, False)),
+    "deepseek-llm": ("deepseek-llm", False, False, False),
+    **dict.fromkeys(["glm4", "glm5"], ("llama3", True, True, False)),
+    "chatglm-bpe": ("llama3", False, True, False),
+    **dict.fromkeys(["gpt-4o", "llama4"], ("gpt-4o", False, False, False)),
     "default": ("default", False, True, False),
 }
 

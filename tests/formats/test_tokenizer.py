@@ -334,3 +334,42 @@ def test_a_stream_shows_the_special_tokens_it_is_told_to_keep_and_skips_the_rest
     assert streamed(frozenset()) == "hello"
     assert streamed(frozenset({start})) == "<|im_start|>hello"
     assert streamed(frozenset({start, end})) == "<|im_start|>hello<|im_end|>"
+
+
+def _with_pre(name: str, pre: str, path):
+    """The shared vocabulary `name` written again with tokenizer.ggml.pre set to `pre`."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(shared_path("vocab", f"ggml-vocab-{name}.gguf"))
+    writer = GGUFWriter(str(path), arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = pre if field.name == "tokenizer.ggml.pre" else field.contents()
+        kind = field.types[0]
+        writer.add_key_value(field.name, value, kind, field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# the pre-tokenizers of the big-MoE families' files (DeepSeek-V3/R1/V3.1, DeepSeek-V2, GLM-4.5 and
+# GLM-4, gpt-oss), which llama.cpp's own test vocabularies do not include
+@pytest.mark.parametrize("pre", ["deepseek-v3", "deepseek-llm", "glm4", "chatglm-bpe", "gpt-4o"])
+def test_the_big_moe_files_pre_tokenizers_split_text_as_llama_cpp_does(pre, tmp_path):
+    """GPT-2's vocabulary under each pre-tokenizer, encoding every test text of llama.cpp's
+    vocabularies (and MULTIBYTE) as llama.cpp encodes it."""
+    numerics = pytest.importorskip("benchmarks.numerics_llamacpp")
+    if reason := numerics.unavailable():
+        pytest.skip(reason)
+    theirs = numerics.llama_cpp().Llama(
+        model_path=str(_with_pre("gpt-2", pre, tmp_path / f"{pre}.gguf")), vocab_only=True, verbose=False
+    )
+    ours = tokenizer_from_gguf({**_metadata("gpt-2"), "tokenizer.ggml.pre": pre})
+    texts = [text for name in VOCABS for text, _ in vocab_cases(name)] + MULTIBYTE
+    for text in texts:
+        assert ours.encode(text, add_special=False) == theirs.tokenize(text.encode(), add_bos=False, special=False), (
+            text
+        )
