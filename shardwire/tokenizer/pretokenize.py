@@ -51,6 +51,16 @@ _GPT4O = (
     + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )  # fmt: skip
 
+_NOT_HAN = r"(?!\p{Han})"
+_KIMI_K2 = (  # Kimi K2's (tokenization_kimi.py): letters of any script but Han, whose runs split apart
+    r"\p{Han}+"
+    + r"|[^\r\n\p{L}\p{N}]?(?:" + _NOT_HAN + r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}])*"
+    + r"(?:" + _NOT_HAN + r"[\p{Ll}\p{Lm}\p{Lo}\p{M}])+" + _CONTRACTED
+    + r"|[^\r\n\p{L}\p{N}]?(?:" + _NOT_HAN + r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}])+"
+    + r"(?:" + _NOT_HAN + r"[\p{Ll}\p{Lm}\p{Lo}\p{M}])*" + _CONTRACTED
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)  # fmt: skip
+
 
 def _stage(pattern: str, hand_written: bool):
     """One split pass. llama.cpp's hand-written splitters (gpt2, llama3, qwen2, qwen35) cut an unmatched
@@ -81,6 +91,7 @@ PRE_STAGES = {
         _stage(r"\p{N}+", False),
     ],
     "gpt-4o": [_stage(_GPT4O, False)],
+    "kimi-k2": [_stage(_KIMI_K2, True)],
     "default": [
         _stage(r"[\p{P}\$\+<=>\^~\|]+", False),
         _stage(_GPT2, True),
@@ -130,6 +141,7 @@ PRE_TYPES = {
     **dict.fromkeys(["glm4", "glm5"], ("llama3", True, True, False)),
     "chatglm-bpe": ("llama3", False, True, False),
     **dict.fromkeys(["gpt-4o", "llama4"], ("gpt-4o", False, False, False)),
+    "kimi-k2": ("kimi-k2", False, False, False),
     "default": ("default", False, True, False),
 }
 

@@ -356,8 +356,8 @@ def _with_pre(name: str, pre: str, path):
 
 
 # the pre-tokenizers of the big-MoE families' files (DeepSeek-V3/R1/V3.1, DeepSeek-V2, GLM-4.5 and
-# GLM-4, gpt-oss), which llama.cpp's own test vocabularies do not include
-@pytest.mark.parametrize("pre", ["deepseek-v3", "deepseek-llm", "glm4", "chatglm-bpe", "gpt-4o"])
+# GLM-4, gpt-oss, Kimi K2), which llama.cpp's own test vocabularies do not include
+@pytest.mark.parametrize("pre", ["deepseek-v3", "deepseek-llm", "glm4", "chatglm-bpe", "gpt-4o", "kimi-k2"])
 def test_the_big_moe_files_pre_tokenizers_split_text_as_llama_cpp_does(pre, tmp_path):
     """GPT-2's vocabulary under each pre-tokenizer, encoding every test text of llama.cpp's
     vocabularies (and MULTIBYTE) as llama.cpp encodes it."""
