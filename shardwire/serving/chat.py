@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from datetime import datetime
@@ -10,7 +11,7 @@ from functools import lru_cache
 import jinja2
 import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 
 __all__ = ["CHATML_TEMPLATE", "ChatTemplateError", "render_chat"]
 
@@ -64,7 +65,7 @@ def render_chat(
     try:
         return compiled.render(
             messages=_normalize(messages),
-            tools=tools,
+            tools=copy.deepcopy(tools),
             documents=documents,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
@@ -76,12 +77,13 @@ def render_chat(
 
 
 def _normalize(messages: list[dict]) -> list[dict]:
-    """As transformers: keys whose value is None are dropped, and reasoning is copied under each name."""
+    """As transformers: keys whose value is None are dropped, and reasoning is copied under each name;
+    copies, which a template may change."""
     out = []
     for message in messages:
         if not isinstance(message, dict):
             raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")
-        message = {k: v for k, v in message.items() if v is not None}
+        message = {k: copy.deepcopy(v) for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -125,10 +127,17 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+def _from_json(text: str):
+    return json.loads(text)
+
+
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    # Sandboxed, but lists and dicts the template builds may grow (Kimi K2's collects ids with
+    # append), as llama.cpp's template engine allows; each render gets its own copy of the messages
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters["from_json"] = _from_json  # DeepSeek-V3.2's and V4's templates read arguments with it
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:

@@ -177,3 +177,42 @@ def test_a_last_assistant_message_is_a_prefill_the_reply_continues():
         with pytest.raises(APIError) as e:
             chat_text(_Llama3(), messages, body)
         assert e.value.status == 400
+
+
+# the chat templates of the big-MoE files, as llama.cpp's tests keep them, and what each writes for
+# a call in the history
+CALLS_WRITTEN = {
+    "GLM-4.6": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>",
+    "Kimi-K2-Instruct": '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Rome"}',
+    "Kimi-K2-Thinking": '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Rome"}',
+    "deepseek-ai-DeepSeek-V3.1": '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}<｜tool▁call▁end｜>',
+    "deepseek-ai-DeepSeek-V3.2": '<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>',
+    "llama-cpp-deepseek-r1": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Rome"}\n```',
+    "openai-gpt-oss-120b": 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>',
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALLS_WRITTEN))
+def test_the_big_moe_templates_render_a_history_with_a_call_its_result_and_reasoning(name):
+    """Through the API's own preparation of the history (arguments as objects): Kimi K2's template
+    grows a list of ids (append), DeepSeek-V3.2's reads arguments with from_json, R1's writes
+    tools | map(...) | tojson, llama.cpp's engine allows all three."""
+    convert = pytest.importorskip("shardwire_kit.convert")
+    from shardwire.serving.tools import history_message
+
+    from tool_calls import WEATHER
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'},
+        {"role": "user", "content": "Thanks"},
+    ]
+    history = [history_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    before = json.dumps(history)
+    prompt = render_chat(convert.chat_template(name), history, tools=[WEATHER], bos_token="<s>", eos_token="</s>")
+    result = ('{"temp": 20}', json.dumps('{"temp": 20}'))  # gpt-oss's writes a result as a JSON string
+    assert CALLS_WRITTEN[name] in prompt and any(r in prompt for r in result) and prompt.count("Thanks") == 1
+    assert json.dumps(history) == before  # what a template changes is its own copy
