@@ -15,11 +15,13 @@ faster runs (own_products), before the formats are timed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import platform
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -223,11 +225,36 @@ def _usable(entry, valid) -> bool:
 _used: dict[str, dict] = {}  # key -> the entry this process took its choices from (provenance)
 
 
+@contextmanager
+def _one_measuring():
+    """Held while this process decides whether to measure and measures: the processes sharing a
+    cache file (the workers a machine starts at once) measure one at a time, the others waiting
+    idle, so none is timed under another's measurement, and each reads what the first kept."""
+    path = _cache_file().with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a")
+    except OSError:  # a cache that cannot be written: each measures on its own
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _remembered(key: str, compute, valid=lambda result: True) -> dict:
     """compute()'s result as kept in the cache file under `key`, computed and kept there when
     missing, not `valid` (a file edited by hand or by another version: what it says travels to
     coordinators, which refuse what they cannot read), or provisional (taken while the machine was
     busy) and the machine is quiet now. Each is kept with when it was taken and under what load."""
+    with _one_measuring():
+        return _remembered_now(key, compute, valid)
+
+
+def _remembered_now(key: str, compute, valid) -> dict:
     path, known = _cache_file(), _kept()
     entry = known.get(key)
     if entry is not None and not _usable(entry, valid):

@@ -118,3 +118,34 @@ def test_a_worker_started_under_load_then_quiet_chooses_what_a_quiet_start_choos
         assert reference[key]["when"] >= remeasured[key]["when"]
         differ = _disagreements(remeasured[key]["result"], reference[key]["result"])
         assert not differ, (key, differ, remeasured[key], reference[key])
+
+
+def test_workers_started_at_once_measure_once_and_both_take_it(tmp_path):
+    """The workers a machine starts together (the demo's two, a box's one per device) share the
+    cache file: one measures while the other waits idle, so the measurement is not taken under the
+    other's and is kept quiet, not provisional; the other takes it, and the next start measures
+    nothing. (Timed under each other's measurement, each start measured again, for good.)"""
+    import threading
+
+    if load.now(1.0).busy:
+        pytest.skip("other work keeps this machine busy: a quiet measurement cannot be taken now")
+    cache = tmp_path / "cache"
+    workers = [WorkerProcess(tmp_path / f"w{i}", env={"SHARDWIRE_CACHE": str(cache)}) for i in range(2)]
+    starts = [threading.Thread(target=w.start) for w in workers]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join()
+    try:
+        kept = _kept(cache)
+        assert kept and not any(entry["provisional"] for entry in kept.values()), kept
+        deadline = time.monotonic() + 10
+        while not all(any("kernel choices" in line for line in w.log) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lines = [[line for line in w.log if "kernel choices" in line] for w in workers]
+        assert all(lines) and lines[0][0].split("kernel choices", 1)[1] == lines[1][0].split("kernel choices", 1)[1]
+    finally:
+        for w in workers:
+            w.stop()
+    again = _start_lines(cache, tmp_path)
+    assert _kept(cache) == kept, again
