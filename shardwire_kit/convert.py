@@ -343,9 +343,10 @@ def tiny_hf_model(
     plain_tokens: tuple[str, ...] = (),
 ) -> Path:
     """A random transformers model of `model_class` (float32) from its own config class, on GPT-2's
-    vocabulary plus `special_tokens`, saved as transformers saves one (its own config.json keys), with
-    the tokenizer (and `template` as its chat template). Parameters and buffers whose names end in
-    one of `randomized` (those transformers initializes to constants) get random values."""
+    vocabulary plus `special_tokens` (and `plain_tokens`, added but not special), saved as
+    transformers saves one (its own config.json keys), with the tokenizer (and `template` as its
+    chat template). Parameters and buffers whose names end in one of `randomized` (those
+    transformers initializes to constants) get random values."""
     import torch
     import transformers
 

@@ -127,17 +127,13 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def _from_json(text: str):
-    return json.loads(text)
-
-
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
     # Sandboxed, but lists and dicts the template builds may grow (Kimi K2's collects ids with
     # append), as llama.cpp's template engine allows; each render gets its own copy of the messages
     env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
-    env.filters["from_json"] = _from_json  # DeepSeek-V3.2's and V4's templates read arguments with it
+    env.filters["from_json"] = json.loads  # DeepSeek-V3.2's and V4's templates read arguments with it
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:

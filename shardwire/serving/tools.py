@@ -147,10 +147,6 @@ def single_tokens(tokenizer, texts) -> frozenset[int]:
     return frozenset(i for i in (_token_of(tokenizer, t) for t in texts) if i is not None)
 
 
-def _is_special_token(tokenizer, text: str) -> bool:
-    return _token_of(tokenizer, text) is not None
-
-
 def call_syntax(tokenizer) -> str:
     """How the model writes calls: HERMES, LLAMA3, MISTRAL, GLM, DEEPSEEK, KIMI or HARMONY. Its chat template
     names the markers it renders calls with; a model without a template that names any is judged by
@@ -169,7 +165,7 @@ def call_syntax(tokenizer) -> str:
         if marker in template:
             return syntax
     for marker, syntax in markers:
-        if _is_special_token(tokenizer, marker):
+        if _token_of(tokenizer, marker) is not None:
             return syntax
     return HERMES
 
