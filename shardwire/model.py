@@ -630,6 +630,23 @@ class Block(nn.Module):
         return x + (fed if self.post_ffn_norm is None else self.post_ffn_norm(fed))
 
 
+def _one_position_rows(x, slots: list[int], starts: list[int], pages: list[list[int]] | None) -> tuple:
+    """Rows of T positions as T rows of one position each: (x, slots, starts, pages). Every row's
+    keys and values go into the cache before any row attends (StageGraph), so each position
+    sees those before it as it would decoding one at a time."""
+    T = len(x[0])
+    if isinstance(x, torch.Tensor):
+        flat = x.reshape(x.shape[0] * T, 1, *x.shape[2:])
+    else:
+        flat = [[token] for row in x for token in row]
+    return (
+        flat,
+        [slot for slot in slots for _ in range(T)],
+        [start + j for start in starts for j in range(T)],
+        None if pages is None else [table for table in pages for _ in range(T)],
+    )
+
+
 class Stage(nn.Module):
     """Blocks [start, end), plus the token embedding if first and the norm + head if last.
 
@@ -782,6 +799,12 @@ class Stage(nn.Module):
         if self.cache is None:
             raise RuntimeError("allocate_cache() before forward()")
         runner = self.runner
+        if all_logits and runner is not None and self.cache.recurrent is None and (runner.logits or not self.last):
+            # a verification step's few positions per sequence, as a decode step of a row for each
+            flat, f_slots, f_starts, f_pages = _one_position_rows(x, slots, starts, pages)
+            if runner.takes(flat, self.cache):
+                out = runner(flat, self.cache, self._context(f_slots, f_starts, 1, f_pages))
+                return out.view(len(slots), -1, out.shape[-1])
         if runner is not None and runner.takes(x, self.cache) and (runner.logits or not self.last):
             # a decode step that the backend runs whole, with no PyTorch call on the way
             ctx, recurrent = self._context(slots, starts, 1, pages), self.cache.recurrent

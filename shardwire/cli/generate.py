@@ -8,6 +8,7 @@ import sys
 from ..coordinator.launch import build_pipeline
 from ..devices import set_threads
 from ..engine import Engine, Handle, Request
+from ..engine.drafting import Speculation
 from ..formats import open_model
 from ..sampling import SamplingParams
 from ..tokenizer import load_tokenizer
@@ -23,6 +24,12 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         repeat_last_n=args.repeat_last_n,
         seed=args.seed,
     )
+
+
+def speculation_from_args(args: argparse.Namespace) -> Speculation | None:
+    if args.spec_type == "none":
+        return None
+    return Speculation(args.draft_max, args.draft_min, args.spec_ngram_size_n)
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -64,6 +71,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 max_tokens=args.n_predict,
                 stop=tuple(args.stop),
                 ignore_eos=args.ignore_eos,
+                speculation=speculation_from_args(args),
             )
         )
         stream(handle, "" if args.chat else args.prompt)

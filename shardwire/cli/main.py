@@ -12,6 +12,7 @@ from ..coordinator.launch import add_cluster_args
 from ..enums import COMPUTE_DTYPES, WEIGHT_MODES
 from ..pipeline import PipelineError
 from ..serving.cors import CorsPolicy
+from ..serving.openai_api import SPEC_TYPES
 from ..wire.options import add_worker_tls_args, resolve_token, server_tls
 from ..worker.ring import SPIN_S
 
@@ -25,6 +26,25 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 = off (default: %(default)s)")
     g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back (default: %(default)s)")
     g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a random one)")
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (llama-server's flags)")
+    g.add_argument(
+        "--spec-type",
+        choices=SPEC_TYPES,
+        default="none",
+        help="ngram-simple: each decode step proposes the tokens that followed the sequence's last "
+        "n-gram earlier in its context (prompt lookup), all checked in that one step, as many as "
+        "measured to pay (default: %(default)s)",
+    )
+    g.add_argument(
+        "--draft-max", "--draft", "--draft-n", type=int, default=16, help="most proposals a step carries (default: 16)"
+    )
+    g.add_argument(
+        "--draft-min", "--draft-n-min", type=int, default=0, help="fewest proposals worth a step (default: 0)"
+    )
+    g.add_argument("--spec-ngram-size-n", type=int, default=3, help="longest n-gram looked up (default: %(default)s)")
 
 
 def _add_server_defaults_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _add_sampling_args(p)
+    _add_speculative_args(p)
     add_cluster_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -248,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="GET /slots: what each sequence slot runs (--no-slots: 501, as llama-server's) (default: on)",
     )
     _add_server_defaults_args(p)
+    _add_speculative_args(p)
     add_cluster_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -22,6 +22,7 @@ from ..serving.chat_templates import chosen_template
 from ..serving.cors import CorsPolicy
 from ..serving.state import ServerSettings
 from ..tokenizer import load_tokenizer
+from .generate import speculation_from_args
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -66,6 +67,14 @@ def settings(args: argparse.Namespace) -> ServerSettings:
     }
     if sampling.get("seed") == -1:
         del sampling["seed"]
+    if args.spec_type != "none":
+        speculation = speculation_from_args(args)  # checked here, where a bad flag stops the start
+        sampling |= {
+            "speculative.type": args.spec_type,
+            "speculative.n_max": speculation.n_max,
+            "speculative.n_min": speculation.n_min,
+            "speculative.ngram_size_n": speculation.ngram,
+        }
     return ServerSettings(
         sampling=sampling,
         n_predict=None if args.n_predict < 0 else args.n_predict,

@@ -32,6 +32,7 @@ from ..constrain import Grammar, RowConstraint, vocabulary_of
 from ..enums import PAGE, pages_for
 from ..pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from ..sampling import Sampled, SamplingParams
+from .drafting import Drafter, Speculation, StepCosts
 from .output import Output
 from .pages import PagePool, prefix_hashes
 
@@ -55,6 +56,7 @@ class Request:
     cache_prompt: bool = True  # reuse the KV pages of a cached prefix of the prompt
     report_progress: bool = False  # events tell how far the prompt is, before its first token
     kept_tokens: frozenset[int] = frozenset()  # special tokens whose text the output shows (output.py)
+    speculation: Speculation | None = None  # decode steps propose tokens to check (drafting.py)
 
     def __post_init__(self):
         if not self.prompt:
@@ -90,6 +92,8 @@ class Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the KV cache (not computed again)
     completion_tokens: int = 0
+    draft_n: int = 0  # tokens its decode steps proposed (speculative decoding)
+    draft_n_accepted: int = 0  # of them, those kept
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_token: float = 0.0
     t_end: float = 0.0
@@ -122,6 +126,9 @@ class Counters:
     steps: int = 0  # sent through the pipeline: prefill chunks, decode steps, replays
     decode_steps: int = 0
     decode_rows: int = 0  # sequences those decode steps carried
+    drafts: int = 0  # decode rows that carried proposed tokens (speculative decoding)
+    draft_tokens: int = 0  # the tokens they proposed
+    draft_accepted: int = 0  # of them, those kept
     most_positions: int = 0  # the longest any sequence has grown
 
 
@@ -160,7 +167,8 @@ class _Sequence:
         self.in_flight = 0  # steps sent and not yet answered
         self.interrupted = False  # its pipeline broke; it waits to be replayed
         self.fruitless_replays = 0  # replays since its last new token
-        self.decoded_in: list[tuple[int, int]] = []  # per generated token: (step id, row) that first fed it
+        # per decode step that fed it: (step id, row, position of the first token fed, tokens fed)
+        self.fed: list[tuple[int, int, int, list[int]]] = []
         self.output = output
         self.finished = False
         self.cancelled = False
@@ -172,6 +180,9 @@ class _Sequence:
         self.failed = False  # a step of it failed: its pages may hold anything
         self.progress_at: dict[int, int] = {}  # prompt chunk's step id -> positions done once it is back
         self.prefill_rows: int | None = None  # rows a step of its first prefill took; a replay takes as many
+        speculation = handle.request.speculation
+        self.drafter = Drafter(speculation) if speculation is not None else None
+        self.proposal: list[int] = []  # what its next decode step proposes
 
     @property
     def n_generated(self) -> int:
@@ -190,6 +201,8 @@ class Engine:
         self._steps: dict[int, list[_Sequence]] = {}  # in-flight step id -> its sequences
         self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
+        self._sent_at: dict[int, tuple[float, int]] = {}  # decode step id -> (when sent, width)
+        self.step_costs = StepCosts()
         self.pages = PagePool(pipeline.kv_pages)
         self.counters = Counters()
         # a recurrent state cannot start past position 0, so such a model reuses no prefix
@@ -299,6 +312,9 @@ class Engine:
     def _on_result(self, result: StepResult) -> None:
         seqs = self._steps.pop(result.step_id, [])
         self._decoding.discard(result.step_id)
+        sent = self._sent_at.pop(result.step_id, None)
+        if sent is not None and result.error is None:
+            self.step_costs.add(sent[1], time.perf_counter() - sent[0])
         broken = self._recoverable and self.pipeline.broken
         for i, seq in enumerate(seqs):
             seq.in_flight -= 1
@@ -314,8 +330,8 @@ class Engine:
                     seq.interrupted = True  # replayed once the pipeline is back
                 elif not seq.finished:
                     self._finish(seq, "error", str(result.error))
-            elif result.sampled and result.sampled[i] is not None and not seq.finished:
-                self._accept(seq, result.sampled[i])
+            elif result.sampled and result.sampled[i] and not seq.finished:
+                self._accept(seq, result.sampled[i], sent is not None)
             if seq.finished and seq.in_flight == 0:
                 self._release(seq)
 
@@ -368,6 +384,8 @@ class Engine:
         ready = [s for s in decoding if s.in_flight == 0][: max(0, free) * -(-len(decoding) // stages)]
         if not ready or free <= 0:
             return
+        for seq in ready:
+            seq.proposal = self._propose(seq)
         ready = self._with_pages(ready)
         if not ready:
             return
@@ -375,12 +393,17 @@ class Engine:
         size = -(-len(ready) // groups)
         for i in range(0, len(ready), size):
             group = ready[i : i + size]
-            step = Step([self._decode_row(s, len(s.tokens) - 1) for s in group])
-            for row, s in enumerate(group):
-                s.decoded_in.append((step.id, row))
+            fed = self._feeds(group)
+            step = Step([self._decode_row(s, len(s.tokens) - 1, tokens) for s, tokens in zip(group, fed)])
+            for row, (s, tokens) in enumerate(zip(group, fed)):
+                s.fed.append((step.id, row, len(s.tokens) - 1, tokens))
             self._decoding.add(step.id)
+            self._sent_at[step.id] = (time.perf_counter(), step.width)
             self.counters.decode_steps += 1
             self.counters.decode_rows += len(group)
+            if step.width > 1:
+                self.counters.drafts += len(group)
+                self.counters.draft_tokens += len(group) * (step.width - 1)
             self._send(step, group)
 
     def _recover(self) -> bool:
@@ -414,13 +437,14 @@ class Engine:
             replaying.append(seq)
             self._prefill(seq)
         self._replay_decode(replaying)
-        event["replayed_tokens"] = sum(s.n_prompt + len(s.decoded_in) for s in replaying)
+        event["replayed_tokens"] = sum(s.n_prompt + sum(len(f[3]) for f in s.fed) for s in replaying)
         log.warning("replayed %d token(s) of %d sequence(s)", event["replayed_tokens"], len(replaying))
         return True
 
     def _replay_decode(self, seqs: list[_Sequence]) -> None:
         """Send again, in their first order, the decode steps that fed these sequences' generated
-        tokens, each with the rows it first had (less those of sequences finished since).
+        tokens, each with the rows it first had (less those of sequences finished since) and the
+        tokens they fed, proposals refused included.
 
         Not as a prefill, and not regrouped: a matrix product over several rows rounds differently
         from a one-row one, and a batch's attention spans its longest row, so a token recomputed
@@ -431,13 +455,14 @@ class Engine:
         The steps go out at once and follow each other around the ring as prefill chunks do: n
         tokens cost n one-token passes through each stage (slower than one prefill of them, but
         exact), not n round trips."""
-        steps: dict[int, list[tuple[int, _Sequence, int]]] = {}
+        steps: dict[int, list[tuple[int, _Sequence, int, list[int]]]] = {}
         for seq in seqs:
-            for i, (step_id, row) in enumerate(seq.decoded_in):
-                steps.setdefault(step_id, []).append((row, seq, seq.n_prompt + i))
+            for step_id, row, at, tokens in seq.fed:
+                steps.setdefault(step_id, []).append((row, seq, at, tokens))
         for step_id in sorted(steps):
             rows = sorted(steps[step_id], key=lambda r: r[0])
-            self._send(Step([self._decode_row(seq, at) for _, seq, at in rows]), [seq for _, seq, _ in rows])
+            step = Step([self._decode_row(seq, at, tokens) for _, seq, at, tokens in rows])
+            self._send(step, [seq for _, seq, _, _ in rows])
 
     def _restart(self, seq: _Sequence, tokens: list[int]) -> bool:
         """Give a sequence the pages for `tokens`, reusing those of a cached prefix; False, taking
@@ -462,8 +487,12 @@ class Engine:
         and nothing is in flight, the newest sequence gives its pages up and restarts later."""
         out = []
         for seq in ready:
-            short = pages_for(len(seq.tokens)) - len(seq.pages)
+            short = pages_for(len(seq.tokens) + len(seq.proposal)) - len(seq.pages)
             new = self.pages.allocate(short) if short > 0 else []
+            if new is None and seq.proposal:  # pages for its next position alone, then
+                seq.proposal = []
+                short = pages_for(len(seq.tokens)) - len(seq.pages)
+                new = self.pages.allocate(short) if short > 0 else []
             if new is not None:
                 seq.pages += new
                 out.append(seq)
@@ -531,16 +560,48 @@ class Engine:
         self.pages.computing(hashes, seq.pages[first : end // PAGE])
         return hashes
 
-    def _decode_row(self, seq: _Sequence, at: int) -> Row:
-        """The token at position `at`; it samples only if it is the last (a replay knows what follows)."""
+    def _propose(self, seq: _Sequence) -> list[int]:
+        """The tokens the sequence's next decode step proposes after its last: none for a
+        sequence without speculation, or for a pipeline whose recurrent state cannot take back
+        positions."""
+        drafter = seq.drafter
+        if drafter is None or self.pipeline.recurrent:
+            return []
+        room = min(
+            self.pipeline.ctx - len(seq.tokens),  # positions left
+            seq.request.max_tokens - seq.n_generated - 1,  # tokens wanted after the next
+        )
+        found = drafter.lookup(seq.tokens, min(seq.request.speculation.n_max, max(room, 0)))
+        return found[: drafter.length(len(found), self.step_costs, room)]
+
+    def _feeds(self, group: list[_Sequence]) -> list[list[int]]:
+        """What each row of a decode step feeds: its last token and its proposals, all rows as
+        wide as the widest. A row with fewer proposals takes more of what its lookup found, else
+        its last token again: anything may be proposed, and a proposal the model would have
+        drawn is kept like any other."""
+        width = max(1 + len(s.proposal) for s in group)
+        room = self.pipeline.ctx - max(len(s.tokens) for s in group) + 1
+        width = min([width, room] + [len(s.pages) * PAGE - len(s.tokens) + 1 for s in group])
+        fed = []
+        for seq in group:
+            tokens = [seq.tokens[-1], *seq.proposal[: width - 1]]
+            if len(tokens) < width and seq.drafter is not None:
+                tokens += seq.drafter.lookup(seq.tokens, width)[len(tokens) - 1 : width - 1]
+            fed.append(tokens + [seq.tokens[-1]] * (width - len(tokens)))
+        return fed
+
+    def _decode_row(self, seq: _Sequence, at: int, tokens: list[int]) -> Row:
+        """`tokens` from position `at`; they sample only if they follow the sequence's last token
+        (a replay knows what follows), checking all but the first as proposals."""
         last = at == len(seq.tokens) - 1
         row = Row(
             seq.slot,
             at,
-            [seq.tokens[at]],
+            tokens,
             seq.request.sampling if last else None,
             self._recent(seq) if last else [],
-            pages=seq.pages[: pages_for(at + 1)],
+            pages=seq.pages[: pages_for(at + len(tokens))],
+            n_draft=len(tokens) - 1,  # a replay's too: its step goes the way the first one went
         )
         if last and seq.request.grammar is not None:
             row.constraint = RowConstraint(seq.request.grammar.key, seq.n_generated)
@@ -561,7 +622,23 @@ class Engine:
         except PipelineError as e:
             self._on_result(StepResult(step.id, error=e))
 
-    def _accept(self, seq: _Sequence, sampled: Sampled) -> None:
+    def _accept(self, seq: _Sequence, sampled: list[Sampled], decoded: bool) -> None:
+        """What a step sampled for the sequence; `decoded`: a decode step, whose proposals (all
+        but the last token) it kept."""
+        if decoded:
+            proposed = seq.fed[-1][3][1:] if seq.fed else []
+            kept = len(sampled) - 1
+            seq.handle.stats.draft_n += len(proposed)
+            seq.handle.stats.draft_n_accepted += kept
+            self.counters.draft_accepted += kept
+            if seq.drafter is not None and proposed:
+                seq.drafter.checked(len(proposed), kept)
+        for one in sampled:
+            if seq.finished:
+                return
+            self._accept_one(seq, one)
+
+    def _accept_one(self, seq: _Sequence, sampled: Sampled) -> None:
         handle, token = seq.handle, sampled.token
         stats = handle.stats
         if seq.n_generated == 0:

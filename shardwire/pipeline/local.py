@@ -2,9 +2,14 @@
 
 A Step is one forward pass over the whole pipeline for a batch of rows; a row is T new tokens
 of one sequence (its slot, the position of its first new token, the KV pages its positions
-live in: pages.py). Rows that carry
-sampling parameters come back with a sampled token; the others (all but the last chunk of a
-long prompt) only fill the cache.
+live in: pages.py). Rows that carry sampling parameters come back with what they sampled; the
+others (all but the last chunk of a long prompt, replays) only fill the cache.
+
+A row may end with proposed tokens (speculative decoding: engine/drafting.py): the sampling
+stage samples each of the row's last positions in turn and stops at the first token that is not
+the proposal after it, so a row comes back with the proposals it kept and one token more. Each
+draw depends only on its logits and (seed, position), so the tokens are the ones decoding one
+at a time would have drawn.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ class Row:
     recent: list[int] = field(default_factory=list)  # for repetition penalties
     constraint: RowConstraint | None = None  # a grammar's matcher to follow (see constrain.py)
     pages: list[int] = field(default_factory=list)  # its KV page table, up to its last new position
+    n_draft: int = 0  # the last n_draft tokens are proposals for the sampler to check
+
+    @property
+    def draft(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.n_draft :]
 
 
 @dataclass
@@ -49,7 +59,7 @@ class Step:
 @dataclass
 class StepResult:
     step_id: int
-    sampled: list[Sampled | None] = field(default_factory=list)
+    sampled: list[list[Sampled]] = field(default_factory=list)  # per row, in order; [] for a cache-only row
     error: "PipelineError | None" = None
 
 
@@ -100,9 +110,10 @@ class Recoverable(Pipeline, Protocol):
     def recover(self) -> dict: ...
 
 
-def sample_rows(logits: torch.Tensor, rows: list[Row], matchers: Matchers | None = None) -> list[Sampled | None]:
-    """Sample each row that asks for it from last-position logits [B, 1, vocab]; rows with a
-    constraint follow their slot's matcher in `matchers`."""
+def sample_rows(logits: torch.Tensor, rows: list[Row], matchers: Matchers | None = None) -> list[list[Sampled]]:
+    """What each row that asks for it samples from its logits [B, T, vocab] (T: 1, or the step's
+    width where a row carries proposals): the token after its last position, or after each
+    proposal it keeps. Rows with a constraint follow their slot's matcher in `matchers`."""
     for row in rows:
         if row.constraint is not None:
             if matchers is None:
@@ -116,26 +127,41 @@ def sample_rows(logits: torch.Tensor, rows: list[Row], matchers: Matchers | None
         for r in rows
     ):
         if logits.device.type == "cpu" and logits.dtype == torch.float32:  # NumPy's: no PyTorch call (see StageGraph)
-            best = logits.numpy()[:, -1].argmax(axis=-1)
+            best = logits.numpy().argmax(axis=-1)
         else:
-            best = logits[:, -1].argmax(dim=-1).cpu()
-        return [Sampled(int(t)) for t in best]  # one argmax for the batch
+            best = logits.argmax(dim=-1).cpu().numpy()
+        last = best.shape[1] - 1  # one argmax for the batch
+        return [[Sampled(int(t)) for t in _kept(best[i, last - r.n_draft :], r.draft)] for i, r in enumerate(rows)]
     if logits.device.type != "cpu":
         logits = logits.float().cpu()
-    out: list[Sampled | None] = []
+    out: list[list[Sampled]] = []
     for i, row in enumerate(rows):
-        if row.sampling is None:
-            out.append(None)
-        else:
-            position = row.start + len(row.tokens)
-            allowed = None
-            if row.constraint is not None:
-                allowed = matchers.allowed(row.slot, logits.shape[-1])
-            sampled = sample(logits[i, -1], row.sampling, position, row.recent, allowed)
-            if row.constraint is not None:
-                matchers.consume(row.slot, sampled.token)
-            out.append(sampled)
+        drawn: list[Sampled] = []
+        if row.sampling is not None:
+            first = logits.shape[1] - 1 - row.n_draft
+            draft, n = row.draft, row.sampling.repeat_last_n
+            for j in range(row.n_draft + 1):
+                allowed = None
+                if row.constraint is not None:
+                    allowed = matchers.allowed(row.slot, logits.shape[-1])
+                recent = (row.recent + draft[:j])[-n:] if j and n else row.recent
+                position = row.start + len(row.tokens) - row.n_draft + j
+                sampled = sample(logits[i, first + j], row.sampling, position, recent, allowed)
+                if row.constraint is not None:
+                    matchers.consume(row.slot, sampled.token)
+                drawn.append(sampled)
+                if j == row.n_draft or sampled.token != draft[j]:
+                    break
+        out.append(drawn)
     return out
+
+
+def _kept(best, draft: list[int]) -> list[int]:
+    """Greedy picks at a row's last positions, up to the first that is not the proposal after it."""
+    for j, token in enumerate(draft):
+        if best[j] != token:
+            return best[: j + 1]
+    return best
 
 
 class LocalPipeline:
@@ -163,9 +189,10 @@ class LocalPipeline:
         starts = [r.start for r in step.rows]
         pages = [r.pages for r in step.rows]
         x = [r.tokens for r in step.rows]
+        proposing = any(r.n_draft for r in step.rows)  # the logits of every position are sampled
         try:
             for stage in self.stages:
-                x = stage(x, slots, starts, pages=pages)
+                x = stage(x, slots, starts, all_logits=proposing, pages=pages)
             result = StepResult(step.id, sample_rows(x, step.rows, self.matchers))
         except (ValueError, RuntimeError) as e:
             result = StepResult(step.id, error=PipelineError(str(e)))

@@ -277,6 +277,9 @@ def timings(stats, progress: PromptProgress | None = None) -> dict:
         cached, n_prompt = stats.cached_tokens, stats.prompt_tokens - stats.cached_tokens
         n_predicted = stats.completion_tokens
     steps = max(0, n_predicted - 1)
+    drafted = {}
+    if progress is None and stats.draft_n:
+        drafted = {"draft_n": stats.draft_n, "draft_n_accepted": stats.draft_n_accepted}
     return {
         "cache_n": cached,
         "prompt_n": n_prompt,
@@ -287,6 +290,7 @@ def timings(stats, progress: PromptProgress | None = None) -> dict:
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / steps if steps and predicted_ms else 0.0,
         "predicted_per_second": steps / predicted_ms * 1000 if steps and predicted_ms else 0.0,
+        **drafted,  # as llama-server: only where its steps proposed tokens
     }
 
 

@@ -87,8 +87,9 @@ def _engine_families(engine):
         "Average number of sequences per decode step.",
         _ratio(done.decode_rows, done.decode_steps),
     )
-    for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_drafts"):
-        yield _counter(f"llamacpp:{name}", "Speculative decoding (shardwire does not draft).", 0)
+    yield _counter("llamacpp:spec_decode_num_drafts", "Decode rows that carried proposed tokens.", done.drafts)
+    yield _counter("llamacpp:spec_decode_num_draft_tokens", "Proposed tokens decode steps checked.", done.draft_tokens)
+    yield _counter("llamacpp:spec_decode_num_accepted_tokens", "Proposed tokens kept.", done.draft_accepted)
     yield _gauge("llamacpp:requests_processing", "Number of requests processing.", slots["busy"])
     yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", slots["waiting"])
     yield _gauge("shardwire:slots", "Sequence slots (--parallel).", slots["total"])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from .. import __version__
 from ..constrain import ConstraintError, Grammar, vocabulary_of
 from ..engine import Event, Request
+from ..engine.drafting import MIN_NGRAM, Speculation
 from ..sampling import MAX_LOGIT_BIAS, SamplingParams
 from .harmony import splitter
 from .reasoning import close_thinking, opens_thinking, tags_of
@@ -202,6 +203,24 @@ def _sampling(body: dict, logprobs: int | None, tokenizer=None) -> SamplingParam
     )
 
 
+SPEC_TYPES = ("none", "ngram-simple")  # llama-server's names of the kinds shardwire has
+
+
+def _speculation(body: dict) -> Speculation | None:
+    """llama-server's speculative.* fields: how a request's decode steps propose tokens, or None."""
+    kind = body.get("speculative.type", "none")
+    if kind not in SPEC_TYPES:
+        kinds = ", ".join(SPEC_TYPES)
+        raise bad_request(f"'speculative.type' must be one of {kinds}, got {kind!r}", "speculative.type")
+    if kind == "none":
+        return None
+    default = Speculation()
+    n_max = _number(body, "speculative.n_max", default.n_max, 0, 64, integer=True)
+    n_min = _number(body, "speculative.n_min", default.n_min, 0, n_max, integer=True)
+    ngram = _number(body, "speculative.ngram_size_n", default.ngram, MIN_NGRAM, 64, integer=True)
+    return Speculation(n_max, n_min, ngram)
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -238,6 +257,7 @@ class Job:
     reasoning: tuple[str, str] | None = None  # chat: the tags the reasoning comes between, read apart
     thinking: bool = False  # the prompt leaves the reply inside a reasoning block
     kept_tokens: frozenset[int] = frozenset()  # special tokens shown as text: the marks parsed out
+    speculation: Speculation | None = None  # llama-server's speculative.* fields
     id: str = ""
     created: int = 0
 
@@ -281,6 +301,7 @@ class Job:
                         cache_prompt=self.cache_prompt,
                         report_progress=self.stream and self.return_progress,
                         kept_tokens=self.kept_tokens,
+                        speculation=self.speculation,
                     )
                 )
         return out
@@ -323,6 +344,7 @@ def _common(
         _bool(body, "cache_prompt", True),
         _bool(body, "verbose"),
         return_progress=_bool(body, "return_progress"),
+        speculation=_speculation(body),
     )
 
 

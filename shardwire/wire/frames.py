@@ -26,8 +26,9 @@ MAGIC = b"SHWR"
 # 2: DEVICES reports kernels, ASSIGN carries prefill_chunk; 3: ASSIGN stages carry -ot overrides;
 # 4: VOCAB, and FORWARD rows may carry grammar constraints; 5: FORWARD rows carry their KV page
 # tables; 6: DEVICES names each device's kernels (compute), ASSIGN's model config carries the
-# fields of the families' registry (sliding window, local RoPE, query and embedding scales, logit cap)
-PROTOCOL_VERSION = 6
+# fields of the families' registry (sliding window, local RoPE, query and embedding scales, logit cap);
+# 7: FORWARD rows may carry proposed tokens, RESULT gives each row a list of sampled tokens
+PROTOCOL_VERSION = 7
 _FIXED = struct.Struct("<4sHHHHQIQ")
 FIXED_SIZE = _FIXED.size
 

@@ -576,6 +576,9 @@ class Forward(Message):
     dtype: str  # payload: "int32" token ids, or hidden states
     shape: list[int]  # [rows, tokens per row] for ids, [rows, tokens per row, dim] for hidden
     constraints: list[dict | None] | None = None  # per row, a RowConstraint's dict; None: no row has one
+    # per row, the proposed tokens its last positions carry, for the sampling stage to check
+    # (pipeline.Row.n_draft); None: no row has any
+    drafts: list[list[int]] | None = None
 
     @classmethod
     def parse(cls, h: dict) -> "Forward":
@@ -626,24 +629,28 @@ class Forward(Message):
             raise FrameError(f"{what}: shape {shape} has more than {MAX_ELEMENTS} elements")
         if (dtype == "int32") != (len(shape) == 2):
             raise FrameError(f"{what}: token ids are [rows, n] int32; hidden states are [rows, n, dim]")
-        constraints = h.get("constraints")
-        if constraints is not None:
-            constraints = _list(h, "constraints", what, MAX_ROWS)
-            if len(constraints) != len(parsed):
-                raise FrameError(f"{what}: constraints must have one entry per row")
-            for c in constraints:
-                try:
-                    c is None or RowConstraint.from_dict(c)
-                except ValueError as e:
-                    raise FrameError(f"{what}: {e}") from None
-        return cls(
-            _str(h, "plan", what, 64), _int(h, "step", what), parsed, pages, sampling, recent, dtype, shape, constraints
-        )
+        constraints = _per_row(h, "constraints", what, len(parsed))
+        for c in constraints or []:
+            try:
+                c is None or RowConstraint.from_dict(c)
+            except ValueError as e:
+                raise FrameError(f"{what}: {e}") from None
+        drafts = _per_row(h, "drafts", what, len(parsed))
+        if drafts is not None:
+            for draft in drafts:
+                if (
+                    not isinstance(draft, list)
+                    or len(draft) >= n
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_VOCAB for x in draft)
+                ):
+                    raise FrameError(f"{what}: a row's drafts must be token ids, fewer than its {n} tokens")
+        fields = (_str(h, "plan", what, 64), _int(h, "step", what), parsed, pages, sampling, recent, dtype, shape)
+        return cls(*fields, constraints, drafts)
 
     @classmethod
     def of_rows(cls, plan: str, step: int, rows) -> "Forward":
-        """The first stage's FORWARD for rows with .slot, .start, .tokens, .pages, .sampling, .recent
-        and .constraint."""
+        """The first stage's FORWARD for rows with .slot, .start, .tokens, .pages, .sampling, .recent,
+        .constraint, .n_draft and .draft."""
         constraints = [r.constraint.to_dict() if r.constraint is not None else None for r in rows]
         return cls(
             plan,
@@ -655,6 +662,7 @@ class Forward(Message):
             "int32",
             [len(rows), len(rows[0].tokens)],
             constraints if any(c is not None for c in constraints) else None,
+            [list(r.draft) for r in rows] if any(r.n_draft for r in rows) else None,
         )
 
     def row_constraints(self) -> list[RowConstraint | None]:
@@ -664,7 +672,7 @@ class Forward(Message):
         """The same step, carrying hidden states of `dtype` and `shape` to the next stage."""
         # not dataclasses.replace, which takes about twice as long: this runs on every hop of every step
         fields = (self.plan, self.step, self.rows, self.pages, self.sampling, self.recent)
-        return Forward(*fields, dtype, list(shape), self.constraints)
+        return Forward(*fields, dtype, list(shape), self.constraints, self.drafts)
 
     def payload_nbytes(self) -> int:
         return PAYLOAD_DTYPES[self.dtype] * math.prod(self.shape)
@@ -682,7 +690,19 @@ class Forward(Message):
         }
         if self.constraints is not None:
             out["constraints"] = self.constraints
+        if self.drafts is not None:
+            out["drafts"] = self.drafts
         return out
+
+
+def _per_row(h: dict, name: str, what: str, rows: int) -> list | None:
+    """An optional field with one entry per row."""
+    if h.get(name) is None:
+        return None
+    value = _list(h, name, what, MAX_ROWS)
+    if len(value) != rows:
+        raise FrameError(f"{what}: {name} must have one entry per row")
+    return value
 
 
 @message(MessageType.VOCAB)
@@ -709,45 +729,51 @@ class Vocab(Message):
 @dataclass
 class Result(Message):
     step: int
-    tokens: list[int | None]
-    logprobs: list[list | None]  # per row: [chosen logprob, [[id, logprob], ...]] or None
+    tokens: list[list[int]]  # per row, what it sampled in order; [] for a row that only filled the cache
+    logprobs: list[list | None]  # per row: None, or per token [chosen logprob, [[id, logprob], ...]]
 
     @classmethod
     def parse(cls, h: dict) -> "Result":
         tokens = _list(h, "tokens", "RESULT", MAX_ROWS)
         logprobs = _list(h, "logprobs", "RESULT", MAX_ROWS)
-        if not all(t is None or (isinstance(t, int) and not isinstance(t, bool) and t >= 0) for t in tokens) or len(
-            logprobs
-        ) != len(tokens):
+        if len(logprobs) != len(tokens) or not all(
+            isinstance(row, list)
+            and len(row) <= MAX_TOKENS_PER_STEP
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in row)
+            for row in tokens
+        ):
             raise FrameError("RESULT: bad tokens")
-        for lp in logprobs:
-            if lp is not None and not (
-                isinstance(lp, list)
-                and len(lp) == 2
-                and isinstance(lp[0], (int, float))
-                and isinstance(lp[1], list)
-                and all(isinstance(t, list) and len(t) == 2 for t in lp[1])
-            ):
+        for row, lps in zip(tokens, logprobs):
+            if lps is not None and not (isinstance(lps, list) and len(lps) == len(row) and all(map(_logprob, lps))):
                 raise FrameError("RESULT: bad logprobs")
         return cls(_int(h, "step", "RESULT"), tokens, logprobs)
 
     @classmethod
-    def of_sampled(cls, step: int, sampled: list[Sampled | None]) -> "Result":
+    def of_sampled(cls, step: int, sampled: list[list[Sampled]]) -> "Result":
         return cls(
             step,
-            [s.token if s is not None else None for s in sampled],
+            [[s.token for s in row] for row in sampled],
             [
-                [s.logprob, [list(t) for t in s.top]] if s is not None and s.logprob is not None else None
-                for s in sampled
+                [[s.logprob, [list(t) for t in s.top]] for s in row] if row and row[0].logprob is not None else None
+                for row in sampled
             ],
         )
 
-    def sampled(self) -> list[Sampled | None]:
+    def sampled(self) -> list[list[Sampled]]:
         return [
-            None
-            if token is None
-            else Sampled(token)
-            if lp is None
-            else Sampled(token, lp[0], [tuple(t) for t in lp[1]])
-            for token, lp in zip(self.tokens, self.logprobs)
+            [Sampled(t) for t in row]
+            if lps is None
+            else [Sampled(t, lp[0], [tuple(x) for x in lp[1]]) for t, lp in zip(row, lps)]
+            for row, lps in zip(self.tokens, self.logprobs)
         ]
+
+
+def _logprob(lp) -> bool:
+    """Whether lp is [chosen logprob, [[id, logprob], ...]]."""
+    return (
+        isinstance(lp, list)
+        and len(lp) == 2
+        and isinstance(lp[0], (int, float))
+        and isinstance(lp[1], list)
+        and all(isinstance(t, list) and len(t) == 2 for t in lp[1])
+    )

@@ -164,7 +164,8 @@ class Ring:
         """Stage `index` on a step, its output handed on; a failure is reported, never raised."""
         runner = self.runners[index]
         try:
-            out = runner.stage(x, [r[0] for r in msg.rows], [r[1] for r in msg.rows], pages=msg.pages)
+            slots, starts = [r[0] for r in msg.rows], [r[1] for r in msg.rows]
+            out = runner.stage(x, slots, starts, all_logits=msg.drafts is not None, pages=msg.pages)
             if index + 1 < len(self.runners):
                 self.runners[index + 1].queue.put((msg, out, rows))
             elif self.next_conn is not None:
@@ -262,7 +263,18 @@ def rest(conn: Connection, spin: float = SPIN_S) -> None:
 
 def _rows_to_sample(msg: Forward) -> list[Row]:
     """The step's rows as the sampler takes them (ValueError or TypeError for bad parameters)."""
+    drafts = msg.drafts or [[]] * len(msg.rows)
     return [
-        Row(slot, start, [0] * n, SamplingParams.from_dict(s) if s is not None else None, recent, constraint)
-        for (slot, start, n), s, recent, constraint in zip(msg.rows, msg.sampling, msg.recent, msg.row_constraints())
+        Row(
+            slot,
+            start,
+            [0] * (n - len(draft)) + draft,
+            SamplingParams.from_dict(s) if s is not None else None,
+            recent,
+            constraint,
+            n_draft=len(draft),
+        )
+        for (slot, start, n), s, recent, constraint, draft in zip(
+            msg.rows, msg.sampling, msg.recent, msg.row_constraints(), drafts
+        )
     ]

@@ -61,7 +61,7 @@ class LargeActivations:
 
     cache = None
 
-    def __call__(self, x, slots, starts, pages=None):
+    def __call__(self, x, slots, starts, all_logits=False, pages=None):
         return torch.zeros(1, 1, 4 << 20)
 
 
@@ -73,7 +73,7 @@ class Hidden:
     def __init__(self, made: torch.dtype):
         self.made = made
 
-    def __call__(self, x, slots, starts, pages=None):
+    def __call__(self, x, slots, starts, all_logits=False, pages=None):
         return torch.arange(4 * len(slots), dtype=torch.float32).reshape(len(slots), 1, 4).to(self.made)
 
 
@@ -105,7 +105,7 @@ class Slow(Hidden):
         super().__init__(torch.float32)
         self.seconds, self.ran = seconds, []
 
-    def __call__(self, x, slots, starts, pages=None):
+    def __call__(self, x, slots, starts, all_logits=False, pages=None):
         if len(x[0]) > 1:
             time.sleep(self.seconds)
         self.ran.append((threading.get_ident(), len(x[0])))

@@ -15,6 +15,7 @@ import pytest
 
 from shardwire.backends import IDLE_S
 from shardwire.engine import Engine, Request
+from shardwire.engine.drafting import Speculation
 from shardwire.kvcache import pool_pages
 from shardwire.pipeline import PipelineError, Step, StepResult
 from shardwire.sampling import GREEDY, Sampled, SamplingParams
@@ -108,7 +109,13 @@ class FakePipeline:
                 return StepResult(step.id, error=PipelineError(self.problems[-1]))
             del cache[row.start :]
             cache.extend(row.tokens)
-            sampled.append(Sampled(self.rule(cache)) if row.sampling is not None else None)
+            drawn = []
+            first = len(cache) - 1 - row.n_draft  # the position of the first token sampled after
+            for j in range(row.n_draft + 1 if row.sampling is not None else 0):
+                drawn.append(Sampled(self.rule(cache[: first + j + 1])))
+                if j == row.n_draft or drawn[-1].token != cache[first + j + 1]:
+                    break
+            sampled.append(drawn)
         return StepResult(step.id, sampled)
 
     # -- test controls -------------------------------------------------------------------
@@ -926,3 +933,76 @@ def test_a_stop_string_across_tokens_is_held_back_and_cut():
         assert other.finish_reason == "length"
     finally:
         engine.close()
+
+
+# -- speculative decoding --------------------------------------------------------------------------
+
+# ends as it starts: with the 3 plus_one adds, lookup proposes 4 ... 8, 1, 2, 3
+COUNTING = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+
+
+def test_proposals_from_the_context_are_checked_in_one_step_and_give_the_tokens_of_plain_decoding(make_engine):
+    """plus_one continues 1, 2 with 3 ... 8, 9: the first decode step proposes what followed 1, 2, 3
+    at the start, keeps 4 ... 8 and draws 9 where the context had 1."""
+    pipe = FakePipeline(ctx=128)
+    engine = make_engine(pipe)
+    handle = engine.submit(req(COUNTING, 12, speculation=Speculation(n_max=8)))
+    assert finished(handle)[-1].finish_reason == "length"
+    assert handle.tokens == expected(COUNTING, 12)
+    first = pipe.steps[1].rows[0]
+    assert (first.start, first.tokens, first.n_draft) == (10, [3, 4, 5, 6, 7, 8, 1, 2, 3], 8)
+    assert handle.stats.draft_n_accepted >= 5 and engine.counters.draft_accepted == handle.stats.draft_n_accepted
+    assert engine.counters.decode_steps < 12 - 1
+    assert pipe.problems == []
+
+
+def test_proposals_stop_at_max_tokens_and_at_the_context(make_engine):
+    pipe = FakePipeline(ctx=16)
+    engine = make_engine(pipe)
+    short = engine.submit(req(COUNTING, 3, speculation=Speculation(n_max=8)))
+    assert finished(short)[-1].finish_reason == "length"
+    assert short.tokens == expected(COUNTING, 3)
+    assert all(len(r.tokens) <= 2 for s in pipe.steps[1:] for r in s.rows)  # two more wanted after the first
+    long = engine.submit(req(COUNTING, 20, speculation=Speculation(n_max=8)))
+    assert finished(long)[-1].finish_reason == "length"
+    assert long.tokens == expected(COUNTING, 6)  # the context holds 16 positions
+    assert all(r.start + len(r.tokens) <= 16 for s in pipe.steps for r in s.rows)
+    assert pipe.problems == []
+
+
+def test_a_step_carries_speculating_and_plain_sequences_as_wide_as_its_widest_row(make_engine):
+    pipe = FakePipeline(n_slots=2, ctx=128, hold=True)
+    engine = make_engine(pipe)
+    spec = engine.submit(req(COUNTING, 10, speculation=Speculation(n_max=4)))
+    plain = engine.submit(req([40, 41], 10))
+    pipe.wait_pending(2)
+    pipe.answer_all()  # the prompts
+    step = pipe.wait_pending(1)[0]
+    assert [len(r.tokens) for r in step.rows] == [5, 5]
+    assert [r.n_draft for r in step.rows] == [4, 4]
+    assert step.rows[1].tokens[0] == 42  # its next token, then filler: its last token again
+    pipe.drive([spec, plain])
+    assert spec.tokens == expected(COUNTING, 10) and plain.tokens == expected([40, 41], 10)
+    assert pipe.problems == []
+
+
+def test_a_replay_sends_the_speculative_steps_again_with_the_tokens_they_fed(make_engine):
+    """The cache a replay rebuilds is the one the steps wrote: the same rows, proposals refused
+    included, and the step in flight samples (and checks its proposals) again."""
+    pipe = RecoverablePipeline(n_slots=1, ctx=128, n_stages=1, hold=True)
+    engine = make_engine(pipe, prefill_chunk=16)
+    handle = engine.submit(req(COUNTING, 14, speculation=Speculation(n_max=8)))
+    for _ in range(3):  # the prompt and two decode steps
+        pipe.wait_pending(1)
+        pipe.answer_all()
+    in_flight = pipe.wait_pending(1)
+    n_before = len(pipe.steps)
+    pipe.break_()
+    pipe.answer(in_flight[0], error=PipelineError("worker w1 is gone", worker="w1"))
+    replay = pipe.wait_steps(2 * n_before)[n_before:]
+    assert [shape(s) for s in replay] == [shape(s) for s in pipe.steps[:n_before]]
+    assert [[r.n_draft for r in s.rows] for s in replay] == [[r.n_draft for r in s.rows] for s in pipe.steps[:n_before]]
+    assert [r.sampling is not None for s in replay for r in s.rows] == [False] * (n_before - 1) + [True]
+    pipe.drive([handle])
+    assert handle.tokens == expected(COUNTING, 14)
+    assert pipe.problems == []

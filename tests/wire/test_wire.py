@@ -289,7 +289,7 @@ EXAMPLES = [
         "float32",
         [2, 4, 16],
     ),
-    Result(7, [None, 42], [None, [-0.5, [[42, -0.5], [7, -1.25]]]]),
+    Result(7, [[], [42], [3, 9]], [None, [[-0.5, [[42, -0.5], [7, -1.25]]]], None]),
     Forward(
         "plan1",
         8,
@@ -301,6 +301,7 @@ EXAMPLES = [
         [2, 1],
         [{"key": "c" * 64, "consumed": 2, "grammar": '{"grammars": []}', "tokens": [5, 6]}, None],
     ),
+    Forward("plan1", 9, [(0, 6, 3)], [[3]], [{"temperature": 0.0}], [[]], "int32", [1, 3], None, [[7, 8]]),
     Vocab("plan1", 3, [2]),
 ]
 
@@ -324,8 +325,29 @@ def test_messages_round_trip_through_a_frame(message):
 
 
 def test_result_carries_sampled_tokens_both_ways():
-    sampled = [None, Sampled(42), Sampled(9, -0.25, [(9, -0.25), (3, -2.0)])]
+    sampled = [[], [Sampled(42)], [Sampled(9, -0.25, [(9, -0.25), (3, -2.0)]), Sampled(4, -0.5, [(4, -0.5)])]]
     assert Result.of_sampled(3, sampled).sampled() == sampled
+
+
+@pytest.mark.parametrize(
+    "drafts",
+    [[[1, 2, 3]], [[1], [2]], [[-1, 2]], [[1.5]], [["a"]], [[True]], "no"],
+    ids=["as-many-as-tokens", "more-rows", "negative", "float", "text", "bool", "not-a-list"],
+)
+def test_a_forward_with_bad_drafts_is_refused(drafts):
+    good = Forward("plan1", 9, [(0, 6, 3)], [[3]], [None], [[]], "int32", [1, 3], None, [[7, 8]]).to_wire()
+    with pytest.raises(FrameError, match="drafts"):
+        Forward.parse({**good, "drafts": drafts})
+
+
+@pytest.mark.parametrize(
+    "tokens, logprobs",
+    [([[1, 2]], [[[-0.5, []]]]), ([[1, -2]], [None]), ([5], [None]), ([[1]], [[[-0.5]]])],
+    ids=["fewer-logprobs", "negative", "not-a-list", "short-logprob"],
+)
+def test_a_bad_result_is_refused(tokens, logprobs):
+    with pytest.raises(FrameError, match="RESULT"):
+        Result.parse({"step": 1, "tokens": tokens, "logprobs": logprobs})
 
 
 # -- the handshake -----------------------------------------------------------------------
@@ -480,7 +502,7 @@ def test_a_closed_connection_is_readable_so_that_recv_reports_it():
 def test_message_numbers_and_the_protocol_version_are_pinned():
     """Both sides of a link agree on these numbers: changing one is a new PROTOCOL_VERSION, with a
     line of its history in frames.py."""
-    assert PROTOCOL_VERSION == 6
+    assert PROTOCOL_VERSION == 7
     assert {m.name: m.value for m in MessageType} == {
         "HELLO": 1,
         "CHALLENGE": 2,

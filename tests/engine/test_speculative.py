@@ -1,0 +1,202 @@
+"""Speculative decoding on a real model: a tiny Llama taught to answer its prompt with a passage
+of that prompt, so that prompt lookup's proposals are what it writes. With and without
+speculation, in one process and over two worker processes, the tokens are the same, greedy and
+seeded; with it, fewer steps carry them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shardwire.coordinator import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.engine.drafting import Drafter, Speculation, StepCosts
+from shardwire.formats import open_model
+from shardwire.pipeline import LocalPipeline
+from shardwire.pipeline.loading import load_stage
+from shardwire.sampling import GREEDY, SamplingParams
+
+from workers import WorkerProcess
+
+pytest.importorskip("transformers")
+
+PROMPT = random.Random(7).sample(range(300, 20000), 40)
+REPLY = PROMPT[12:30]  # a passage of the prompt
+SEEDED = SamplingParams(temperature=0.9, seed=11)
+
+
+# -- proposals and their length ---------------------------------------------------------------------
+
+
+def test_lookup_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram():
+    drafter = Drafter(Speculation(ngram=3))
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert drafter.lookup(tokens, 4) == [7, 8, 5, 2]  # 2, 3 last seen at 5, 6 (3 at 2 and 6 alike)
+    assert drafter.lookup(tokens + [7], 2) == [8, 5]  # 2, 3, 7: the trigram
+    assert drafter.lookup([4, 5, 6], 3) == []
+    assert drafter.lookup(tokens + [6, 6], 3) == []  # 6, 6 never came before (and single tokens are not looked up)
+
+
+def test_step_costs_between_and_past_the_widths_measured():
+    costs = StepCosts()
+    assert costs.of(1) is None
+    for width, seconds in [(1, 1.0), (1, 1.0), (5, 3.0), (5, 3.0)]:  # each width's first step is not counted
+        costs.add(width, seconds)
+    assert costs.of(1) == 1.0 and costs.of(5) == 3.0
+    assert costs.of(3) == pytest.approx(2.0)
+    assert costs.of(9) == pytest.approx(5.0)  # on the line through the two widest
+
+
+def test_the_length_pays_for_its_step_and_falls_to_none_where_proposals_are_refused():
+    costs = StepCosts()
+    drafter = Drafter(Speculation(n_max=8))
+    assert drafter.length(6, costs, room=100) == 6  # nothing measured: the step measures
+    for width, seconds in [(1, 1.0), (1, 1.0), (9, 1.2), (9, 1.2)]:  # wide steps cost little (a slow link)
+        costs.add(width, seconds)
+    assert 1 <= drafter.length(6, costs, room=100) < 6  # at a rate of one half (before any is checked)
+    for _ in range(10):
+        drafter.checked(6, 6)
+    assert drafter.length(6, costs, room=100) == 6
+    assert drafter.length(6, costs, room=3) == 3
+    for _ in range(200):
+        drafter.checked(6, 0)
+    assert drafter.length(6, costs, room=100) <= 1
+    dear = StepCosts()
+    for width, seconds in [(1, 1.0), (1, 1.0), (2, 2.0), (2, 2.0)]:  # a proposal costs a whole step
+        dear.add(width, seconds)
+    assert [Drafter(Speculation()).length(4, dear, room=100) for _ in range(40)] == [0] * 40  # and is never probed
+
+
+# -- a real model ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    from shardwire_kit.convert import teach, tiny_hf_model
+
+    config = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    folder = tiny_hf_model(tmp_path_factory.mktemp("copier") / "hf", "LlamaConfig", "LlamaForCausalLM", config)
+    return teach(folder, PROMPT, REPLY)
+
+
+def generate(pipeline, sampling, speculation=None, n=len(REPLY) + 6):
+    engine = Engine(pipeline)
+    try:
+        handle = engine.submit(Request(PROMPT, sampling, max_tokens=n, ignore_eos=True, speculation=speculation))
+        handle.result()
+        assert handle.error is None, handle.error
+        return handle.tokens, handle.stats, engine.counters.decode_steps
+    finally:
+        engine.close()
+
+
+def one_process(folder):
+    model = open_model(folder)
+    return LocalPipeline([load_stage(model, 0, model.config.n_layers)], n_slots=1, ctx=128)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_in_one_process_speculation_gives_the_same_tokens_in_fewer_steps(copier, sampling):
+    plain, _, plain_steps = generate(one_process(copier), sampling)
+    assert plain[: len(REPLY)] == REPLY or sampling is SEEDED
+    tokens, stats, steps = generate(one_process(copier), sampling, Speculation(n_max=8))
+    assert tokens == plain
+    assert stats.draft_n_accepted >= len(REPLY) // 2, (stats.draft_n, stats.draft_n_accepted)
+    assert steps < plain_steps - len(REPLY) // 2
+
+
+def test_over_two_workers_speculation_gives_the_tokens_of_one_process(copier, tmp_path):
+    reference, _, _ = generate(one_process(copier), GREEDY)
+    workers = [WorkerProcess(tmp_path / f"cache{i}").start() for i in range(2)]
+    try:
+        cluster = Cluster([w.address for w in workers], cache_dir=tmp_path / "coordinator", show_progress=False)
+        try:
+            cluster.connect(open_model(copier))
+            pipeline = cluster.load(cluster.make_plan(tensor_split=[1, 1], ctx=128, dtype="float32"))
+            for sampling in (GREEDY, SEEDED):
+                tokens, stats, _ = generate(pipeline, sampling, Speculation(n_max=8))
+                plain, _, _ = generate(pipeline, sampling)
+                assert tokens == plain
+                assert stats.draft_n_accepted >= len(REPLY) // 2
+            assert plain == reference or sampling is SEEDED
+        finally:
+            cluster.close()
+    finally:
+        for w in workers:
+            w.stop()
+
+
+async def _post(http, url: str, body: dict) -> tuple[int, dict]:
+    async with http.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_timings(copier):
+    """/completion's speculative.* fields; timings carry draft_n and draft_n_accepted, as
+    llama-server's do; a bad field is a 400 naming it."""
+    import asyncio
+
+    from aiohttp import ClientSession
+
+    from shardwire.tokenizer import load_tokenizer
+
+    from served import served
+
+    model = open_model(copier)
+
+    async def run():
+        stage = load_stage(model, 0, model.config.n_layers)
+        async with served(stage, load_tokenizer(model), ctx=128) as base, ClientSession() as http:
+            asked = {"prompt": PROMPT, "n_predict": len(REPLY), "temperature": 0}
+            status, plain = await _post(http, f"{base}/completion", asked)
+            assert status == 200 and "draft_n" not in plain["timings"]
+            fields = {"speculative.type": "ngram-simple", "speculative.n_max": 6}
+            status, spec = await _post(http, f"{base}/completion", {**asked, **fields})
+            assert status == 200 and spec["content"] == plain["content"]
+            assert spec["timings"]["draft_n"] >= spec["timings"]["draft_n_accepted"] >= len(REPLY) // 2
+            status, chat = await _post(
+                http, f"{base}/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **fields}
+            )
+            assert status == 200 and chat["choices"][0]["text"] == plain["content"][: len(chat["choices"][0]["text"])]
+            for bad in (
+                {"speculative.type": "eagle"},
+                {**fields, "speculative.n_max": -1},
+                {**fields, "speculative.ngram_size_n": 1},
+            ):
+                status, error = await _post(http, f"{base}/completion", {**asked, **bad})
+                assert status == 400 and "speculative" in error["error"]["message"], error
+
+    asyncio.run(run())
+
+
+def test_generate_and_serve_take_llama_servers_speculative_flags():
+    from shardwire.cli.generate import speculation_from_args
+    from shardwire.cli.main import build_parser
+    from shardwire.cli.serve import settings
+
+    parser = build_parser()
+    flags = ["--spec-type", "ngram-simple", "--draft-max", "5", "--draft-min", "2", "--spec-ngram-size-n", "4"]
+    assert speculation_from_args(parser.parse_args(["generate", "m.gguf", "-p", "x", *flags])) == Speculation(5, 2, 4)
+    assert speculation_from_args(parser.parse_args(["generate", "m.gguf", "-p", "x"])) is None
+    defaults = settings(parser.parse_args(["serve", "m.gguf", *flags])).sampling
+    assert {k: v for k, v in defaults.items() if k.startswith("speculative.")} == {
+        "speculative.type": "ngram-simple",
+        "speculative.n_max": 5,
+        "speculative.n_min": 2,
+        "speculative.ngram_size_n": 4,
+    }
+    with pytest.raises(ValueError, match="n_min"):
+        settings(
+            parser.parse_args(
+                ["serve", "m.gguf", "--spec-type", "ngram-simple", "--draft-min", "9", "--draft-max", "3"]
+            )
+        )
