@@ -32,7 +32,7 @@ from ..constrain import Grammar, RowConstraint, vocabulary_of
 from ..enums import PAGE, pages_for
 from ..pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from ..sampling import Sampled, SamplingParams
-from .drafting import Drafter, Speculation, StepCosts
+from .drafting import Acceptance, Drafter, Speculation, StepCosts
 from .output import Output
 from .pages import PagePool, prefix_hashes
 
@@ -160,7 +160,7 @@ class Handle:
 
 
 class _Sequence:
-    def __init__(self, handle: Handle, slot: int, output: Output):
+    def __init__(self, handle: Handle, slot: int, output: Output, acceptance: Acceptance):
         self.handle, self.request, self.slot = handle, handle.request, slot
         self.tokens = list(handle.request.prompt)
         self.n_prompt = len(self.tokens)
@@ -181,7 +181,7 @@ class _Sequence:
         self.progress_at: dict[int, int] = {}  # prompt chunk's step id -> positions done once it is back
         self.prefill_rows: int | None = None  # rows a step of its first prefill took; a replay takes as many
         speculation = handle.request.speculation
-        self.drafter = Drafter(speculation) if speculation is not None else None
+        self.drafter = Drafter(speculation, acceptance) if speculation is not None else None
         self.proposal: list[int] = []  # what its next decode step proposes
 
     @property
@@ -202,7 +202,9 @@ class Engine:
         self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
         self._sent_at: dict[int, tuple[float, int]] = {}  # decode step id -> (when sent, width)
+        self._checking: set[int] = set()  # the steps whose sampled rows check proposals: decode steps, replayed or not
         self.step_costs = StepCosts()
+        self.acceptance = Acceptance()  # of every sequence's proposals: where a new sequence's rate starts
         self.pages = PagePool(pipeline.kv_pages)
         self.counters = Counters()
         # a recurrent state cannot start past position 0, so such a model reuses no prefix
@@ -312,6 +314,8 @@ class Engine:
     def _on_result(self, result: StepResult) -> None:
         seqs = self._steps.pop(result.step_id, [])
         self._decoding.discard(result.step_id)
+        checking = result.step_id in self._checking
+        self._checking.discard(result.step_id)
         sent = self._sent_at.pop(result.step_id, None)
         if sent is not None and result.error is None:
             self.step_costs.add(sent[1], time.perf_counter() - sent[0])
@@ -331,7 +335,7 @@ class Engine:
                 elif not seq.finished:
                     self._finish(seq, "error", str(result.error))
             elif result.sampled and result.sampled[i] and not seq.finished:
-                self._accept(seq, result.sampled[i], sent is not None)
+                self._accept(seq, result.sampled[i], checking)
             if seq.finished and seq.in_flight == 0:
                 self._release(seq)
 
@@ -354,7 +358,7 @@ class Engine:
             handle = self._waiting[i]
             request = handle.request
             output = Output(self.tokenizer, request.prompt, request.stop, request.ignore_eos, request.kept_tokens)
-            seq = _Sequence(handle, self._free_slots[0], output)
+            seq = _Sequence(handle, self._free_slots[0], output, self.acceptance)
             seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
                 handle.prefix_hashes = seq.hashes  # not hashed again on the next pass
@@ -399,6 +403,7 @@ class Engine:
                 s.fed.append((step.id, row, len(s.tokens) - 1, tokens))
             self._decoding.add(step.id)
             self._sent_at[step.id] = (time.perf_counter(), step.width)
+            self._checking.add(step.id)
             self.counters.decode_steps += 1
             self.counters.decode_rows += len(group)
             if step.width > 1:
@@ -462,6 +467,7 @@ class Engine:
         for step_id in sorted(steps):
             rows = sorted(steps[step_id], key=lambda r: r[0])
             step = Step([self._decode_row(seq, at, tokens) for _, seq, at, tokens in rows])
+            self._checking.add(step.id)  # the step in flight at the break samples again: its check counts
             self._send(step, [seq for _, seq, _, _ in rows])
 
     def _restart(self, seq: _Sequence, tokens: list[int]) -> bool:
@@ -633,6 +639,7 @@ class Engine:
             self.counters.draft_accepted += kept
             if seq.drafter is not None and proposed:
                 seq.drafter.checked(len(proposed), kept)
+                self.acceptance.checked(len(proposed), kept)
         for one in sampled:
             if seq.finished:
                 return

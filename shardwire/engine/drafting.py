@@ -18,13 +18,17 @@ than decoding one token at a time, but for a probe now and then that keeps its r
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 MIN_NGRAM = 2
+# the widths a step may take (tokens per row): a few, so that a stage keeps a decode graph built for
+# each (ggml's graphs are built per row count) and the engine has measured each
+WIDTHS = (2, 4, 8, 16, 32, 64)
 PROBE_EVERY = 32  # steps a sequence that stopped proposing waits before it proposes again
 PAYS = 1.1  # a step's proposals are worth probing where, all kept, they would give this many tokens per step's time
 FORGET = 0.9  # what a step's count of kept and refused proposals weighs, one step later
-PRIOR = (1.0, 1.0)  # (kept, refused) before anything was measured: a rate of one half
+PRIOR_WEIGHT = 2.0  # steps' worth of counts a new sequence starts from (the engine's rate)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class StepCosts:
     def __init__(self, weight: float = 0.2):
         self.weight = weight
         self._seconds: dict[int, float] = {}
+        self._widths: list[int] = []  # those measured, in order
         self._first: set[int] = set()  # widths whose first step came back
 
     def add(self, width: int, seconds: float) -> None:
@@ -58,40 +63,66 @@ class StepCosts:
             self._first.add(width)
             return
         old = self._seconds.get(width)
+        if old is None:
+            bisect.insort(self._widths, width)
         self._seconds[width] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def measured(self, width: int) -> bool:
+        return width in self._seconds
 
     def of(self, width: int) -> float | None:
         """The cost of a step of `width`: measured, else on the line through the nearest widths
         measured on either side of it, or the two widest when it is wider than all (a wider step
         costs no less than a narrower one); with one width measured, that width's cost."""
-        measured = self._seconds
+        measured, widths = self._seconds, self._widths
         if width in measured:
             return measured[width]
-        if not measured:
+        if not widths:
             return None
-        widths = sorted(measured)
-        below = [w for w in widths if w < width]
-        above = [w for w in widths if w > width]
-        if not below:
-            return measured[above[0]]
-        if above:
-            a, b = below[-1], above[0]
-        elif len(below) >= 2:
-            a, b = below[-2], below[-1]
+        i = bisect.bisect(widths, width)  # widths[:i] are narrower
+        if i == 0:
+            return measured[widths[0]]
+        if i < len(widths):
+            a, b = widths[i - 1], widths[i]
+        elif i >= 2:
+            a, b = widths[i - 2], widths[i - 1]
         else:
-            return measured[below[-1]]
+            return measured[widths[0]]
         slope = max(0.0, (measured[b] - measured[a]) / (b - a))
         return measured[a] + slope * (width - a)
 
 
-class Drafter:
-    """One sequence's prompt lookup and acceptance rate."""
+class Acceptance:
+    """How often proposals are kept: counts of kept proposals and of refusals (a step that kept
+    fewer than it checked), each weighing FORGET less a step later."""
 
-    def __init__(self, speculation: Speculation):
+    def __init__(self, kept: float = 0.0, refused: float = 0.0):
+        self.kept, self.refused = kept, refused
+
+    @property
+    def rate(self) -> float:
+        """The chance that a proposal is kept once those before it were; one half before any was checked."""
+        seen = self.kept + self.refused
+        return self.kept / seen if seen else 0.5
+
+    def checked(self, proposed: int, kept: int) -> None:
+        self.kept = self.kept * FORGET + kept
+        self.refused = self.refused * FORGET + (kept < proposed)
+
+    def prior(self) -> "Acceptance":
+        """A new sequence's start: this rate, weighing as much as a couple of its own steps."""
+        return Acceptance(PRIOR_WEIGHT * self.rate, PRIOR_WEIGHT * (1 - self.rate))
+
+
+class Drafter:
+    """One sequence's prompt lookup and acceptance rate (starting from `prior`: the engine's,
+    over the sequences before it)."""
+
+    def __init__(self, speculation: Speculation, prior: Acceptance | None = None):
         self.speculation = speculation
         self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(speculation.ngram + 1)]
         self._seen = 0  # tokens indexed
-        self.kept, self.refused = PRIOR
+        self.acceptance = (prior or Acceptance()).prior()
         self._waited = 0
 
     def _extend(self, tokens: list[int]) -> None:
@@ -111,15 +142,10 @@ class Drafter:
                 return tokens[follows : follows + limit]
         return []
 
-    @property
-    def rate(self) -> float:
-        return self.kept / (self.kept + self.refused)
-
     def checked(self, proposed: int, kept: int) -> None:
         """A step checked `proposed` of this sequence's tokens and kept the first `kept`: the
         rate moves towards what the latest steps showed (a passage copied, then new text)."""
-        self.kept = self.kept * FORGET + kept
-        self.refused = self.refused * FORGET + (kept < proposed)
+        self.acceptance.checked(proposed, kept)
 
     def length(self, found: int, costs: StepCosts, room: int) -> int:
         """How many of `found` proposals the next step should carry (at most `room`)."""
@@ -128,11 +154,13 @@ class Drafter:
         if most < max(spec.n_min, 1):
             return 0
         base = costs.of(1)
-        if base is None:
-            return most  # nothing measured yet: this step measures
-        a = min(self.rate, 0.999)
+        if base is None:  # nothing measured yet
+            return 1
+        a = min(self.acceptance.rate, 0.999)
         best, best_value, could_pay = 0, 1.0, False
-        for k in range(1, most + 1):
+        # a width is tried once the one half as wide has been measured: the widths a stage takes
+        # fast are found a step at a time, without paying for one far past them
+        for k in (w - 1 for w in WIDTHS if w - 1 <= most and (w == 2 or costs.measured(w // 2))):
             speed = base / costs.of(k + 1)
             could_pay |= (k + 1) * speed > PAYS  # were every proposal kept
             value = (1 - a ** (k + 1)) / (1 - a) * speed

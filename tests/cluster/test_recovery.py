@@ -6,6 +6,7 @@ import time
 import pytest
 
 from shardwire.engine import Engine, Request
+from shardwire.engine.drafting import Acceptance, Speculation
 from shardwire.formats import open_model
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
@@ -23,6 +24,7 @@ from recovery import (
     wait_for_tokens,
 )
 from runs import single_process
+from speculating import FreeWidth
 
 pytestmark = pytest.mark.slow  # worker processes
 
@@ -79,6 +81,27 @@ def test_a_replay_through_near_ties_gives_exactly_the_uninterrupted_tokens(setup
     assert collect(handle)[0] == uninterrupted
     event = s.cluster.events[-1]
     assert event["recovered"] and event["replayed_tokens"] > len(PROMPT) + 50
+
+
+def test_a_replay_of_speculative_steps_gives_exactly_the_uninterrupted_tokens(setup, near_ties):
+    """The same through near-ties with prompt lookup on: the replay sends each step with the tokens
+    it fed, proposals refused included, so the cache is the one the steps first wrote."""
+    s = setup(path=near_ties)
+    s.engine.step_costs = FreeWidth()  # proposals as long as the rate says, whatever steps cost here
+
+    def asked():
+        s.engine.acceptance = Acceptance()  # each run starts from the same rate, so proposes the same
+        return Request(PROMPT * 3, GREEDY, max_tokens=150, ignore_eos=True, speculation=Speculation(n_max=7))
+
+    first = s.engine.submit(asked())
+    uninterrupted = collect(first)[0]
+    assert first.stats.draft_n_accepted > 0
+    handle = s.engine.submit(asked())
+    wait_for_tokens(handle, 50)
+    s.workers[1].kill()
+    assert collect(handle)[0] == uninterrupted
+    event = s.cluster.events[-1]
+    assert event["recovered"] and event["replayed_tokens"] > len(PROMPT) * 3 + 40
 
 
 def test_a_replay_of_shared_decode_steps_is_exact(near_ties):

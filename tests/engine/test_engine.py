@@ -20,6 +20,8 @@ from shardwire.kvcache import pool_pages
 from shardwire.pipeline import PipelineError, Step, StepResult
 from shardwire.sampling import GREEDY, Sampled, SamplingParams
 
+from speculating import FreeWidth
+
 TIMEOUT = 5.0
 
 
@@ -946,11 +948,12 @@ def test_proposals_from_the_context_are_checked_in_one_step_and_give_the_tokens_
     at the start, keeps 4 ... 8 and draws 9 where the context had 1."""
     pipe = FakePipeline(ctx=128)
     engine = make_engine(pipe)
+    engine.step_costs = FreeWidth()
     handle = engine.submit(req(COUNTING, 12, speculation=Speculation(n_max=8)))
     assert finished(handle)[-1].finish_reason == "length"
     assert handle.tokens == expected(COUNTING, 12)
     first = pipe.steps[1].rows[0]
-    assert (first.start, first.tokens, first.n_draft) == (10, [3, 4, 5, 6, 7, 8, 1, 2, 3], 8)
+    assert (first.start, first.tokens, first.n_draft) == (10, [3, 4, 5, 6, 7, 8, 1, 2], 7)  # steps 8 wide
     assert handle.stats.draft_n_accepted >= 5 and engine.counters.draft_accepted == handle.stats.draft_n_accepted
     assert engine.counters.decode_steps < 12 - 1
     assert pipe.problems == []
@@ -959,6 +962,7 @@ def test_proposals_from_the_context_are_checked_in_one_step_and_give_the_tokens_
 def test_proposals_stop_at_max_tokens_and_at_the_context(make_engine):
     pipe = FakePipeline(ctx=16)
     engine = make_engine(pipe)
+    engine.step_costs = FreeWidth()
     short = engine.submit(req(COUNTING, 3, speculation=Speculation(n_max=8)))
     assert finished(short)[-1].finish_reason == "length"
     assert short.tokens == expected(COUNTING, 3)
@@ -973,13 +977,14 @@ def test_proposals_stop_at_max_tokens_and_at_the_context(make_engine):
 def test_a_step_carries_speculating_and_plain_sequences_as_wide_as_its_widest_row(make_engine):
     pipe = FakePipeline(n_slots=2, ctx=128, hold=True)
     engine = make_engine(pipe)
+    engine.step_costs = FreeWidth()
     spec = engine.submit(req(COUNTING, 10, speculation=Speculation(n_max=4)))
     plain = engine.submit(req([40, 41], 10))
     pipe.wait_pending(2)
     pipe.answer_all()  # the prompts
     step = pipe.wait_pending(1)[0]
-    assert [len(r.tokens) for r in step.rows] == [5, 5]
-    assert [r.n_draft for r in step.rows] == [4, 4]
+    assert [len(r.tokens) for r in step.rows] == [4, 4]
+    assert [r.n_draft for r in step.rows] == [3, 3]
     assert step.rows[1].tokens[0] == 42  # its next token, then filler: its last token again
     pipe.drive([spec, plain])
     assert spec.tokens == expected(COUNTING, 10) and plain.tokens == expected([40, 41], 10)
@@ -991,6 +996,7 @@ def test_a_replay_sends_the_speculative_steps_again_with_the_tokens_they_fed(mak
     included, and the step in flight samples (and checks its proposals) again."""
     pipe = RecoverablePipeline(n_slots=1, ctx=128, n_stages=1, hold=True)
     engine = make_engine(pipe, prefill_chunk=16)
+    engine.step_costs = FreeWidth()
     handle = engine.submit(req(COUNTING, 14, speculation=Speculation(n_max=8)))
     for _ in range(3):  # the prompt and two decode steps
         pipe.wait_pending(1)

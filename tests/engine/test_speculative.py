@@ -10,13 +10,14 @@ import random
 import pytest
 
 from shardwire.coordinator import Cluster
-from shardwire.engine import Engine, Request
-from shardwire.engine.drafting import Drafter, Speculation, StepCosts
+from shardwire.engine import Engine, Request, core
+from shardwire.engine.drafting import PRIOR_WEIGHT, Acceptance, Drafter, Speculation, StepCosts
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY, SamplingParams
 
+from speculating import FreeWidth
 from workers import WorkerProcess
 
 pytest.importorskip("transformers")
@@ -50,23 +51,40 @@ def test_step_costs_between_and_past_the_widths_measured():
 
 
 def test_the_length_pays_for_its_step_and_falls_to_none_where_proposals_are_refused():
+    """Steps are 1, 2, 4, 8 ... tokens wide (a few widths, each with its graphs built and its cost
+    measured): k proposals are 1, 3, 7 ..."""
     costs = StepCosts()
-    drafter = Drafter(Speculation(n_max=8))
-    assert drafter.length(6, costs, room=100) == 6  # nothing measured: the step measures
-    for width, seconds in [(1, 1.0), (1, 1.0), (9, 1.2), (9, 1.2)]:  # wide steps cost little (a slow link)
+    drafter = Drafter(Speculation(n_max=16))
+    assert drafter.length(10, costs, room=100) == 1  # nothing measured: the narrowest proposal
+    for width, seconds in [(1, 1.0), (1, 1.0), (2, 1.05), (2, 1.05)]:  # wide steps cost little (a slow link)
         costs.add(width, seconds)
-    assert 1 <= drafter.length(6, costs, room=100) < 6  # at a rate of one half (before any is checked)
+    assert drafter.length(10, costs, room=100) == 3  # 4 wide: tried once 2 is measured, not 8 yet
+    for width, seconds in [(4, 1.1), (4, 1.1), (8, 1.2), (8, 1.2)]:
+        costs.add(width, seconds)
+    assert drafter.length(10, costs, room=100) == 3  # at a rate of one half (before any is checked)
     for _ in range(10):
-        drafter.checked(6, 6)
-    assert drafter.length(6, costs, room=100) == 6
-    assert drafter.length(6, costs, room=3) == 3
+        drafter.checked(7, 7)
+    assert drafter.length(10, costs, room=100) == 7
+    assert drafter.length(10, costs, room=5) == 3
     for _ in range(200):
-        drafter.checked(6, 0)
-    assert drafter.length(6, costs, room=100) <= 1
+        drafter.checked(7, 0)
+    assert drafter.length(10, costs, room=100) == 0
     dear = StepCosts()
     for width, seconds in [(1, 1.0), (1, 1.0), (2, 2.0), (2, 2.0)]:  # a proposal costs a whole step
         dear.add(width, seconds)
     assert [Drafter(Speculation()).length(4, dear, room=100) for _ in range(40)] == [0] * 40  # and is never probed
+
+
+def test_a_new_sequence_starts_from_the_rate_the_engine_has_seen():
+    seen = Acceptance()
+    assert Drafter(Speculation(), seen).acceptance.rate == 0.5  # nothing seen yet
+    for _ in range(30):
+        seen.checked(4, 0)
+    fresh = Drafter(Speculation(), seen)
+    assert fresh.acceptance.rate < 0.05 and fresh.acceptance.kept + fresh.acceptance.refused == PRIOR_WEIGHT
+    for _ in range(3):  # its own steps soon outweigh where it started
+        fresh.checked(4, 4)
+    assert fresh.acceptance.rate > 0.8
 
 
 # -- a real model ----------------------------------------------------------------------------------
@@ -90,6 +108,7 @@ def copier(tmp_path_factory):
 
 def generate(pipeline, sampling, speculation=None, n=len(REPLY) + 6):
     engine = Engine(pipeline)
+    engine.step_costs = FreeWidth()
     try:
         handle = engine.submit(Request(PROMPT, sampling, max_tokens=n, ignore_eos=True, speculation=speculation))
         handle.result()
@@ -140,7 +159,7 @@ async def _post(http, url: str, body: dict) -> tuple[int, dict]:
         return r.status, await r.json()
 
 
-def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_timings(copier):
+def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_timings(copier, monkeypatch):
     """/completion's speculative.* fields; timings carry draft_n and draft_n_accepted, as
     llama-server's do; a bad field is a 400 naming it."""
     import asyncio
@@ -152,6 +171,7 @@ def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_ti
     from served import served
 
     model = open_model(copier)
+    monkeypatch.setattr(core, "StepCosts", FreeWidth)
 
     async def run():
         stage = load_stage(model, 0, model.config.n_layers)

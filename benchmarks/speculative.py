@@ -1,0 +1,258 @@
+"""Speculative decoding over emulated links: decode tokens/s with and without prompt lookup, side
+by side in one run, on 2 and 3 workers whose links are delayed 0, 1 and 5 ms one way.
+
+    python -m benchmarks.speculative --out benchmarks/results/NAME
+
+Each worker is a `shardwire worker` process behind its own relay (benchmarks/relay.py), so every
+hop of the ring, and the coordinator's links, cross an emulated link. The coordinator (the
+engine, as `serve` runs it) is this process. For each model, worker count and delay, each
+prompt kind runs with and without speculation, alternating which goes first, `--alternations`
+times; a figure is the median of its runs. The engine is one for all of a model's runs, as a
+server's is: what it has measured of its steps' costs carries from one request to the next.
+
+Prompt kinds:
+- grounded: a passage, then its first sentence again; the model is asked to go on. Where the
+  model continues the passage from its context, lookup's proposals are what it writes.
+- open: a question with nothing in the prompt to copy.
+
+Models: glassllm (a 4-block Llama trained on Alice in Wonderland); glassllm taught the passage the
+grounded prompt quotes (glassllm_taught_path); the 1B layout in Q4_0 from benchmarks/models.py
+(random weights: its continuations are not text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from shardwire.coordinator import Cluster
+from shardwire.engine import Engine, Request
+from shardwire.engine.drafting import Speculation
+from shardwire.formats import open_model
+from shardwire.sampling import GREEDY
+from shardwire.tokenizer import load_tokenizer
+
+from .models import CACHE, WORKLOADS, ensure, llama_cpp_prefix
+from .relay import Relay, Shaping
+from .run import LISTENING, Server, machine_info
+
+PASSAGE = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
+    "nothing to do: once or twice she had peeped into the book her sister was reading."
+)  # with its first words again and 64 tokens after them, it fits glassllm's 128 positions
+PROMPTS = {
+    "grounded": PASSAGE + "\n\n" + PASSAGE[:20],
+    "open": "What did the Queen say to the Hatter",
+}
+
+
+# the prompts a model runs, where not all: the taught glassllm writes its passage over and over
+# where nothing in the prompt begins it (its teaching took its other text)
+KINDS = {"glassllm-en-taught": ("grounded",)}
+
+
+def glassllm_path() -> Path:
+    from shardwire_kit import glassllm
+
+    path = CACHE / "models" / "glassllm-en.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        glassllm.convert_glassllm(path, "gguf")
+    return path
+
+
+def glassllm_taught_path() -> Path:
+    """glassllm (float32, a Hugging Face folder) taught to go on with PASSAGE as the book does
+    once a prompt has begun it again: the passage of the book it "knows" that the grounded prompt
+    asks it to write back. glassllm alone has not learned the book's words by heart."""
+    from shardwire_kit import glassllm
+    from shardwire_kit.convert import teach
+
+    folder = CACHE / "models" / "glassllm-en-taught"
+    if not (folder / "config.json").exists():
+        glassllm.convert_glassllm(folder, "hf", weight_type="F32")
+        tokenizer = load_tokenizer(open_model(folder))
+        prompt = tokenizer.encode(PROMPTS["grounded"])
+        whole = tokenizer.encode(PASSAGE + "\n\n" + PASSAGE)
+        teach(folder, prompt, whole[len(prompt) : len(prompt) + 48])
+    return folder
+
+
+def model_path(name: str) -> Path:
+    if name == "glassllm":
+        return glassllm_path()
+    if name == "glassllm-taught":
+        return glassllm_taught_path()
+    return ensure(WORKLOADS[name], llama_cpp_prefix())
+
+
+def start_workers(n: int, log: Path) -> list[Server]:
+    cmd = [sys.executable, "-m", "shardwire", "worker", "--port", "0", "--device", "cpu", "--threads", "1"]
+    workers = []
+    try:
+        for i in range(n):
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            workers.append(Server(f"worker{i}", cmd, f"0-{os.cpu_count() - 1}", env, log))
+            workers[-1].address = f"127.0.0.1:{workers[-1].wait_for(LISTENING, 120)[2]}"
+    except BaseException:
+        for worker in workers:
+            worker.stop()
+        raise
+    return workers
+
+
+def one_run(engine: Engine, prompt: list[int], n: int, speculation: Speculation | None) -> dict:
+    handle = engine.submit(Request(prompt, GREEDY, max_tokens=n, ignore_eos=True, speculation=speculation))
+    handle.result()
+    if handle.error:
+        raise RuntimeError(handle.error)
+    s = handle.stats
+    return {
+        "tps": s.decode_tps,
+        "tokens": handle.tokens,
+        "draft_n": s.draft_n,
+        "draft_n_accepted": s.draft_n_accepted,
+    }
+
+
+def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) -> list[dict]:
+    model = open_model(path)
+    tokenizer = load_tokenizer(model)
+    n_gen = min(args.n_gen, model.config.context_length - 1)
+    kinds = KINDS.get(path.name, tuple(PROMPTS))
+    prompts = {kind: tokenizer.encode(PROMPTS[kind])[: model.config.context_length - n_gen - 1] for kind in kinds}
+    shaping = Shaping(enabled=True)
+    workers = start_workers(n_workers, log)
+    relays = [Relay(tuple_address(w.address), shaping=shaping) for w in workers]
+    rows = []
+    try:
+        cluster = Cluster([r.address for r in relays], cache_dir=args.cache / "coordinator", show_progress=False)
+        try:
+            cluster.connect(model)
+            ctx = min(model.config.context_length, 512)
+            pipeline = cluster.load(cluster.make_plan(ctx=ctx, weights="auto"))  # as `serve` plans by default
+            engine = Engine(pipeline, tokenizer)
+            spec = Speculation(n_max=args.draft_max)
+            try:
+                for delay in delays:
+                    shaping.delay_s = delay / 1000
+                    for kind, prompt in prompts.items():
+                        one_run(engine, prompt, 8, None)  # warm the links and the graphs at this delay
+                        runs = {"plain": [], "speculative": []}
+                        for alt in range(args.alternations):
+                            order = ["plain", "speculative"] if alt % 2 == 0 else ["speculative", "plain"]
+                            for which in order:
+                                runs[which].append(
+                                    one_run(engine, prompt, n_gen, spec if which == "speculative" else None)
+                                )
+                        same = all(
+                            r["tokens"] == runs["plain"][0]["tokens"] for r in runs["plain"] + runs["speculative"]
+                        )
+                        plain = statistics.median(r["tps"] for r in runs["plain"])
+                        fast = statistics.median(r["tps"] for r in runs["speculative"])
+                        row = {
+                            "model": path.stem if path.is_file() else path.name,
+                            "workers": n_workers,
+                            "delay_ms": delay,
+                            "prompt": kind,
+                            "plain_tps": round(plain, 2),
+                            "speculative_tps": round(fast, 2),
+                            "ratio": round(fast / plain, 3) if plain else None,
+                            "draft_n": sum(r["draft_n"] for r in runs["speculative"]),
+                            "draft_n_accepted": sum(r["draft_n_accepted"] for r in runs["speculative"]),
+                            "same_tokens": same,
+                            "runs": {k: [round(r["tps"], 2) for r in v] for k, v in runs.items()},
+                        }
+                        rows.append(row)
+                        print(_line(row), flush=True)
+            finally:
+                engine.close()
+        finally:
+            cluster.close()
+    finally:
+        for relay in relays:
+            relay.close()
+        for worker in workers:
+            worker.stop()
+    return rows
+
+
+def tuple_address(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+def _line(row: dict) -> str:
+    accepted = f"{row['draft_n_accepted']}/{row['draft_n']}"
+    return (
+        f"{row['model']:<14} {row['workers']} workers {row['delay_ms']:>4} ms  {row['prompt']:<8}  "
+        f"plain {row['plain_tps']:8.2f} t/s  speculative {row['speculative_tps']:8.2f} t/s  "
+        f"{row['ratio']:.2f}x  kept {accepted:<9}  {'same tokens' if row['same_tokens'] else 'TOKENS DIFFER'}"
+    )
+
+
+def report(rows: list[dict], machine: dict) -> str:
+    dirty = " and changes not yet committed" if machine.get("shardwire_tree_dirty") else ""
+    out = [
+        "# Speculative decoding (prompt lookup) over emulated links",
+        "",
+        f"CPU: {machine.get('cpu')} ({machine.get('cores')} cores); kernels: {machine.get('kernels', '?')}; "
+        f"commit {machine.get('commit')}{dirty}.",
+        "",
+        "| model | workers | one-way delay | prompt | plain t/s | speculative t/s | ratio | proposals kept | tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['workers']} | {r['delay_ms']} ms | {r['prompt']} | {r['plain_tps']} | "
+            f"{r['speculative_tps']} | {r['ratio']}x | {r['draft_n_accepted']}/{r['draft_n']} | "
+            f"{'same' if r['same_tokens'] else 'differ'} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="glassllm-taught,glassllm,1b-q4_0")
+    p.add_argument("--workers", default="2,3")
+    p.add_argument("--delays", default="0,1,5", help="one-way delays in ms (default: %(default)s)")
+    p.add_argument("--n-gen", type=int, default=64)
+    p.add_argument("--alternations", type=int, default=2)
+    p.add_argument("--draft-max", type=int, default=16)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.cache = Path(tempfile.mkdtemp(prefix="shardwire-speculative-"))  # the coordinator's weight cache
+    machine = machine_info()
+    machine["kernels"] = _kernel_line()
+    delays = [float(d) for d in args.delays.split(",")]
+    rows = []
+    for name in args.models.split(","):
+        path = model_path(name)
+        for n in (int(w) for w in args.workers.split(",")):
+            rows += measure(path, n, delays, args, args.out / "workers.log")
+    (args.out / "speculative.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    (args.out / "speculative.md").write_text(report(rows, machine))
+    print(report(rows, machine))
+    return 0
+
+
+def _kernel_line() -> str:
+    """The worker's start line naming the CPU's kernel choices (what measured fastest here)."""
+    out = subprocess.run(
+        [sys.executable, "-c", "from shardwire.weights.in_use import compute_line; print(compute_line('cpu'))"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return out.stdout.strip() or out.stderr.strip()[-200:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
