@@ -31,10 +31,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
+from shardwire.engine.draft_model import DraftModel
 from shardwire.engine.drafting import Speculation
 from shardwire.formats import open_model
+from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY
 from shardwire.tokenizer import load_tokenizer
 
@@ -84,6 +88,23 @@ def glassllm_taught_path() -> Path:
     return folder
 
 
+def glassllm_draft_path() -> Path:
+    """A 2-block draft of glassllm distilled from it (shardwire_kit.glassllm.distill): the
+    smaller model of the same vocabulary that proposes for it."""
+    from shardwire_kit import glassllm
+
+    folder = CACHE / "models" / "glassllm-en-draft2"
+    if not (folder / "config.json").exists():
+        teacher = CACHE / "models" / "glassllm-en-hf"
+        if not (teacher / "config.json").exists():
+            glassllm.convert_glassllm(teacher, "hf", weight_type="F32")
+        glassllm.distill(teacher, folder)
+    return folder
+
+
+DRAFTS = {"glassllm-en": glassllm_draft_path}  # the draft model each model (file stem) is run with
+
+
 def model_path(name: str) -> Path:
     if name == "glassllm":
         return glassllm_path()
@@ -125,8 +146,16 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
     model = open_model(path)
     tokenizer = load_tokenizer(model)
     n_gen = min(args.n_gen, model.config.context_length - 1)
-    kinds = KINDS.get(path.name, tuple(PROMPTS))
+    kinds = KINDS.get(_name(path), tuple(PROMPTS))
     prompts = {kind: tokenizer.encode(PROMPTS[kind])[: model.config.context_length - n_gen - 1] for kind in kinds}
+    ctx = min(model.config.context_length, 512)
+    variants = {"plain": None, "lookup": Speculation(n_max=args.draft_max)}
+    draft = None
+    if _name(path) in DRAFTS and not args.no_draft:
+        folder = DRAFTS[_name(path)]()
+        draft_file = open_model(folder)
+        draft = DraftModel(load_stage(draft_file, 0, draft_file.config.n_layers, weights="fast"), 1, ctx)
+        variants["draft"] = Speculation("draft-simple", n_max=args.draft_max)
     shaping = Shaping(enabled=True)
     workers = start_workers(n_workers, log)
     relays = [Relay(tuple_address(w.address), shaping=shaping) for w in workers]
@@ -135,42 +164,20 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
         cluster = Cluster([r.address for r in relays], cache_dir=args.cache / "coordinator", show_progress=False)
         try:
             cluster.connect(model)
-            ctx = min(model.config.context_length, 512)
             pipeline = cluster.load(cluster.make_plan(ctx=ctx, weights="auto"))  # as `serve` plans by default
-            engine = Engine(pipeline, tokenizer)
-            spec = Speculation(n_max=args.draft_max)
+            engine = Engine(pipeline, tokenizer, draft=draft)
             try:
                 for delay in delays:
                     shaping.delay_s = delay / 1000
                     for kind, prompt in prompts.items():
                         one_run(engine, prompt, 8, None)  # warm the links and the graphs at this delay
-                        runs = {"plain": [], "speculative": []}
+                        runs = {name: [] for name in variants}
                         for alt in range(args.alternations):
-                            order = ["plain", "speculative"] if alt % 2 == 0 else ["speculative", "plain"]
-                            for which in order:
-                                runs[which].append(
-                                    one_run(engine, prompt, n_gen, spec if which == "speculative" else None)
-                                )
-                        same = all(
-                            r["tokens"] == runs["plain"][0]["tokens"] for r in runs["plain"] + runs["speculative"]
-                        )
-                        plain = statistics.median(r["tps"] for r in runs["plain"])
-                        fast = statistics.median(r["tps"] for r in runs["speculative"])
-                        row = {
-                            "model": path.stem if path.is_file() else path.name,
-                            "workers": n_workers,
-                            "delay_ms": delay,
-                            "prompt": kind,
-                            "plain_tps": round(plain, 2),
-                            "speculative_tps": round(fast, 2),
-                            "ratio": round(fast / plain, 3) if plain else None,
-                            "draft_n": sum(r["draft_n"] for r in runs["speculative"]),
-                            "draft_n_accepted": sum(r["draft_n_accepted"] for r in runs["speculative"]),
-                            "same_tokens": same,
-                            "runs": {k: [round(r["tps"], 2) for r in v] for k, v in runs.items()},
-                        }
-                        rows.append(row)
-                        print(_line(row), flush=True)
+                            order = list(variants) if alt % 2 == 0 else list(reversed(variants))
+                            for name in order:
+                                runs[name].append(one_run(engine, prompt, n_gen, variants[name]))
+                        rows.append(_row(path, n_workers, delay, kind, runs))
+                        print(_line(rows[-1]), flush=True)
             finally:
                 engine.close()
         finally:
@@ -183,37 +190,74 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
     return rows
 
 
+def _row(path: Path, n_workers: int, delay: float, kind: str, runs: dict) -> dict:
+    plain = statistics.median(r["tps"] for r in runs["plain"])
+    row = {
+        "model": _name(path),
+        "workers": n_workers,
+        "delay_ms": delay,
+        "prompt": kind,
+        "plain_tps": round(plain, 2),
+        "same_tokens": all(r["tokens"] == runs["plain"][0]["tokens"] for rs in runs.values() for r in rs),
+        "runs": {k: [round(r["tps"], 2) for r in v] for k, v in runs.items()},
+    }
+    for name in runs:
+        if name != "plain":
+            tps = statistics.median(r["tps"] for r in runs[name])
+            row[name] = {
+                "tps": round(tps, 2),
+                "ratio": round(tps / plain, 3) if plain else None,
+                "draft_n": sum(r["draft_n"] for r in runs[name]),
+                "draft_n_accepted": sum(r["draft_n_accepted"] for r in runs[name]),
+            }
+    return row
+
+
+def _name(path: Path) -> str:
+    return path.stem if path.is_file() else path.name
+
+
 def tuple_address(address: str) -> tuple[str, int]:
     host, port = address.rsplit(":", 1)
     return host, int(port)
 
 
+def _variants(row: dict) -> list[str]:
+    return [name for name in ("lookup", "draft") if name in row]
+
+
 def _line(row: dict) -> str:
-    accepted = f"{row['draft_n_accepted']}/{row['draft_n']}"
-    return (
-        f"{row['model']:<14} {row['workers']} workers {row['delay_ms']:>4} ms  {row['prompt']:<8}  "
-        f"plain {row['plain_tps']:8.2f} t/s  speculative {row['speculative_tps']:8.2f} t/s  "
-        f"{row['ratio']:.2f}x  kept {accepted:<9}  {'same tokens' if row['same_tokens'] else 'TOKENS DIFFER'}"
-    )
+    parts = [
+        f"{row['model']:<18} {row['workers']} workers {row['delay_ms']:>4} ms  {row['prompt']:<8}  "
+        f"plain {row['plain_tps']:8.2f} t/s"
+    ]
+    for name in _variants(row):
+        v = row[name]
+        parts.append(f"{name} {v['tps']:8.2f} t/s {v['ratio']:.2f}x kept {v['draft_n_accepted']}/{v['draft_n']}")
+    parts.append("same tokens" if row["same_tokens"] else "TOKENS DIFFER")
+    return "  ".join(parts)
 
 
 def report(rows: list[dict], machine: dict) -> str:
     dirty = " and changes not yet committed" if machine.get("shardwire_tree_dirty") else ""
     out = [
-        "# Speculative decoding (prompt lookup) over emulated links",
+        "# Speculative decoding over emulated links",
         "",
         f"CPU: {machine.get('cpu')} ({machine.get('cores')} cores); kernels: {machine.get('kernels', '?')}; "
-        f"commit {machine.get('commit')}{dirty}.",
+        f"commit {machine.get('commit')}{dirty}. Decode tokens/s, the median of each variant's runs; "
+        "lookup: prompt lookup (--spec-type ngram-simple); draft: the draft model (-md).",
         "",
-        "| model | workers | one-way delay | prompt | plain t/s | speculative t/s | ratio | proposals kept | tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | workers | one-way delay | prompt | plain t/s | variant | t/s | ratio | proposals kept | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        out.append(
-            f"| {r['model']} | {r['workers']} | {r['delay_ms']} ms | {r['prompt']} | {r['plain_tps']} | "
-            f"{r['speculative_tps']} | {r['ratio']}x | {r['draft_n_accepted']}/{r['draft_n']} | "
-            f"{'same' if r['same_tokens'] else 'differ'} |"
-        )
+        for name in _variants(r):
+            v = r[name]
+            out.append(
+                f"| {r['model']} | {r['workers']} | {r['delay_ms']} ms | {r['prompt']} | {r['plain_tps']} | {name} | "
+                f"{v['tps']} | {v['ratio']}x | {v['draft_n_accepted']}/{v['draft_n']} | "
+                f"{'same' if r['same_tokens'] else 'differ'} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -225,8 +269,10 @@ def main(argv=None) -> int:
     p.add_argument("--n-gen", type=int, default=64)
     p.add_argument("--alternations", type=int, default=2)
     p.add_argument("--draft-max", type=int, default=16)
+    p.add_argument("--no-draft", action="store_true", help="leave out the draft model's runs")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    torch.set_num_threads(1)  # the coordinator, as `serve -t 1`: tiny models run fastest on one thread
     args.out.mkdir(parents=True, exist_ok=True)
     args.cache = Path(tempfile.mkdtemp(prefix="shardwire-speculative-"))  # the coordinator's weight cache
     machine = machine_info()

@@ -188,3 +188,48 @@ def cached_glassllm_gguf(cache_dir: str | Path | None = None, lang: str = "en") 
     if not path.is_file():
         convert_glassllm(path, "gguf", lang=lang, weight_type="F16")
     return path
+
+
+def distill(teacher: str | Path, out: str | Path, layers: int = 2, steps: int = 300, seed: int = 0) -> Path:
+    """A `layers`-block draft of glassllm: the teacher's Hugging Face folder (F32), its embedding,
+    first blocks and final norm as the start, trained to give the teacher's next-token
+    distribution on text the teacher writes. Same vocabulary and tokenizer: a draft model (-md)
+    for glassllm, as the small models that draft for a large one are trained."""
+    import shutil
+
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    teacher_model = transformers.AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    config = transformers.AutoConfig.from_pretrained(teacher)
+    config.num_hidden_layers = layers
+    student = transformers.AutoModelForCausalLM.from_config(config).float()
+    student.load_state_dict(teacher_model.state_dict(), strict=False)  # blocks past `layers` are left out
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(teacher) / "tokenizer.json"))
+    starts = ["Alice", "The Queen", "“I", "The Hatter", "So she", "The Mock Turtle", "Down", "The King", "What"]
+    with torch.no_grad():
+        texts = [
+            teacher_model.generate(
+                torch.tensor([tokenizer.encode(s)]), max_new_tokens=96, do_sample=True, temperature=0.8
+            )[0]
+            for _ in range(6)
+            for s in starts
+        ]
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    for _ in range(steps):
+        for i in torch.randint(len(texts), (8,)).tolist():
+            x = texts[i][None]
+            with torch.no_grad():
+                target = torch.log_softmax(teacher_model(x).logits, -1)
+            got = torch.log_softmax(student(x).logits, -1)
+            loss = torch.nn.functional.kl_div(got, target, log_target=True, reduction="batchmean") / x.shape[1]
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out = Path(out)
+    student.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(teacher) / name).exists():
+            shutil.copy(Path(teacher) / name, out / name)
+    return out

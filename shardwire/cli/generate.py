@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..coordinator.launch import build_pipeline
+from ..coordinator.launch import build_pipeline, load_draft
 from ..devices import set_threads
 from ..engine import Engine, Handle, Request
 from ..engine.drafting import Speculation
@@ -27,9 +27,13 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def speculation_from_args(args: argparse.Namespace) -> Speculation | None:
-    if args.spec_type == "none":
+    """What the speculative flags ask of every request (llama-server's: -md alone means draft-simple)."""
+    kind = args.spec_type or ("draft-simple" if args.model_draft else "none")
+    if kind == "none":
         return None
-    return Speculation(args.draft_max, args.draft_min, args.spec_ngram_size_n)
+    if kind == "draft-simple" and not args.model_draft:
+        raise ValueError("--spec-type draft-simple needs a draft model: -md FILE")
+    return Speculation(kind, args.draft_max, args.draft_min, args.spec_ngram_size_n, args.draft_p_min)
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -61,8 +65,10 @@ def run_generate(args: argparse.Namespace) -> int:
     model = open_model(args.model)
     tokenizer = load_tokenizer(model)
     prompt = encode_prompt(tokenizer, args.prompt, args.chat)
+    speculation = speculation_from_args(args)
+    draft = load_draft(args, tokenizer, 1, min(args.ctx_size, model.config.context_length))  # before any weight ships
     pipeline, _ = build_pipeline(model, args)
-    engine = Engine(pipeline, tokenizer)
+    engine = Engine(pipeline, tokenizer, draft=draft)
     try:
         handle = engine.submit(
             Request(
@@ -71,7 +77,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 max_tokens=args.n_predict,
                 stop=tuple(args.stop),
                 ignore_eos=args.ignore_eos,
-                speculation=speculation_from_args(args),
+                speculation=speculation,
             )
         )
         stream(handle, "" if args.chat else args.prompt)

@@ -33,10 +33,28 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--spec-type",
         choices=SPEC_TYPES,
-        default="none",
+        default=None,
         help="ngram-simple: each decode step proposes the tokens that followed the sequence's last "
-        "n-gram earlier in its context (prompt lookup), all checked in that one step, as many as "
-        "measured to pay (default: %(default)s)",
+        "n-gram earlier in its context (prompt lookup); draft-simple: what the draft model (-md) "
+        "writes; all checked in that one step, as many as measured to pay (default: draft-simple "
+        "with -md, else none)",
+    )
+    g.add_argument(
+        "-md",
+        "--model-draft",
+        "--spec-draft-model",
+        default=None,
+        metavar="FILE",
+        help="a draft model of the same vocabulary (a .gguf file or a Hugging Face folder), run whole "
+        "on --device-draft",
+    )
+    g.add_argument("-devd", "--device-draft", default=None, help="the draft model's device (default: cpu)")
+    g.add_argument(
+        "--draft-p-min",
+        "--spec-draft-p-min",
+        type=float,
+        default=0.0,
+        help="the draft model stops proposing where its most likely token is less likely (default: 0.0)",
     )
     g.add_argument(
         "--draft-max", "--draft", "--draft-n", type=int, default=16, help="most proposals a step carries (default: 16)"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..coordinator.launch import build_pipeline
+from ..coordinator.launch import build_pipeline, load_draft
 from ..devices import set_threads
 from ..engine import Engine
 from ..formats import open_model
@@ -67,13 +67,14 @@ def settings(args: argparse.Namespace) -> ServerSettings:
     }
     if sampling.get("seed") == -1:
         del sampling["seed"]
-    if args.spec_type != "none":
-        speculation = speculation_from_args(args)  # checked here, where a bad flag stops the start
+    speculation = speculation_from_args(args)  # checked here, where a bad flag stops the start
+    if speculation is not None:
         sampling |= {
-            "speculative.type": args.spec_type,
+            "speculative.type": speculation.kind,
             "speculative.n_max": speculation.n_max,
             "speculative.n_min": speculation.n_min,
             "speculative.ngram_size_n": speculation.ngram,
+            "speculative.p_min": speculation.p_min,
         }
     return ServerSettings(
         sampling=sampling,
@@ -165,8 +166,10 @@ def _load_in_background(model, args: argparse.Namespace, tokenizer) -> asyncio.F
 
     def load():
         try:
+            ctx = min(args.ctx_size, model.config.context_length)
+            draft = load_draft(args, tokenizer, args.parallel, ctx)  # before any weight ships
             pipeline, cluster = build_pipeline(model, args, n_slots=args.parallel)
-            engine = Engine(pipeline, tokenizer)
+            engine = Engine(pipeline, tokenizer, draft=draft)
         except Exception as e:  # noqa: BLE001 -- handed to the event loop, which re-raises it
             settle(future.set_exception, e)
             return

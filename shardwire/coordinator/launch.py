@@ -16,10 +16,12 @@ from ..devices import (
     stored_precision_dtype,
     torch_device,
 )
-from ..formats import ModelFile
+from ..engine.draft_model import DraftModel, check_vocabularies
+from ..formats import ModelFile, open_model
 from ..pipeline import LocalPipeline, Pipeline
 from ..pipeline.loading import load_stage
 from ..pipeline.plan import PlanDevice, make_plan, parse_overrides
+from ..tokenizer import load_tokenizer
 from ..weights.in_use import compute_line, missing_kernels_warning
 from ..weights.kernels import kernels_on
 from ..weights.measure import fastest_formats, prompt_products, provenance, row_products
@@ -163,6 +165,19 @@ def _local_devices(args: argparse.Namespace, accelerators: list[str], overrides:
 
 def _workers(args: argparse.Namespace) -> list[str]:
     return [a for a in (args.rpc or "").split(",") if a.strip()]
+
+
+def load_draft(args: argparse.Namespace, tokenizer, n_slots: int, ctx: int) -> DraftModel | None:
+    """The draft model -md names, whole on --device-draft (this machine's CPU unless given),
+    its cache sized for the pipeline's slots; a ValueError where its vocabulary is not the model's."""
+    if not getattr(args, "model_draft", None):
+        return None
+    model = open_model(args.model_draft)
+    check_vocabularies(tokenizer, load_tokenizer(model))
+    device = check_device(args.device_draft or "cpu")
+    dtype = stored_precision_dtype(default_dtype(device), device, model.matrix_type)
+    ctx = min(ctx, model.config.context_length)
+    return DraftModel(local_pipeline(model, device, dtype, args.weights, n_slots, ctx).stages[0], n_slots, ctx)
 
 
 def build_pipeline(

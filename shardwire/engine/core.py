@@ -32,7 +32,8 @@ from ..constrain import Grammar, RowConstraint, vocabulary_of
 from ..enums import PAGE, pages_for
 from ..pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from ..sampling import Sampled, SamplingParams
-from .drafting import Acceptance, Drafter, Speculation, StepCosts
+from .draft_model import DraftModel
+from .drafting import Acceptance, ByModel, Drafter, Lookup, Speculation, StepCosts
 from .output import Output
 from .pages import PagePool, prefix_hashes
 
@@ -160,7 +161,7 @@ class Handle:
 
 
 class _Sequence:
-    def __init__(self, handle: Handle, slot: int, output: Output, acceptance: Acceptance):
+    def __init__(self, handle: Handle, slot: int, output: Output):
         self.handle, self.request, self.slot = handle, handle.request, slot
         self.tokens = list(handle.request.prompt)
         self.n_prompt = len(self.tokens)
@@ -180,8 +181,7 @@ class _Sequence:
         self.failed = False  # a step of it failed: its pages may hold anything
         self.progress_at: dict[int, int] = {}  # prompt chunk's step id -> positions done once it is back
         self.prefill_rows: int | None = None  # rows a step of its first prefill took; a replay takes as many
-        speculation = handle.request.speculation
-        self.drafter = Drafter(speculation, acceptance) if speculation is not None else None
+        self.drafter: Drafter | None = None  # how its decode steps propose tokens (speculative decoding)
         self.proposal: list[int] = []  # what its next decode step proposes
 
     @property
@@ -190,8 +190,12 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512):
-        self.pipeline, self.tokenizer = pipeline, tokenizer
+    def __init__(
+        self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512, draft: DraftModel | None = None
+    ):
+        """`draft`: the model that requests' speculative type draft-simple proposes with (its
+        cache sized for the pipeline's slots)."""
+        self.pipeline, self.tokenizer, self.draft = pipeline, tokenizer, draft
         self.prefill_chunk = prefill_chunk
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[Handle] = []
@@ -204,7 +208,8 @@ class Engine:
         self._sent_at: dict[int, tuple[float, int]] = {}  # decode step id -> (when sent, width)
         self._checking: set[int] = set()  # the steps whose sampled rows check proposals: decode steps, replayed or not
         self.step_costs = StepCosts()
-        self.acceptance = Acceptance()  # of every sequence's proposals: where a new sequence's rate starts
+        # of every sequence's proposals, by kind: where a new sequence's rate starts
+        self.acceptance: dict[str, Acceptance] = {}
         self.pages = PagePool(pipeline.kv_pages)
         self.counters = Counters()
         # a recurrent state cannot start past position 0, so such a model reuses no prefix
@@ -289,6 +294,10 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             self._finish_handle(handle, "error", f"token ids must be in [0, {vocab}), the vocabulary of this model")
             return
+        speculation = handle.request.speculation
+        if speculation is not None and speculation.kind == "draft-simple" and self.draft is None:
+            self._finish_handle(handle, "error", "speculative type draft-simple needs a draft model (-md)")
+            return
         if handle.request.grammar is not None and not self._vocabulary_given:
             if self.tokenizer is None or not hasattr(self.pipeline, "use_vocabulary"):
                 self._finish_handle(handle, "error", "this engine cannot constrain output")
@@ -358,7 +367,8 @@ class Engine:
             handle = self._waiting[i]
             request = handle.request
             output = Output(self.tokenizer, request.prompt, request.stop, request.ignore_eos, request.kept_tokens)
-            seq = _Sequence(handle, self._free_slots[0], output, self.acceptance)
+            seq = _Sequence(handle, self._free_slots[0], output)
+            seq.drafter = self._drafter(request.speculation, seq.slot)
             seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
                 handle.prefix_hashes = seq.hashes  # not hashed again on the next pass
@@ -577,8 +587,15 @@ class Engine:
             self.pipeline.ctx - len(seq.tokens),  # positions left
             seq.request.max_tokens - seq.n_generated - 1,  # tokens wanted after the next
         )
-        found = drafter.lookup(seq.tokens, min(seq.request.speculation.n_max, max(room, 0)))
-        return found[: drafter.length(len(found), self.step_costs, room)]
+        return drafter.propose(seq.tokens, self.step_costs, max(room, 0))
+
+    def _drafter(self, speculation: Speculation | None, slot: int) -> Drafter | None:
+        if speculation is None:
+            return None
+        seen = self.acceptance.setdefault(speculation.kind, Acceptance())
+        if speculation.kind == "draft-simple":
+            return ByModel(speculation, seen, self.draft, slot)
+        return Lookup(speculation, seen)
 
     def _feeds(self, group: list[_Sequence]) -> list[list[int]]:
         """What each row of a decode step feeds: its last token and its proposals, all rows as
@@ -592,7 +609,7 @@ class Engine:
         for seq in group:
             tokens = [seq.tokens[-1], *seq.proposal[: width - 1]]
             if len(tokens) < width and seq.drafter is not None:
-                tokens += seq.drafter.lookup(seq.tokens, width)[len(tokens) - 1 : width - 1]
+                tokens += seq.drafter.filler(seq.tokens, len(tokens) - 1, width - len(tokens))
             fed.append(tokens + [seq.tokens[-1]] * (width - len(tokens)))
         return fed
 
@@ -639,7 +656,7 @@ class Engine:
             self.counters.draft_accepted += kept
             if seq.drafter is not None and proposed:
                 seq.drafter.checked(len(proposed), kept)
-                self.acceptance.checked(len(proposed), kept)
+                self.acceptance[seq.request.speculation.kind].checked(len(proposed), kept)
         for one in sampled:
             if seq.finished:
                 return

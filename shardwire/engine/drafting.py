@@ -5,13 +5,15 @@ step should carry.
 Prompt lookup: the sequence's last n tokens (n from `ngram` down to 2) are looked up earlier in
 its own context, prompt and output; the tokens that followed them there are the proposal. It
 costs no model and is right where the output repeats its input: editing code, summarising,
-answering from a document, repeating structure.
+answering from a document, repeating structure. A draft model (draft_model.py): a small model of
+the same vocabulary writes the proposal, greedily, in this process.
 
 How many to send is decided per step from what was measured: the sequence's acceptance rate
 (the chance that a proposal is kept once those before it were) and what a decode step of each
 width has cost. k proposals are worth their step when the tokens they are expected to yield,
 (1 - a^(k+1)) / (1 - a), per second of a step of width k + 1, beat one token per second of a step
-of width 1; a sequence whose proposals are rarely kept stops proposing, and so costs no more
+of width 1 (a draft model's time to write them counts with its step); a sequence whose
+proposals are rarely kept stops proposing, and so costs no more
 than decoding one token at a time, but for a probe now and then that keeps its rate current
 (none where even proposals all kept could not pay for their step).
 """
@@ -31,21 +33,32 @@ FORGET = 0.9  # what a step's count of kept and refused proposals weighs, one st
 PRIOR_WEIGHT = 2.0  # steps' worth of counts a new sequence starts from (the engine's rate)
 
 
+KINDS = ("ngram-simple", "draft-simple")  # llama-server's names: prompt lookup, a draft model
+
+
 @dataclass(frozen=True)
 class Speculation:
-    """How a request's decode steps propose tokens, with llama-server's names: at most `n_max`
-    proposals a step, none where fewer than `n_min` would go; prompt lookup matches n-grams of
-    up to `ngram` tokens (its --spec-ngram-size-n)."""
+    """How a request's decode steps propose tokens, with llama-server's names: `kind` (prompt
+    lookup, or the server's draft model), at most `n_max` proposals a step, none where fewer than
+    `n_min` would go; prompt lookup matches n-grams of up to `ngram` tokens (its
+    --spec-ngram-size-n); a draft model stops proposing where its most likely token is less
+    likely than `p_min`."""
 
+    kind: str = "ngram-simple"
     n_max: int = 16
     n_min: int = 0
     ngram: int = 3
+    p_min: float = 0.0
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"speculative type must be one of {', '.join(KINDS)}, not {self.kind!r}")
         if not 0 <= self.n_min <= self.n_max <= 64:
             raise ValueError("speculative n_min and n_max must satisfy 0 <= n_min <= n_max <= 64")
         if not MIN_NGRAM <= self.ngram <= 64:
             raise ValueError(f"speculative ngram size must be in [{MIN_NGRAM}, 64]")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError("speculative p_min must be in [0, 1]")
 
 
 class StepCosts:
@@ -115,15 +128,65 @@ class Acceptance:
 
 
 class Drafter:
-    """One sequence's prompt lookup and acceptance rate (starting from `prior`: the engine's,
-    over the sequences before it)."""
+    """One sequence's proposals and acceptance rate (starting from `prior`: the engine's, over
+    the sequences before it), and how many proposals its next step should carry."""
 
     def __init__(self, speculation: Speculation, prior: Acceptance | None = None):
         self.speculation = speculation
-        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(speculation.ngram + 1)]
-        self._seen = 0  # tokens indexed
         self.acceptance = (prior or Acceptance()).prior()
         self._waited = 0
+
+    def propose(self, tokens: list[int], costs: StepCosts, room: int) -> list[int]:
+        """What the sequence's next step proposes after `tokens` (at most `room`)."""
+        raise NotImplementedError
+
+    def filler(self, tokens: list[int], skip: int, n: int) -> list[int]:
+        """Up to n more likely tokens after the first `skip` of a proposal, where a step is wider
+        than this sequence's proposal."""
+        return []
+
+    def checked(self, proposed: int, kept: int) -> None:
+        """A step checked `proposed` of this sequence's tokens and kept the first `kept`: the
+        rate moves towards what the latest steps showed (a passage copied, then new text)."""
+        self.acceptance.checked(proposed, kept)
+
+    def length(self, found: int, costs: StepCosts, room: int, per_proposal: float = 0.0) -> int:
+        """How many of `found` proposals the next step should carry (at most `room`), each costing
+        `per_proposal` seconds to make."""
+        spec = self.speculation
+        most = min(found, spec.n_max, room)
+        if most < max(spec.n_min, 1):
+            return 0
+        base = costs.of(1)
+        if base is None:  # nothing measured yet
+            return 1
+        a = min(self.acceptance.rate, 0.999)
+        best, best_value, could_pay = 0, 1.0, False
+        # a width is tried once the one half as wide has been measured: the widths a stage takes
+        # fast are found a step at a time, without paying for one far past them
+        for k in (w - 1 for w in WIDTHS if w - 1 <= most and (w == 2 or costs.measured(w // 2))):
+            speed = base / (costs.of(k + 1) + k * per_proposal)
+            could_pay |= (k + 1) * speed > PAYS  # were every proposal kept
+            value = (1 - a ** (k + 1)) / (1 - a) * speed
+            if value > best_value:
+                best, best_value = k, value
+        if best < spec.n_min:
+            best = 0
+        if best == 0 and could_pay:
+            self._waited += 1
+            if self._waited >= PROBE_EVERY:  # a proposal now and then, to see whether the rate changed
+                self._waited = 0
+                return max(1, spec.n_min)
+        return best
+
+
+class Lookup(Drafter):
+    """Prompt lookup over the sequence's own tokens."""
+
+    def __init__(self, speculation: Speculation, prior: Acceptance | None = None):
+        super().__init__(speculation, prior)
+        self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(speculation.ngram + 1)]
+        self._seen = 0  # tokens indexed
 
     def _extend(self, tokens: list[int]) -> None:
         """Index each n-gram of tokens by where the token after its latest occurrence is."""
@@ -142,35 +205,21 @@ class Drafter:
                 return tokens[follows : follows + limit]
         return []
 
-    def checked(self, proposed: int, kept: int) -> None:
-        """A step checked `proposed` of this sequence's tokens and kept the first `kept`: the
-        rate moves towards what the latest steps showed (a passage copied, then new text)."""
-        self.acceptance.checked(proposed, kept)
+    def propose(self, tokens: list[int], costs: StepCosts, room: int) -> list[int]:
+        found = self.lookup(tokens, min(self.speculation.n_max, room))
+        return found[: self.length(len(found), costs, room)]
 
-    def length(self, found: int, costs: StepCosts, room: int) -> int:
-        """How many of `found` proposals the next step should carry (at most `room`)."""
-        spec = self.speculation
-        most = min(found, spec.n_max, room)
-        if most < max(spec.n_min, 1):
-            return 0
-        base = costs.of(1)
-        if base is None:  # nothing measured yet
-            return 1
-        a = min(self.acceptance.rate, 0.999)
-        best, best_value, could_pay = 0, 1.0, False
-        # a width is tried once the one half as wide has been measured: the widths a stage takes
-        # fast are found a step at a time, without paying for one far past them
-        for k in (w - 1 for w in WIDTHS if w - 1 <= most and (w == 2 or costs.measured(w // 2))):
-            speed = base / costs.of(k + 1)
-            could_pay |= (k + 1) * speed > PAYS  # were every proposal kept
-            value = (1 - a ** (k + 1)) / (1 - a) * speed
-            if value > best_value:
-                best, best_value = k, value
-        if best < spec.n_min:
-            best = 0
-        if best == 0 and could_pay:
-            self._waited += 1
-            if self._waited >= PROBE_EVERY:  # a proposal now and then, to see whether the rate changed
-                self._waited = 0
-                return max(1, spec.n_min)
-        return best
+    def filler(self, tokens: list[int], skip: int, n: int) -> list[int]:
+        return self.lookup(tokens, skip + n)[skip:]
+
+
+class ByModel(Drafter):
+    """A draft model's greedy continuation (draft_model.py), in the sequence's slot of it."""
+
+    def __init__(self, speculation: Speculation, prior: Acceptance | None, model, slot: int):
+        super().__init__(speculation, prior)
+        self.model, self.slot = model, slot
+
+    def propose(self, tokens: list[int], costs: StepCosts, room: int) -> list[int]:
+        k = self.length(min(self.speculation.n_max, room), costs, room, self.model.seconds_per_token)
+        return self.model.continuation(self.slot, tokens, k, self.speculation.p_min) if k else []

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from .. import __version__
 from ..constrain import ConstraintError, Grammar, vocabulary_of
 from ..engine import Event, Request
-from ..engine.drafting import MIN_NGRAM, Speculation
+from ..engine.drafting import KINDS, MIN_NGRAM, Speculation
 from ..sampling import MAX_LOGIT_BIAS, SamplingParams
 from .harmony import splitter
 from .reasoning import close_thinking, opens_thinking, tags_of
@@ -203,7 +203,7 @@ def _sampling(body: dict, logprobs: int | None, tokenizer=None) -> SamplingParam
     )
 
 
-SPEC_TYPES = ("none", "ngram-simple")  # llama-server's names of the kinds shardwire has
+SPEC_TYPES = ("none", *KINDS)  # llama-server's names of the kinds shardwire has
 
 
 def _speculation(body: dict) -> Speculation | None:
@@ -218,7 +218,8 @@ def _speculation(body: dict) -> Speculation | None:
     n_max = _number(body, "speculative.n_max", default.n_max, 0, 64, integer=True)
     n_min = _number(body, "speculative.n_min", default.n_min, 0, n_max, integer=True)
     ngram = _number(body, "speculative.ngram_size_n", default.ngram, MIN_NGRAM, 64, integer=True)
-    return Speculation(n_max, n_min, ngram)
+    p_min = _number(body, "speculative.p_min", default.p_min, 0, 1)
+    return Speculation(kind, n_max, n_min, ngram, float(p_min))
 
 
 def _stop(body: dict) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from shardwire.engine import Engine, Request
-from shardwire.engine.drafting import Acceptance, Speculation
+from shardwire.engine.drafting import Speculation
 from shardwire.formats import open_model
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
@@ -90,7 +90,7 @@ def test_a_replay_of_speculative_steps_gives_exactly_the_uninterrupted_tokens(se
     s.engine.step_costs = FreeWidth()  # proposals as long as the rate says, whatever steps cost here
 
     def asked():
-        s.engine.acceptance = Acceptance()  # each run starts from the same rate, so proposes the same
+        s.engine.acceptance = {}  # each run starts from the same rate, so proposes the same
         return Request(PROMPT * 3, GREEDY, max_tokens=150, ignore_eos=True, speculation=Speculation(n_max=7))
 
     first = s.engine.submit(asked())

@@ -11,11 +11,13 @@ import pytest
 
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request, core
-from shardwire.engine.drafting import PRIOR_WEIGHT, Acceptance, Drafter, Speculation, StepCosts
+from shardwire.engine.draft_model import DraftModel, check_vocabularies
+from shardwire.engine.drafting import PRIOR_WEIGHT, Acceptance, Drafter, Lookup, Speculation, StepCosts
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY, SamplingParams
+from shardwire.tokenizer import load_tokenizer
 
 from speculating import FreeWidth
 from workers import WorkerProcess
@@ -31,7 +33,7 @@ SEEDED = SamplingParams(temperature=0.9, seed=11)
 
 
 def test_lookup_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram():
-    drafter = Drafter(Speculation(ngram=3))
+    drafter = Lookup(Speculation(ngram=3))
     #        0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert drafter.lookup(tokens, 4) == [7, 8, 5, 2]  # 2, 3 last seen at 5, 6 (3 at 2 and 6 alike)
@@ -106,8 +108,8 @@ def copier(tmp_path_factory):
     return teach(folder, PROMPT, REPLY)
 
 
-def generate(pipeline, sampling, speculation=None, n=len(REPLY) + 6):
-    engine = Engine(pipeline)
+def generate(pipeline, sampling, speculation=None, n=len(REPLY) + 6, draft=None):
+    engine = Engine(pipeline, draft=draft)
     engine.step_costs = FreeWidth()
     try:
         handle = engine.submit(Request(PROMPT, sampling, max_tokens=n, ignore_eos=True, speculation=speculation))
@@ -133,6 +135,55 @@ def test_in_one_process_speculation_gives_the_same_tokens_in_fewer_steps(copier,
     assert steps < plain_steps - len(REPLY) // 2
 
 
+def draft_model(folder, n_slots=1, ctx=128) -> DraftModel:
+    model = open_model(folder)
+    return DraftModel(load_stage(model, 0, model.config.n_layers), n_slots, ctx)
+
+
+@pytest.fixture(scope="module")
+def smaller(tmp_path_factory):
+    """A 2-block model of the copier's vocabulary that was never taught its reply."""
+    from shardwire_kit.convert import tiny_hf_model
+
+    config = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    return tiny_hf_model(tmp_path_factory.mktemp("smaller") / "hf", "LlamaConfig", "LlamaForCausalLM", config, seed=5)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_draft_models_proposals_give_the_tokens_of_plain_decoding(copier, smaller, sampling):
+    """The copier drafting for itself proposes what it writes; a smaller untaught model of its
+    vocabulary proposes other tokens, refused: either way the tokens are plain decoding's."""
+    plain, _, plain_steps = generate(one_process(copier), sampling)
+    spec = Speculation("draft-simple", n_max=8)
+    tokens, stats, steps = generate(one_process(copier), sampling, spec, draft=draft_model(copier))
+    assert tokens == plain and stats.draft_n_accepted >= len(REPLY) // 2 and steps < plain_steps
+    tokens, stats, _ = generate(one_process(copier), sampling, spec, draft=draft_model(smaller))
+    assert tokens == plain and stats.draft_n > stats.draft_n_accepted
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_before_anything_loads(copier, capsys):
+    from shardwire.cli.main import main
+
+    from models import model_path
+
+    with pytest.raises(ValueError, match="vocabulary"):
+        check_vocabularies(load_tokenizer(open_model(copier)), load_tokenizer(open_model(model_path("llama"))))
+    assert main(["generate", str(copier), "-p", "Hello", "-n", "2", "-md", str(model_path("llama"))]) == 1
+    assert "vocabulary" in capsys.readouterr().err
+
+
+def test_draft_simple_without_a_draft_model_is_a_clear_error(copier):
+    engine = Engine(one_process(copier))
+    try:
+        handle = engine.submit(Request(PROMPT, GREEDY, max_tokens=4, speculation=Speculation("draft-simple")))
+        handle.result()
+        assert handle.finish_reason == "error" and "-md" in handle.error
+    finally:
+        engine.close()
+
+
 def test_over_two_workers_speculation_gives_the_tokens_of_one_process(copier, tmp_path):
     reference, _, _ = generate(one_process(copier), GREEDY)
     workers = [WorkerProcess(tmp_path / f"cache{i}").start() for i in range(2)]
@@ -141,11 +192,13 @@ def test_over_two_workers_speculation_gives_the_tokens_of_one_process(copier, tm
         try:
             cluster.connect(open_model(copier))
             pipeline = cluster.load(cluster.make_plan(tensor_split=[1, 1], ctx=128, dtype="float32"))
+            draft = draft_model(copier)
             for sampling in (GREEDY, SEEDED):
-                tokens, stats, _ = generate(pipeline, sampling, Speculation(n_max=8))
                 plain, _, _ = generate(pipeline, sampling)
-                assert tokens == plain
-                assert stats.draft_n_accepted >= len(REPLY) // 2
+                for speculation in (Speculation(n_max=8), Speculation("draft-simple", n_max=8)):
+                    tokens, stats, _ = generate(pipeline, sampling, speculation, draft=draft)
+                    assert tokens == plain
+                    assert stats.draft_n_accepted >= len(REPLY) // 2
             assert plain == reference or sampling is SEEDED
         finally:
             cluster.close()
@@ -165,8 +218,6 @@ def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_ti
     import asyncio
 
     from aiohttp import ClientSession
-
-    from shardwire.tokenizer import load_tokenizer
 
     from served import served
 
@@ -204,19 +255,25 @@ def test_generate_and_serve_take_llama_servers_speculative_flags():
     from shardwire.cli.serve import settings
 
     parser = build_parser()
+
+    def generate_args(*flags):
+        return speculation_from_args(parser.parse_args(["generate", "m.gguf", "-p", "x", *flags]))
+
     flags = ["--spec-type", "ngram-simple", "--draft-max", "5", "--draft-min", "2", "--spec-ngram-size-n", "4"]
-    assert speculation_from_args(parser.parse_args(["generate", "m.gguf", "-p", "x", *flags])) == Speculation(5, 2, 4)
-    assert speculation_from_args(parser.parse_args(["generate", "m.gguf", "-p", "x"])) is None
+    assert generate_args(*flags) == Speculation("ngram-simple", 5, 2, 4)
+    assert generate_args() is None
+    assert generate_args("-md", "d.gguf", "--draft-p-min", "0.5") == Speculation("draft-simple", p_min=0.5)
+    assert generate_args("-md", "d.gguf", "--spec-type", "none") is None
+    with pytest.raises(ValueError, match="-md"):
+        generate_args("--spec-type", "draft-simple")
     defaults = settings(parser.parse_args(["serve", "m.gguf", *flags])).sampling
     assert {k: v for k, v in defaults.items() if k.startswith("speculative.")} == {
         "speculative.type": "ngram-simple",
         "speculative.n_max": 5,
         "speculative.n_min": 2,
         "speculative.ngram_size_n": 4,
+        "speculative.p_min": 0.0,
     }
+    bad = ["--spec-type", "ngram-simple", "--draft-min", "9", "--draft-max", "3"]
     with pytest.raises(ValueError, match="n_min"):
-        settings(
-            parser.parse_args(
-                ["serve", "m.gguf", "--spec-type", "ngram-simple", "--draft-min", "9", "--draft-max", "3"]
-            )
-        )
+        settings(parser.parse_args(["serve", "m.gguf", *bad]))
