@@ -218,6 +218,7 @@ class Engine:
         pipeline.on_wake = lambda: self._inbox.put((self._on_wake, None))
         self._recoverable = isinstance(pipeline, Recoverable)
         self._vocabulary_given = False
+        self._said_recurrent = False  # that a recurrent model does not speculate, once
         self._thread = threading.Thread(target=self._loop, name="shardwire-engine", daemon=True)
         self._thread.start()
 
@@ -298,6 +299,12 @@ class Engine:
         if speculation is not None and speculation.kind == "draft-simple" and self.draft is None:
             self._finish_handle(handle, "error", "speculative type draft-simple needs a draft model (-md)")
             return
+        if speculation is not None and getattr(self.pipeline, "recurrent", False) and not self._said_recurrent:
+            self._said_recurrent = True
+            log.warning(
+                "speculative decoding is off for this model: its blocks' recurrent state cannot take back "
+                "refused proposals, so each step decodes one token"
+            )
         if handle.request.grammar is not None and not self._vocabulary_given:
             if self.tokenizer is None or not hasattr(self.pipeline, "use_vocabulary"):
                 self._finish_handle(handle, "error", "this engine cannot constrain output")

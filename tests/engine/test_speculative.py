@@ -163,6 +163,58 @@ def test_a_draft_models_proposals_give_the_tokens_of_plain_decoding(copier, smal
     assert tokens == plain and stats.draft_n > stats.draft_n_accepted
 
 
+def _family_file(family: str):
+    from shardwire_kit import convert
+
+    from models import converted_checkpoint, model_path
+
+    if family in ("llama", "qwen3moe"):
+        return model_path(family, "F32" if family == "llama" else "Q8_0")
+    make = {
+        "gemma3": convert.tiny_gemma3,
+        "deepseek2": convert.tiny_deepseek3,
+        "glm4moe": convert.tiny_glm4moe,
+        "gpt-oss": convert.tiny_gpt_oss,
+    }
+    return converted_checkpoint(family, make[family], "hf")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss"])
+def test_every_family_checks_proposals_in_one_step_as_it_decodes_them(family):
+    """The model drafting for itself: each step carries proposals it keeps (its own greedy tokens),
+    the positions through its blocks' decode graphs as rows of one position (sliding windows,
+    attention sinks, latent attention, experts), and the tokens are plain decoding's."""
+    path = _family_file(family)
+    prompt = PROMPT[:12]
+
+    def run(speculation=None, draft=None):
+        engine = Engine(one_process(path), draft=draft)
+        engine.step_costs = FreeWidth()
+        try:
+            handle = engine.submit(Request(prompt, GREEDY, max_tokens=24, ignore_eos=True, speculation=speculation))
+            handle.result()
+            assert handle.error is None, handle.error
+            return handle.tokens, handle.stats
+        finally:
+            engine.close()
+
+    plain, _ = run()
+    tokens, stats = run(Speculation("draft-simple", n_max=7), draft_model(path))
+    assert tokens == plain
+    assert stats.draft_n_accepted >= 12, (stats.draft_n, stats.draft_n_accepted)
+
+
+def test_a_hybrid_decodes_one_token_a_step_and_says_why(caplog):
+    from models import model_path
+
+    path = model_path("qwen35", "Q8_0")
+    plain, _, _ = generate(one_process(path), GREEDY)
+    with caplog.at_level("WARNING", logger="shardwire.engine"):
+        tokens, stats, _ = generate(one_process(path), GREEDY, Speculation("draft-simple"), draft=draft_model(path))
+    assert tokens == plain and stats.draft_n == 0
+    assert "recurrent state cannot take back" in caplog.text
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_before_anything_loads(copier, capsys):
     from shardwire.cli.main import main
 
