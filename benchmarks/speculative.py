@@ -17,7 +17,20 @@ Prompt kinds:
 
 Models: glassllm (a 4-block Llama trained on Alice in Wonderland); glassllm taught the passage the
 grounded prompt quotes (glassllm_taught_path); the 1B layout in Q4_0 from benchmarks/models.py
-(random weights: its continuations are not text).
+(random weights: its continuations are not text); the small Qwen3.5-MoE layout (moe35-q8_0, random
+weights), a hybrid whose delta-net state each stage takes back to before a step's refused
+proposals.
+
+Random weights write nothing a drafter could foresee, so the hybrid also runs the grounded prompt
+with proposals set to be kept at a known rate (shardwire_kit.drafting.Scripted: plain decoding's
+own tokens, 7 a step): "scripted-all" keeps every one, "scripted-some" one wrong per proposal a
+place further on each step (0 to 7 kept in turn, half on average). Those rows measure what
+checking proposals, and taking refused ones back, cost a hybrid; not a drafter. (Where a step of
+several rows rounds a near-tie the other way, the output parts from plain decoding's and so do
+the scripted proposals: the "tokens" column says so.)
+
+Per cell it also prints the decode steps' costs by width as the engine measured them (what the
+length of proposals is chosen from) and the tokens each step gave.
 """
 
 from __future__ import annotations
@@ -36,11 +49,12 @@ import torch
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
 from shardwire.engine.draft_model import DraftModel
-from shardwire.engine.drafting import Speculation
+from shardwire.engine.drafting import Acceptance, Speculation
 from shardwire.formats import open_model
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY
 from shardwire.tokenizer import load_tokenizer
+from shardwire_kit.drafting import Scripted
 
 from .models import CACHE, WORKLOADS, ensure, llama_cpp_prefix
 from .relay import Relay, Shaping
@@ -59,6 +73,22 @@ PROMPTS = {
 # the prompts a model runs, where not all: the taught glassllm writes its passage over and over
 # where nothing in the prompt begins it (its teaching took its other text)
 KINDS = {"glassllm-en-taught": ("grounded",)}
+SCRIPTED = {"moe35-q8_0"}  # the models also run with Scripted's proposals
+SCRIPTED_N = 7  # proposals a scripted step carries: steps 8 wide, one of the widths the engine takes
+
+
+class ScriptingEngine(Engine):
+    """The engine, its sequences' proposals Scripted's while `script` is set: (plain decoding's
+    tokens, the prompt's length, whether some are wrong)."""
+
+    script: tuple[list[int], int, bool] | None = None
+
+    def _drafter(self, speculation, slot):
+        if self.script is None:
+            return super()._drafter(speculation, slot)
+        written, n_prompt, refusing = self.script
+        self.acceptance.setdefault(speculation.kind, Acceptance())
+        return Scripted(written, n_prompt, self.pipeline.vocab_size, SCRIPTED_N, refusing)
 
 
 def glassllm_path() -> Path:
@@ -128,7 +158,10 @@ def start_workers(n: int, log: Path) -> list[Server]:
     return workers
 
 
-def one_run(engine: Engine, prompt: list[int], n: int, speculation: Speculation | None) -> dict:
+def one_run(engine: ScriptingEngine, prompt: list[int], n: int, variant: tuple) -> dict:
+    """`variant`: (speculation, script) as ScriptingEngine takes it."""
+    speculation, engine.script = variant
+    steps = engine.counters.decode_steps
     handle = engine.submit(Request(prompt, GREEDY, max_tokens=n, ignore_eos=True, speculation=speculation))
     handle.result()
     if handle.error:
@@ -139,6 +172,7 @@ def one_run(engine: Engine, prompt: list[int], n: int, speculation: Speculation 
         "tokens": handle.tokens,
         "draft_n": s.draft_n,
         "draft_n_accepted": s.draft_n_accepted,
+        "steps": engine.counters.decode_steps - steps,  # the first token comes from the prompt's step
     }
 
 
@@ -149,13 +183,13 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
     kinds = KINDS.get(_name(path), tuple(PROMPTS))
     prompts = {kind: tokenizer.encode(PROMPTS[kind])[: model.config.context_length - n_gen - 1] for kind in kinds}
     ctx = min(model.config.context_length, 512)
-    variants = {"plain": None, "lookup": Speculation(n_max=args.draft_max)}
+    variants = {"plain": (None, None), "lookup": (Speculation(n_max=args.draft_max), None)}
     draft = None
     if _name(path) in DRAFTS and not args.no_draft:
         folder = DRAFTS[_name(path)]()
         draft_file = open_model(folder)
         draft = DraftModel(load_stage(draft_file, 0, draft_file.config.n_layers, weights="fast"), 1, ctx)
-        variants["draft"] = Speculation("draft-simple", n_max=args.draft_max)
+        variants["draft"] = (Speculation("draft-simple", n_max=args.draft_max), None)
     shaping = Shaping(enabled=True)
     workers = start_workers(n_workers, log)
     relays = [Relay(tuple_address(w.address), shaping=shaping) for w in workers]
@@ -165,18 +199,25 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
         try:
             cluster.connect(model)
             pipeline = cluster.load(cluster.make_plan(ctx=ctx, weights="auto"))  # as `serve` plans by default
-            engine = Engine(pipeline, tokenizer, draft=draft)
+            engine = ScriptingEngine(pipeline, tokenizer, draft=draft)
             try:
                 for delay in delays:
                     shaping.delay_s = delay / 1000
                     for kind, prompt in prompts.items():
-                        one_run(engine, prompt, 8, None)  # warm the links and the graphs at this delay
+                        # warm the links and the graphs at this delay; what plain decoding writes
+                        written = one_run(engine, prompt, n_gen, variants["plain"])["tokens"]
+                        scripted = _name(path) in SCRIPTED and kind == "grounded"
+                        for name, refusing in (("scripted-all", False), ("scripted-some", True)):
+                            variants.pop(name, None)
+                            if scripted:
+                                variants[name] = (Speculation(n_max=SCRIPTED_N), (written, len(prompt), refusing))
                         runs = {name: [] for name in variants}
                         for alt in range(args.alternations):
                             order = list(variants) if alt % 2 == 0 else list(reversed(variants))
                             for name in order:
                                 runs[name].append(one_run(engine, prompt, n_gen, variants[name]))
                         rows.append(_row(path, n_workers, delay, kind, runs))
+                        rows[-1]["step_ms"] = {w: round(c * 1000, 2) for w, c in engine.step_costs.by_width().items()}
                         print(_line(rows[-1]), flush=True)
             finally:
                 engine.close()
@@ -209,6 +250,9 @@ def _row(path: Path, n_workers: int, delay: float, kind: str, runs: dict) -> dic
                 "ratio": round(tps / plain, 3) if plain else None,
                 "draft_n": sum(r["draft_n"] for r in runs[name]),
                 "draft_n_accepted": sum(r["draft_n_accepted"] for r in runs[name]),
+                "tokens_per_step": round(sum(len(r["tokens"]) - 1 for r in runs[name]) / steps, 2)
+                if (steps := sum(r["steps"] for r in runs[name]))
+                else None,
             }
     return row
 
@@ -223,7 +267,7 @@ def tuple_address(address: str) -> tuple[str, int]:
 
 
 def _variants(row: dict) -> list[str]:
-    return [name for name in ("lookup", "draft") if name in row]
+    return [name for name in ("lookup", "draft", "scripted-all", "scripted-some") if name in row]
 
 
 def _line(row: dict) -> str:
@@ -233,9 +277,19 @@ def _line(row: dict) -> str:
     ]
     for name in _variants(row):
         v = row[name]
-        parts.append(f"{name} {v['tps']:8.2f} t/s {v['ratio']:.2f}x kept {v['draft_n_accepted']}/{v['draft_n']}")
+        parts.append(
+            f"{name} {v['tps']:8.2f} t/s {v['ratio']:.2f}x kept {v['draft_n_accepted']}/{v['draft_n']} "
+            f"{v['tokens_per_step']} tokens/step"
+        )
     parts.append("same tokens" if row["same_tokens"] else "TOKENS DIFFER")
-    return "  ".join(parts)
+    return "  ".join(parts) + f"\n    step cost by width: {_costs(row)}"
+
+
+def _costs(row: dict) -> str:
+    """Each width's step cost, and as a multiple of a one-token step's."""
+    costs = row.get("step_ms") or {}
+    one = costs.get(1)
+    return ", ".join(f"{w}: {ms} ms" + (f" ({ms / one:.2f}x)" if one else "") for w, ms in costs.items())
 
 
 def report(rows: list[dict], machine: dict) -> str:
@@ -247,16 +301,17 @@ def report(rows: list[dict], machine: dict) -> str:
         f"commit {machine.get('commit')}{dirty}. Decode tokens/s, the median of each variant's runs; "
         "lookup: prompt lookup (--spec-type ngram-simple); draft: the draft model (-md).",
         "",
-        "| model | workers | one-way delay | prompt | plain t/s | variant | t/s | ratio | proposals kept | tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | workers | one-way delay | prompt | plain t/s | variant | t/s | ratio | proposals kept | "
+        "tokens/step | tokens | step cost by width |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for name in _variants(r):
             v = r[name]
             out.append(
                 f"| {r['model']} | {r['workers']} | {r['delay_ms']} ms | {r['prompt']} | {r['plain_tps']} | {name} | "
-                f"{v['tps']} | {v['ratio']}x | {v['draft_n_accepted']}/{v['draft_n']} | "
-                f"{'same' if r['same_tokens'] else 'differ'} |"
+                f"{v['tps']} | {v['ratio']}x | {v['draft_n_accepted']}/{v['draft_n']} | {v['tokens_per_step']} | "
+                f"{'same' if r['same_tokens'] else 'differ'} | {_costs(r)} |"
             )
     return "\n".join(out) + "\n"
 
@@ -284,9 +339,36 @@ def main(argv=None) -> int:
         for n in (int(w) for w in args.workers.split(",")):
             rows += measure(path, n, delays, args, args.out / "workers.log")
     (args.out / "speculative.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    (args.out / "speculative.md").write_text(report(rows, machine))
+    (args.out / "speculative.md").write_text(report(rows, machine) + "\n" + summary(rows) + "\n")
     print(report(rows, machine))
+    print(summary(rows))
     return 0
+
+
+def summary(rows: list[dict], delay: float = 5.0, workers: int = 3) -> str:
+    """The headline figures at `delay` ms and `workers`: prompt lookup on grounded prompts (the
+    models that go on with a passage of their prompt: glassllm taught it), its worst cell on
+    open-ended prompts, the draft model's on open-ended prompts; before them, the hybrid's with
+    scripted proposals. A figure not measured in this run is "n/a"."""
+    cells = [r for r in rows if r["delay_ms"] == delay and r["workers"] == workers]
+
+    def ratio(variant: str, prompt: str, models=None, pick=min) -> str:
+        found = [
+            r[variant]["ratio"]
+            for r in cells
+            if r["prompt"] == prompt and variant in r and (models is None or r["model"] in models)
+        ]
+        return f"{pick(found):.2f}x" if found else "n/a"
+
+    hybrid = (
+        f"hybrid ({', '.join(sorted(SCRIPTED))}, scripted proposals): all kept {ratio('scripted-all', 'grounded')}, "
+        f"some kept {ratio('scripted-some', 'grounded')} ({delay:g} ms links, {workers} workers)"
+    )
+    return (
+        f"{hybrid}\nspeculative decoding: grounded {ratio('lookup', 'grounded', {'glassllm-en-taught'})}, "
+        f"open-ended {ratio('lookup', 'open')}, draft model {ratio('draft', 'open')} "
+        f"({delay:g} ms links, {workers} workers)"
+    )
 
 
 def _kernel_line() -> str:

@@ -180,6 +180,24 @@ class Grammar:
         return cls.of(grammar)
 
 
+class ProposalCheck:
+    """A speculating sequence's grammar as the coordinator follows it (its own matcher, moved on
+    by the tokens kept): how much of a proposal the grammar allows, so that a step never carries
+    a proposal the sampler would have to refuse."""
+
+    def __init__(self, vocabulary: Vocabulary, grammar: Grammar, generated: list[int]):
+        self.matcher = llguidance.LLMatcher(vocabulary.lltokenizer(), grammar.text, log_level=0, limits=_limits())
+        if generated:
+            self.matcher.consume_tokens(generated)
+
+    def allowed(self, proposal: list[int]) -> list[int]:
+        """The longest start of `proposal` the grammar allows after the tokens kept so far."""
+        return proposal[: self.matcher.validate_tokens(proposal)] if proposal else proposal
+
+    def kept(self, token: int) -> None:
+        self.matcher.consume_token(token)  # a failure leaves it in its error state: no proposal passes
+
+
 # -- what a row tells the sampler ---------------------------------------------------------------
 
 

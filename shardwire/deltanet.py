@@ -9,7 +9,8 @@ exp(g) and learns v at rate beta (the delta rule):
 
 then an RMS norm gated by silu(z) and the output projection. A prompt runs the chunked form (the
 same result through a few matrix products per 64 tokens); decode runs the recurrent form above,
-one step per token, never re-reading the history.
+one step per token, never re-reading the history, and so does a step that checks proposals
+(StepContext.as_decoded), whose positions must come out as decoding them one at a time would.
 
 Tensors are in the form llama.cpp's converter writes: A as -exp(A_log), and value heads in tiled
 order (value head h reads query/key head h % k_heads); models/qwen35.from_transformers brings a
@@ -55,14 +56,24 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, ctx) -> torch.Tensor:
         B, T, _ = x.shape
+        projected = self._project(x)
+        if T > 1 and ctx.as_decoded:  # position by position, each as a decode step mixes it, to the bit
+            at = [[p[:, t : t + 1].contiguous() for p in projected] for t in range(T)]
+            mixed = torch.cat([self._mix(*p, cache.recurrent, layer, ctx.rows) for p in at], dim=1)
+        else:
+            mixed = self._mix(*projected, cache.recurrent, layer, ctx.rows)
+        return self.w_out(mixed.to(x.dtype))
+
+    def _mix(self, qkv, z, b, a, state, layer: int, rows) -> torch.Tensor:
+        """The projections of T positions [B, T, ...] through the convolution and the delta rule,
+        from and into the slots' (`rows`) state: the gated outputs [B, T, v_heads * v_dim]."""
+        B, T, _ = qkv.shape
         Hk, Dk, Hv, Dv = self.k_heads, self.k_dim, self.v_heads, self.v_dim
-        state = cache.recurrent
-        qkv, z, b, a = self._project(x)
 
         # causal convolution over the last taps - 1 inputs (state) and the new ones
         conv_state = state.conv[layer]
-        window = torch.cat((conv_state[ctx.rows], qkv.transpose(1, 2)), dim=-1)  # [B, channels, taps - 1 + T]
-        conv_state[ctx.rows] = window[..., -conv_state.shape[-1] :]
+        window = torch.cat((conv_state[rows], qkv.transpose(1, 2)), dim=-1)  # [B, channels, taps - 1 + T]
+        conv_state[rows] = window[..., -conv_state.shape[-1] :]
         if T == 1:  # one output per channel: a product with the taps, far cheaper than a conv1d call
             mixed = F.silu((window * self.conv).sum(-1, keepdim=True)).transpose(1, 2)
         else:
@@ -76,20 +87,20 @@ class GatedDeltaNet(nn.Module):
 
         delta = state.delta[layer]
         if T == 1:  # value head h reads query/key head h % Hk: a broadcast over groups of Hk heads
-            out, final = recurrent_delta_rule(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), delta[ctx.rows])
+            out, final = recurrent_delta_rule(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), delta[rows])
         else:
             if Hv != Hk:  # tiled: value head h reads query/key head h % Hk
                 q, k = q.repeat(1, 1, Hv // Hk, 1), k.repeat(1, 1, Hv // Hk, 1)
-            out, final = chunked_delta_rule(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), delta[ctx.rows])
-        delta[ctx.rows] = final
+            out, final = chunked_delta_rule(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), delta[rows])
+        delta[rows] = final
 
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Dv]
+        out = out.transpose(1, 2).to(qkv.dtype)  # [B, T, Hv, Dv]
         if out.dtype == torch.float32:
             normed = F.rms_norm(out, (Dv,), self.norm, self.eps)
         else:  # as transformers: normalize in float32, round, then scale
-            normed = self.norm * F.rms_norm(out.float(), (Dv,), None, self.eps).to(x.dtype)
+            normed = self.norm * F.rms_norm(out.float(), (Dv,), None, self.eps).to(qkv.dtype)
         gated = normed * F.silu(z.reshape(B, T, Hv, Dv).float())
-        return self.w_out(gated.to(x.dtype).reshape(B, T, Hv * Dv))
+        return gated.reshape(B, T, Hv * Dv)
 
 
 L2_EPS = 1e-6  # queries' and keys' L2 norm, as transformers' and llama.cpp's

@@ -234,11 +234,13 @@ class RecurrentState:
     held transposed, [v_dim, k_dim], as ggml's gated_delta_net holds it (float32: it accumulates
     over the whole sequence).
 
-    Unlike a KV cache this state cannot be truncated or rewound: it holds every position folded
-    together. A slot's state is valid only for the positions it has consumed; a sequence that
-    starts again at position 0 (a new sequence, or a replay after recovery) starts from zeros,
-    and any other start but the next position is refused. Whatever reuses or rewinds cached
-    positions (prefix reuse, speculative decoding) must keep a copy or replay from the start."""
+    Unlike a KV cache this state cannot be truncated: it holds every position folded together.
+    A slot's state is valid only for the positions it has consumed; a sequence that starts again
+    at position 0 (a new sequence, or a replay after recovery) starts from zeros. A step that
+    checks proposals keeps a copy of its slots' state from before it, with the inputs it fed
+    (keep); a next step that starts inside it (some proposals refused) takes the copy back and
+    feeds again the inputs of the positions kept (rewind). Any other start but the next position
+    is refused."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int, n_slots: int, dtype: torch.dtype, device):
         self.conv = torch.zeros(
@@ -248,6 +250,8 @@ class RecurrentState:
             n_layers, n_slots, cfg.ssm_v_heads, cfg.ssm_v_dim, cfg.ssm_k_dim, dtype=torch.float32, device=device
         )
         self.consumed: list[int | None] = [0] * n_slots  # positions folded in; None: unknown (a failed step)
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> keep()'s copy, made on first use
+        self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position of its copy, inputs fed since)
 
     @staticmethod
     def nbytes_for(cfg: ModelConfig, n_layers: int, n_slots: int, dtype: torch.dtype) -> int:
@@ -257,7 +261,35 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.delta.nbytes
+        copies = sum(conv.nbytes + delta.nbytes for conv, delta in self.copies.values())
+        return self.conv.nbytes + self.delta.nbytes + copies
+
+    def keep(self, slot: int, start: int, inputs: torch.Tensor) -> None:
+        """Before a step that feeds `inputs` (a row's token ids or hidden states) at `start`:
+        copy the slot's state, so that a later step may start at any of those positions. Only
+        the slots of sequences that speculate hold a copy (as much again as their state)."""
+        if slot not in self.copies:
+            self.copies[slot] = (self.conv[:, slot].clone(), self.delta[:, slot].clone())
+        conv, delta = self.copies[slot]
+        conv.copy_(self.conv[:, slot])
+        delta.copy_(self.delta[:, slot])
+        self.kept[slot] = (start, inputs)
+
+    def rewind(self, slot: int, start: int) -> tuple[int, torch.Tensor] | None:
+        """Where a step starts at `start` inside the slot's last kept step: its state as it was
+        before that step, and (where it was, the inputs to feed again up to `start`). None where
+        the state has nothing to take back."""
+        kept = self.kept.pop(slot, None)
+        if start == 0 or start == self.consumed[slot] or kept is None:
+            return None
+        at, inputs = kept
+        if self.consumed[slot] != at + len(inputs) or not at <= start < at + len(inputs):
+            return None  # begin() says why the start is refused
+        conv, delta = self.copies[slot]
+        self.conv[:, slot] = conv
+        self.delta[:, slot] = delta
+        self.consumed[slot] = at
+        return at, inputs[: start - at]
 
     def begin(self, slots: list[int], starts: list[int], n_tokens: int) -> None:
         """Before a step: reset the slots whose sequence starts at 0, check that the others
@@ -282,6 +314,7 @@ class RecurrentState:
         self.conv[:, slot].zero_()
         self.delta[:, slot].zero_()
         self.consumed[slot] = 0
+        self.kept.pop(slot, None)
 
 
 def pool_pages(n_slots: int, ctx: int, kv_tokens: int | None = None) -> int:

@@ -142,6 +142,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+# Up to this many rows, a step's (a decode step's, a verification step's) mixtures of experts
+# compute each row as decoding it alone would, to the bit: its router's product a row at a time,
+# its experts' outputs summed in the order it chose them.
+AS_DECODED = 64
+
+
 @dataclass
 class StepContext:
     """What every block of a forward pass shares: where the new tokens go and what they see.
@@ -157,6 +163,7 @@ class StepContext:
     dtype: torch.dtype  # the stage's compute dtype
     local_inv_freq: torch.Tensor | None = None  # those of blocks with local RoPE (Gemma 3's sliding ones)
     gain: float = 1.0  # on the (global) RoPE's cos and sin: rope_gain
+    as_decoded: bool = False  # each position computed as a decode step of it alone would (proposals checked)
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -485,6 +492,15 @@ class FeedForward(nn.Module):
         return self.down(self.act(gate, up))
 
 
+def _as_decoded(product: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A small dense product of a step's rows x [rows, dim] a row at a time where they are few (a
+    verification step's), as decoding each alone computes it: PyTorch's product of several rows
+    rounds otherwise than of one, enough to change which experts a row chooses."""
+    if 1 < x.shape[0] <= AS_DECODED:
+        return torch.cat([product(row) for row in x.split(1)])
+    return product(x)
+
+
 class MixtureOfExperts(nn.Module):
     """A sparse feed-forward: the router scores every expert for each token (softmax, or sigmoid
     with a bias where they are chosen: ModelConfig.expert_gating), the top n_experts_used run on it,
@@ -523,7 +539,7 @@ class MixtureOfExperts(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts [rows, k] and their weights [rows, k] in x's dtype."""
-        logits = self.router(x).float()
+        logits = _as_decoded(self.router, x).float()
         if self.softmax_of_chosen:
             top, chosen = logits.topk(self.k, dim=-1)
             weights = F.softmax(top, dim=-1)
@@ -551,7 +567,9 @@ class MixtureOfExperts(nn.Module):
         out = self.routed(x)
         if self.shared is not None:
             shared = self.shared(x)
-            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
+            out = out + (
+                shared if self.shared_gate is None else torch.sigmoid(_as_decoded(self.shared_gate, x)) * shared
+            )
         return out.view(shape)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
@@ -566,6 +584,8 @@ class MixtureOfExperts(nn.Module):
                 out = y if out is None else out + y
             return out
         # Several rows: group them by expert, one product per expert that has rows.
+        if x.shape[0] <= AS_DECODED:  # each row's sum in its choices' order, as decoding it alone
+            return self._summed_in_order(x, chosen, weights)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -578,6 +598,19 @@ class MixtureOfExperts(nn.Module):
                 rows = rows_of[start : start + n]
                 out.index_add_(0, rows, self.experts[e](x[rows]) * row_weights[start : start + n])
                 start += n
+        return out
+
+    def _summed_in_order(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The rows' expert outputs each in its place of [rows, k, dim], then summed over k in turn."""
+        parts = x.new_empty(x.shape[0], self.k, x.shape[1])
+        flat = chosen.flatten()
+        for e in flat.unique().tolist():
+            at = (flat == e).nonzero().squeeze(1)  # (row, rank) pairs, flattened
+            rows = at // self.k
+            parts.view(-1, x.shape[1])[at] = self.experts[e](x[rows]) * weights.flatten()[at, None]
+        out = parts[:, 0]
+        for rank in range(1, self.k):
+            out = out + parts[:, rank]
         return out
 
 
@@ -798,34 +831,76 @@ class Stage(nn.Module):
         all_logits)."""
         if self.cache is None:
             raise RuntimeError("allocate_cache() before forward()")
+        recurrent = self.cache.recurrent
+        if recurrent is not None:
+            self._take_back(slots, starts, pages)
+            if all_logits and len(x[0]) > 1:  # proposals it may refuse: keep the state from before them
+                for i, (slot, start) in enumerate(zip(slots, starts)):
+                    recurrent.keep(slot, start, torch.as_tensor(x[i]).clone())
         runner = self.runner
-        if all_logits and runner is not None and self.cache.recurrent is None and (runner.logits or not self.last):
-            # a verification step's few positions per sequence, as a decode step of a row for each
-            flat, f_slots, f_starts, f_pages = _one_position_rows(x, slots, starts, pages)
-            if runner.takes(flat, self.cache):
-                out = runner(flat, self.cache, self._context(f_slots, f_starts, 1, f_pages))
-                return out.view(len(slots), -1, out.shape[-1])
-        if runner is not None and runner.takes(x, self.cache) and (runner.logits or not self.last):
-            # a decode step that the backend runs whole, with no PyTorch call on the way
-            ctx, recurrent = self._context(slots, starts, 1, pages), self.cache.recurrent
-            if recurrent is None:
-                return runner(x, self.cache, ctx)
-            recurrent.begin(slots, starts, 1)
-            out = runner(x, self.cache, ctx)
-            recurrent.end()
-            return out
+        if runner is not None and (runner.logits or not self.last) and (all_logits or len(x[0]) == 1):
+            out = self._as_decode_step(x, slots, starts, pages)
+            if out is not None:
+                return out
         with torch.inference_mode():
             return self._forward(x, slots, starts, all_logits, pages)
 
+    def _as_decode_step(self, x, slots: list[int], starts: list[int], pages) -> torch.Tensor | None:
+        """A step that the backend runs whole, with no PyTorch call on the way: a decode step, or
+        a few positions per sequence (a verification step's) as a row for each: every row's keys
+        and values go into the cache before any row attends, so each position sees those before
+        it as it would decoding one at a time, and a delta-net block takes a sequence's positions
+        in turn. None where the runner does not take the rows."""
+        T = len(x[0])
+        flat, f_slots, f_starts, f_pages = _one_position_rows(x, slots, starts, pages)
+        if not self.runner.takes(flat, self.cache):
+            return None
+        ctx, recurrent = self._context(f_slots, f_starts, 1, f_pages), self.cache.recurrent
+        if recurrent is not None:
+            recurrent.begin(slots, starts, T)
+        out = self.runner(flat, self.cache, ctx, T)
+        if recurrent is not None:
+            recurrent.end()
+        return out.view(len(slots), T, out.shape[-1])
+
+    def _take_back(self, slots: list[int], starts: list[int], pages: list[list[int]] | None) -> None:
+        """Rows that start inside their slot's last kept step (some of its proposals refused):
+        the recurrent state goes back to before that step and takes again the inputs of the
+        positions kept, the rows with as many of them together."""
+        recurrent = self.cache.recurrent
+        again: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
+        for i, (slot, start) in enumerate(zip(slots, starts)):
+            back = recurrent.rewind(slot, start)
+            if back is not None and len(back[1]):
+                again.setdefault(len(back[1]), []).append((i, slot, *back))
+        for n, rows in again.items():
+            inputs, slots_again, at = torch.stack([r[3] for r in rows]), [r[1] for r in rows], [r[2] for r in rows]
+            tables = None if pages is None else [pages[r[0]] for r in rows]
+            runner = self.runner
+            if runner is not None and (runner.logits or not self.last):  # as the step first computed them
+                if self._as_decode_step(inputs, slots_again, at, tables) is not None:
+                    continue
+            with torch.inference_mode():
+                ctx = self._context(slots_again, at, n, tables)
+                ctx.as_decoded = True
+                recurrent.begin(slots_again, at, n)
+                self._through_blocks(self._inputs(inputs), ctx, last_only=True)
+                recurrent.end()
+
+    def _inputs(self, x) -> torch.Tensor:
+        """A step's rows as the blocks take them: token ids embedded on the first stage."""
+        if not self.first:
+            return x.to(self.device, self.dtype)
+        x = self.embed(torch.as_tensor(x).to(self.device))
+        if self.cfg.embedding_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
+        return x
+
     def _forward(self, x, slots: list[int], starts: list[int], all_logits: bool, pages) -> torch.Tensor:
         given = x
-        if self.first:
-            x = self.embed(torch.as_tensor(x).to(self.device))
-            if self.cfg.embedding_scale != 1.0:
-                x = x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype)
-        else:
-            x = x.to(self.device, self.dtype)
+        x = self._inputs(x)
         ctx = self._context(slots, starts, x.shape[1], pages)
+        ctx.as_decoded = all_logits
         recurrent = self.cache.recurrent
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])

@@ -43,7 +43,9 @@ class StageRunner(Protocol):
 
     def takes(self, x, cache) -> bool: ...
 
-    def __call__(self, x, cache, ctx) -> torch.Tensor: ...
+    def __call__(self, x, cache, ctx, per_sequence: int = 1) -> torch.Tensor:
+        """A row per position; `per_sequence`: each sequence's rows, in turn (its slot's
+        recurrent state goes through them in order)."""
 
 
 class Backend(Protocol):

@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Iterator, Mapping
 
 from ..backends import IDLE_S
-from ..constrain import Grammar, RowConstraint, vocabulary_of
+from ..constrain import Grammar, ProposalCheck, RowConstraint, vocabulary_of
 from ..enums import PAGE, pages_for
 from ..pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from ..sampling import Sampled, SamplingParams
@@ -183,6 +183,7 @@ class _Sequence:
         self.prefill_rows: int | None = None  # rows a step of its first prefill took; a replay takes as many
         self.drafter: Drafter | None = None  # how its decode steps propose tokens (speculative decoding)
         self.proposal: list[int] = []  # what its next decode step proposes
+        self.check: ProposalCheck | None = None  # its grammar, where it speculates under one
 
     @property
     def n_generated(self) -> int:
@@ -217,8 +218,7 @@ class Engine:
         pipeline.on_result = lambda result: self._inbox.put((self._on_result, result))
         pipeline.on_wake = lambda: self._inbox.put((self._on_wake, None))
         self._recoverable = isinstance(pipeline, Recoverable)
-        self._vocabulary_given = False
-        self._said_recurrent = False  # that a recurrent model does not speculate, once
+        self._vocabulary = None  # constrain.Vocabulary of the tokenizer, made for the first grammar
         self._thread = threading.Thread(target=self._loop, name="shardwire-engine", daemon=True)
         self._thread.start()
 
@@ -299,18 +299,12 @@ class Engine:
         if speculation is not None and speculation.kind == "draft-simple" and self.draft is None:
             self._finish_handle(handle, "error", "speculative type draft-simple needs a draft model (-md)")
             return
-        if speculation is not None and getattr(self.pipeline, "recurrent", False) and not self._said_recurrent:
-            self._said_recurrent = True
-            log.warning(
-                "speculative decoding is off for this model: its blocks' recurrent state cannot take back "
-                "refused proposals, so each step decodes one token"
-            )
-        if handle.request.grammar is not None and not self._vocabulary_given:
+        if handle.request.grammar is not None and self._vocabulary is None:
             if self.tokenizer is None or not hasattr(self.pipeline, "use_vocabulary"):
                 self._finish_handle(handle, "error", "this engine cannot constrain output")
                 return
-            self.pipeline.use_vocabulary(vocabulary_of(self.tokenizer))
-            self._vocabulary_given = True
+            self._vocabulary = vocabulary_of(self.tokenizer)
+            self.pipeline.use_vocabulary(self._vocabulary)
         self._waiting.append(handle)
 
     def _on_cancel(self, handle: Handle) -> None:
@@ -376,6 +370,8 @@ class Engine:
             output = Output(self.tokenizer, request.prompt, request.stop, request.ignore_eos, request.kept_tokens)
             seq = _Sequence(handle, self._free_slots[0], output)
             seq.drafter = self._drafter(request.speculation, seq.slot)
+            if seq.drafter is not None and request.grammar is not None:
+                seq.check = ProposalCheck(self._vocabulary, request.grammar, [])
             seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
                 handle.prefix_hashes = seq.hashes  # not hashed again on the next pass
@@ -585,16 +581,16 @@ class Engine:
 
     def _propose(self, seq: _Sequence) -> list[int]:
         """The tokens the sequence's next decode step proposes after its last: none for a
-        sequence without speculation, or for a pipeline whose recurrent state cannot take back
-        positions."""
+        sequence without speculation."""
         drafter = seq.drafter
-        if drafter is None or self.pipeline.recurrent:
+        if drafter is None:
             return []
         room = min(
             self.pipeline.ctx - len(seq.tokens),  # positions left
             seq.request.max_tokens - seq.n_generated - 1,  # tokens wanted after the next
         )
-        return drafter.propose(seq.tokens, self.step_costs, max(room, 0))
+        proposal = drafter.propose(seq.tokens, self.step_costs, max(room, 0))
+        return proposal if seq.check is None else seq.check.allowed(proposal)
 
     def _drafter(self, speculation: Speculation | None, slot: int) -> Drafter | None:
         if speculation is None:
@@ -617,6 +613,8 @@ class Engine:
             tokens = [seq.tokens[-1], *seq.proposal[: width - 1]]
             if len(tokens) < width and seq.drafter is not None:
                 tokens += seq.drafter.filler(seq.tokens, len(tokens) - 1, width - len(tokens))
+                if seq.check is not None:
+                    tokens = tokens[:1] + seq.check.allowed(tokens[1:])
             fed.append(tokens + [seq.tokens[-1]] * (width - len(tokens)))
         return fed
 
@@ -675,6 +673,8 @@ class Engine:
         if seq.n_generated == 0:
             stats.t_first_token = time.perf_counter()
         seq.tokens.append(token)
+        if seq.check is not None:
+            seq.check.kept(token)
         self.counters.most_positions = max(self.counters.most_positions, len(seq.tokens))
         seq.fruitless_replays = 0
         handle.tokens.append(token)

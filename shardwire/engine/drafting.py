@@ -83,6 +83,10 @@ class StepCosts:
     def measured(self, width: int) -> bool:
         return width in self._seconds
 
+    def by_width(self) -> dict[int, float]:
+        """Each width measured and its cost."""
+        return {width: self._seconds[width] for width in self._widths}
+
     def of(self, width: int) -> float | None:
         """The cost of a step of `width`: measured, else on the line through the nearest widths
         measured on either side of it, or the two widest when it is wider than all (a wider step

@@ -6,6 +6,7 @@ seeded; with it, fewer steps carry them."""
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 
@@ -18,6 +19,7 @@ from shardwire.pipeline import LocalPipeline
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import GREEDY, SamplingParams
 from shardwire.tokenizer import load_tokenizer
+from shardwire_kit.drafting import Scripted
 
 from speculating import FreeWidth
 from workers import WorkerProcess
@@ -135,6 +137,48 @@ def test_in_one_process_speculation_gives_the_same_tokens_in_fewer_steps(copier,
     assert steps < plain_steps - len(REPLY) // 2
 
 
+@contextmanager
+def on_two_workers(path, tmp_path):
+    """The model over two worker processes, half its blocks on each."""
+    workers = [WorkerProcess(tmp_path / f"cache{i}").start() for i in range(2)]
+    try:
+        cluster = Cluster([w.address for w in workers], cache_dir=tmp_path / "coordinator", show_progress=False)
+        try:
+            cluster.connect(open_model(path))
+            yield cluster.load(cluster.make_plan(tensor_split=[1, 1], ctx=128, dtype="float32"))
+        finally:
+            cluster.close()
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_a_next_turn_reuses_the_pages_a_speculating_reply_wrote(copier):
+    """The positions a step wrote past the proposals it kept are written over by the next step,
+    and the last token's is never counted: the full pages of a speculating sequence, its reply
+    included, are a prefix the next turn reuses, and that turn's tokens are those a fresh
+    engine writes without the cache or speculation."""
+    engine = Engine(one_process(copier))
+    engine.step_costs = FreeWidth()
+    try:
+        first = engine.submit(Request(PROMPT, GREEDY, max_tokens=len(REPLY), speculation=Speculation(n_max=8)))
+        first.result()
+        assert first.stats.draft_n_accepted >= len(REPLY) // 2
+        turn = PROMPT + first.tokens + PROMPT[:6]
+        second = engine.submit(Request(turn, GREEDY, max_tokens=12, ignore_eos=True, speculation=Speculation(n_max=8)))
+        second.result()
+        assert second.error is None and second.stats.cached_tokens >= len(PROMPT)
+    finally:
+        engine.close()
+    fresh = Engine(one_process(copier))
+    try:
+        plain = fresh.submit(Request(turn, GREEDY, max_tokens=12, ignore_eos=True, cache_prompt=False))
+        plain.result()
+        assert second.tokens == plain.tokens
+    finally:
+        fresh.close()
+
+
 def draft_model(folder, n_slots=1, ctx=128) -> DraftModel:
     model = open_model(folder)
     return DraftModel(load_stage(model, 0, model.config.n_layers), n_slots, ctx)
@@ -168,7 +212,7 @@ def _family_file(family: str):
 
     from models import converted_checkpoint, model_path
 
-    if family in ("llama", "qwen3moe"):
+    if family in ("llama", "qwen3moe", "qwen35"):
         return model_path(family, "F32" if family == "llama" else "Q8_0")
     make = {
         "gemma3": convert.tiny_gemma3,
@@ -180,11 +224,12 @@ def _family_file(family: str):
     return converted_checkpoint("gemma3-6" if family == "gemma3" else family, make[family], "hf")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen3moe", "gemma3", "deepseek2", "glm4moe", "gpt-oss", "qwen35"])
 def test_every_family_checks_proposals_in_one_step_as_it_decodes_them(family):
     """The model drafting for itself: each step carries proposals it keeps (its own greedy tokens),
     the positions through its blocks' decode graphs as rows of one position (sliding windows,
-    attention sinks, latent attention, experts), and the tokens are plain decoding's."""
+    attention sinks, latent attention, experts; a hybrid's delta-net state keeps a copy from
+    before each step's proposals), and the tokens are plain decoding's."""
     path = _family_file(family)
     prompt = PROMPT[:12]
 
@@ -205,15 +250,46 @@ def test_every_family_checks_proposals_in_one_step_as_it_decodes_them(family):
     assert stats.draft_n_accepted >= 12, (stats.draft_n, stats.draft_n_accepted)
 
 
-def test_a_hybrid_decodes_one_token_a_step_and_says_why(caplog):
+def scripted(engine: Engine, written: list[int], n_prompt: int) -> Engine:
+    engine.step_costs = FreeWidth()
+    engine.acceptance["ngram-simple"] = Acceptance()
+    engine._drafter = lambda speculation, slot: Scripted(written, n_prompt, engine.pipeline.vocab_size)
+    return engine
+
+
+def test_a_hybrid_takes_back_the_proposals_it_refuses(tmp_path):
+    """Qwen3.5's delta-net state folds in every position fed, refused proposals too: each stage
+    keeps a copy from before a step's proposals and, where the next step starts inside them,
+    goes back to it and feeds the kept positions again. Every step refuses some proposals (and
+    some none), in one process and on two workers; the tokens are plain decoding's."""
     from models import model_path
 
     path = model_path("qwen35", "Q8_0")
-    plain, _, _ = generate(one_process(path), GREEDY)
-    with caplog.at_level("WARNING", logger="shardwire.engine"):
-        tokens, stats, _ = generate(one_process(path), GREEDY, Speculation("draft-simple"), draft=draft_model(path))
-    assert tokens == plain and stats.draft_n == 0
-    assert "recurrent state cannot take back" in caplog.text
+    prompt, n = PROMPT[:12], 30
+
+    def run(pipeline, speculating):
+        engine = Engine(pipeline)
+        written = plain if speculating else []
+        if speculating:
+            scripted(engine, written, len(prompt))
+        try:
+            speculation = Speculation() if speculating else None
+            handle = engine.submit(Request(prompt, GREEDY, max_tokens=n, ignore_eos=True, speculation=speculation))
+            handle.result()
+            assert handle.error is None, handle.error
+            return handle.tokens, handle.stats
+        finally:
+            engine.close()
+
+    plain: list[int] = []
+    plain, _ = run(one_process(path), False)
+    tokens, stats = run(one_process(path), True)
+    assert tokens == plain
+    assert 0 < stats.draft_n_accepted < stats.draft_n, (stats.draft_n, stats.draft_n_accepted)
+    with on_two_workers(path, tmp_path) as pipeline:
+        assert run(pipeline, False)[0] == plain
+        tokens, stats = run(pipeline, True)
+        assert tokens == plain and 0 < stats.draft_n_accepted < stats.draft_n
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_before_anything_loads(copier, capsys):
@@ -239,25 +315,15 @@ def test_draft_simple_without_a_draft_model_is_a_clear_error(copier):
 
 def test_over_two_workers_speculation_gives_the_tokens_of_one_process(copier, tmp_path):
     reference, _, _ = generate(one_process(copier), GREEDY)
-    workers = [WorkerProcess(tmp_path / f"cache{i}").start() for i in range(2)]
-    try:
-        cluster = Cluster([w.address for w in workers], cache_dir=tmp_path / "coordinator", show_progress=False)
-        try:
-            cluster.connect(open_model(copier))
-            pipeline = cluster.load(cluster.make_plan(tensor_split=[1, 1], ctx=128, dtype="float32"))
-            draft = draft_model(copier)
-            for sampling in (GREEDY, SEEDED):
-                plain, _, _ = generate(pipeline, sampling)
-                for speculation in (Speculation(n_max=8), Speculation("draft-simple", n_max=8)):
-                    tokens, stats, _ = generate(pipeline, sampling, speculation, draft=draft)
-                    assert tokens == plain
-                    assert stats.draft_n_accepted >= len(REPLY) // 2
-            assert plain == reference or sampling is SEEDED
-        finally:
-            cluster.close()
-    finally:
-        for w in workers:
-            w.stop()
+    with on_two_workers(copier, tmp_path) as pipeline:
+        draft = draft_model(copier)
+        for sampling in (GREEDY, SEEDED):
+            plain, _, _ = generate(pipeline, sampling)
+            for speculation in (Speculation(n_max=8), Speculation("draft-simple", n_max=8)):
+                tokens, stats, _ = generate(pipeline, sampling, speculation, draft=draft)
+                assert tokens == plain
+                assert stats.draft_n_accepted >= len(REPLY) // 2
+        assert plain == reference or sampling is SEEDED
 
 
 async def _post(http, url: str, body: dict) -> tuple[int, dict]:
@@ -267,10 +333,12 @@ async def _post(http, url: str, body: dict) -> tuple[int, dict]:
 
 def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_timings(copier, monkeypatch):
     """/completion's speculative.* fields; timings carry draft_n and draft_n_accepted, as
-    llama-server's do; a bad field is a 400 naming it."""
+    llama-server's do, and /metrics counts them; a bad field is a 400 naming it."""
     import asyncio
 
     from aiohttp import ClientSession
+
+    from shardwire.serving.state import ServerSettings
 
     from served import served
 
@@ -279,14 +347,25 @@ def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_ti
 
     async def run():
         stage = load_stage(model, 0, model.config.n_layers)
-        async with served(stage, load_tokenizer(model), ctx=128) as base, ClientSession() as http:
+        settings = ServerSettings(metrics=True)
+        async with served(stage, load_tokenizer(model), ctx=128, settings=settings) as base, ClientSession() as http:
             asked = {"prompt": PROMPT, "n_predict": len(REPLY), "temperature": 0}
             status, plain = await _post(http, f"{base}/completion", asked)
             assert status == 200 and "draft_n" not in plain["timings"]
             fields = {"speculative.type": "ngram-simple", "speculative.n_max": 6}
             status, spec = await _post(http, f"{base}/completion", {**asked, **fields})
             assert status == 200 and spec["content"] == plain["content"]
-            assert spec["timings"]["draft_n"] >= spec["timings"]["draft_n_accepted"] >= len(REPLY) // 2
+            timings = spec["timings"]
+            assert timings["draft_n"] >= timings["draft_n_accepted"] >= len(REPLY) // 2
+            async with http.get(f"{base}/metrics") as r:
+                counted = {
+                    line.split()[0]: float(line.split()[1])
+                    for line in (await r.text()).splitlines()
+                    if line.startswith("llamacpp:spec_decode")
+                }
+            assert counted["llamacpp:spec_decode_num_draft_tokens_total"] == timings["draft_n"]
+            assert counted["llamacpp:spec_decode_num_accepted_tokens_total"] == timings["draft_n_accepted"]
+            assert 0 < counted["llamacpp:spec_decode_num_drafts_total"] <= timings["draft_n"]
             status, chat = await _post(
                 http, f"{base}/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **fields}
             )

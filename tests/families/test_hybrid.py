@@ -180,6 +180,46 @@ def test_rows_of_a_batch_keep_their_own_state():
         torch.testing.assert_close(then[row], alone[0], atol=1e-3, rtol=1e-3)
 
 
+def same_but_rounding(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal but for float32 rounding: a product of several rows rounds otherwise than of one
+    (a refused proposal folded into the state would differ by far more)."""
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * float(theirs.abs().max()))
+
+
+@pytest.mark.parametrize("in_graphs", [True, False], ids=["graphs", "modules"])
+def test_a_step_that_checks_proposals_can_be_taken_back_to_any_of_its_positions(in_graphs):
+    """A step with proposals (all logits) keeps the state from before it: the next step may start
+    at any of its positions (the proposals before it kept), and the stage feeds the kept ones
+    again; the logits and state are those of a sequence that never saw the refused ones. A start
+    past the step, or before it, is refused."""
+    stage = whole(model_path("qwen35", "F32"))
+    if not in_graphs:
+        stage.runner = None
+        for b in stage.blocks:
+            b.runner = b.feed_runner = None
+    stage.allocate_cache(2, 64)
+    n, tokens = len(PROMPT), [5, 6, 7, 8, 9]
+    for slot in (0, 1):
+        stage(torch.tensor([PROMPT]), [slot], [0])
+    checked = stage(torch.tensor([tokens]), [0], [n], all_logits=True)
+    for i, token in enumerate(tokens[:2]):  # the sequence that kept two proposals, decoded one at a time
+        alone = stage(torch.tensor([[token]]), [1], [n + i])
+        same_but_rounding(checked[0, i], alone[0, 0])
+    state = stage.cache.recurrent
+    again = stage(torch.tensor([[11]]), [0], [n + 2])  # 7 refused: 11 drawn there instead
+    same_but_rounding(again, stage(torch.tensor([[11]]), [1], [n + 2]))
+    same_but_rounding(state.delta[:, 0], state.delta[:, 1])
+    same_but_rounding(state.conv[:, 0], state.conv[:, 1])
+    assert state.consumed[0] == n + 3
+    with pytest.raises(ValueError, match="cannot be rewound"):  # the copy went with the step it was kept for
+        stage(torch.tensor([[12]]), [0], [n + 1])
+    stage(torch.tensor([tokens]), [0], [n + 3], all_logits=True)
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        stage(torch.tensor([[1]]), [0], [n + 2])
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        stage(torch.tensor([[1]]), [0], [n + 9])
+
+
 def test_a_slot_reused_from_position_0_starts_from_a_clean_state_and_never_rewinds():
     stage = whole(model_path("qwen35", "F32"))
     stage.allocate_cache(1, 64)

@@ -23,6 +23,7 @@ from shardwire.constrain import (
 )
 from shardwire.coordinator import Cluster
 from shardwire.engine import Engine, Request
+from shardwire.engine.drafting import Acceptance, Drafter, Speculation
 from shardwire.formats import open_model
 from shardwire.pipeline import LocalPipeline
 from shardwire.pipeline.loading import load_stage
@@ -212,6 +213,41 @@ def test_greedy_and_penalized_sampling_follow_the_grammar_too(local, vocabulary)
     grammar = Grammar.compile("json_schema", PERSON, vocabulary)
     for sampling in [SamplingParams(temperature=0.0), SamplingParams(repeat_penalty=1.5, seed=3, logprobs=2)]:
         jsonschema.validate(json.loads(run(local, grammar, sampling)[0]), PERSON)
+
+
+class Offering(Drafter):
+    """Proposes the same tokens at every step."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__(Speculation(n_max=len(tokens)))
+        self.tokens = tokens
+
+    def propose(self, tokens, costs, room):
+        return self.tokens[:room]
+
+
+@pytest.mark.parametrize("offered", ["hello world", "1, 2, 3, 4"])
+def test_a_speculating_request_sends_only_the_proposals_its_grammar_allows(local, qwen2, vocabulary, offered):
+    """The coordinator follows the grammar with a matcher of its own: words in a JSON array of
+    integers are never sent, digits are where the grammar allows them; the output is what the
+    request gives without speculation."""
+    engine = local
+    grammar = Grammar.compile("json_schema", NUMBERS, vocabulary)
+    tokens = qwen2[1].encode(offered, add_special=False)
+    plain = run(engine, grammar, max_tokens=60)[1]
+    drafter = Offering(tokens)
+    engine.acceptance.setdefault("ngram-simple", Acceptance())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "_drafter", lambda speculation, slot: drafter)
+        handle = engine.submit(
+            Request(list(PROMPT), WARM, max_tokens=60, grammar=grammar, speculation=Speculation(n_max=4))
+        )
+        handle.result()
+    assert handle.error is None and handle.tokens == plain.tokens
+    if offered == "hello world":
+        assert handle.stats.draft_n == 0
+    else:
+        assert handle.stats.draft_n > 0
 
 
 def test_logit_bias_raises_bans_and_leaves_other_tokens(local):

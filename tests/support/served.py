@@ -13,9 +13,10 @@ from shardwire.serving.app import Backend, create_app
 
 
 @asynccontextmanager
-async def served(stage, tokenizer, n_slots: int = 1, ctx: int = 512, name: str = "m"):
-    """The app's base URL while the block runs; the engine and the pipeline close after it."""
-    backend = Backend(name, tokenizer, set(), {})
+async def served(stage, tokenizer, n_slots: int = 1, ctx: int = 512, name: str = "m", settings=None):
+    """The app's base URL while the block runs; the engine and the pipeline close after it.
+    `settings`: the server's (serving.state.ServerSettings), where not the defaults."""
+    backend = Backend(name, tokenizer, set(), {}, settings)
     pipeline = LocalPipeline([stage], n_slots=n_slots, ctx=ctx)
     backend.attach(pipeline, None, Engine(pipeline, tokenizer))
     runner = web.AppRunner(create_app(backend), handler_cancellation=True)

@@ -978,7 +978,7 @@ class StageGraph:
         held = recurrent is None or (recurrent.conv.dtype == torch.float32 and recurrent.conv.device.type == "cpu")
         return fits and held and pool_type(cache) is not None
 
-    def _build(self, g: Graph, rows: int, built: int, kind: int, slots: int):
+    def _build(self, g: Graph, rows: int, built: int, kind: int, slots: int, per_sequence: int):
         if self.table is not None:
             ids = _input(g, "x", rows, kind=ggml.GGML_TYPE_I32)
             x = ggml.ggml_get_rows(g.ctx, self.table.tensor(g.ctx), ids)
@@ -987,7 +987,8 @@ class StageGraph:
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
         if self.mixing:  # the sequences' slots, where their recurrent state lies
-            g.slots, g.n_slots = _input(g, "slots", rows, kind=ggml.GGML_TYPE_I32), slots
+            g.slots, g.n_slots = _input(g, "slots", rows // per_sequence, kind=ggml.GGML_TYPE_I32), slots
+            g.per_sequence = per_sequence
         for block in self.blocks:
             x = block.decode(g, x, rows, built, kind, positions, write)
         if self.head is not None:
@@ -995,7 +996,7 @@ class StageGraph:
             x = _linear(g.ctx, matrix, _norm(g.ctx, x, weight, eps))
         return g.fields.data(x, "out")
 
-    def _graph(self, rows: int, keys: int, kind: int, slots: int) -> Graph:
+    def _graph(self, rows: int, keys: int, kind: int, slots: int, per_sequence: int) -> Graph:
         def make() -> Graph:
             built = _capacity(keys)
             named = ["", *(window_names(w) for w in self.windows)]
@@ -1007,12 +1008,16 @@ class StageGraph:
                 names += ["slots", *(f"{name}{b.layer}" for b in self.mixing for name in ("conv", "state"))]
             size = sum(b.nodes(rows) for b in self.blocks) + 16
             graph = Graph(
-                lambda g: self._build(g, rows, built, kind, slots), names, rows, size, torch.get_num_threads()
+                lambda g: self._build(g, rows, built, kind, slots, per_sequence),
+                names,
+                rows,
+                size,
+                torch.get_num_threads(),
             )
             graph.keys = built
             return graph
 
-        key = (threading.get_ident(), rows, kind, slots)
+        key = (threading.get_ident(), rows, kind, slots, per_sequence if self.mixing else 1)
         return least_recently_used(self._built, key, KEPT, make, lambda graph: graph.keys >= keys)
 
     def _input(self, x) -> tuple[int, object]:
@@ -1025,10 +1030,12 @@ class StageGraph:
             raise ValueError(f"token ids must be in [0, {self.table.N}), the vocabulary of this model")
         return ids.buffer_info()[0], ids
 
-    def __call__(self, x, cache, ctx) -> torch.Tensor:
+    def __call__(self, x, cache, ctx, per_sequence: int = 1) -> torch.Tensor:
         """The blocks on a decode step's x (token ids [B, 1] where the graph starts with the
         embedding, else hidden states [B, 1, dim]) -> [B, 1, dim], or the logits [B, 1, vocab]
-        in float32 where the head is in the graph."""
+        in float32 where the head is in the graph. `per_sequence`: rows per sequence, each its own
+        position, in order (ctx's slots repeat for each); the delta-net blocks take each
+        sequence's in turn from its slot's state."""
         B = len(x)
         x_at, held = self._input(x)
         out = torch.empty(B, 1, self.head[2].N if self.head is not None else self.dim, dtype=torch.float32)
@@ -1044,9 +1051,9 @@ class StageGraph:
         slots = 0
         if self.mixing:
             recurrent = cache.recurrent
-            ids = slot_ids(ctx.rows)
+            ids = slot_ids(ctx.rows)[::per_sequence]
             at += [ids.buffer_info()[0], *recurrent_addresses(recurrent, [b.layer for b in self.mixing])]
             slots = recurrent.conv.shape[1]
-        self._graph(B, max(seen), pool_type(cache), slots)(at)
+        self._graph(B, max(seen), pool_type(cache), slots, per_sequence)(at)
         del held
         return out

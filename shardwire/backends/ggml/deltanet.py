@@ -92,8 +92,10 @@ class DeltaNetGraphs:
         return g.fields.data(self._step(g, x, seqs, tokens, ids, slots, "conv", "state"), "out")
 
     def decode(self, g: Graph, x, rows: int, built: int, kind: int, positions, write):
-        """This block's part of a stage's decode graph (StageGraph), whose "slots" are g.slots."""
-        return self._step(g, x, rows, 1, g.slots, g.n_slots, f"conv{self.layer}", f"state{self.layer}")
+        """This block's part of a stage's decode graph (StageGraph), whose "slots" are g.slots,
+        each sequence's g.per_sequence rows in turn."""
+        seqs = rows // g.per_sequence
+        return self._step(g, x, seqs, g.per_sequence, g.slots, g.n_slots, f"conv{self.layer}", f"state{self.layer}")
 
     def _step(self, g: Graph, x, seqs: int, tokens: int, ids, slots: int, conv_name: str, state_name: str):
         """x [dim, seqs * tokens] (each sequence's tokens in turn) -> the block's output; the
