@@ -447,7 +447,9 @@ class Engine:
                     f"interrupted {seq.fruitless_replays} times without progress; last failure: {event.get('reason')}",
                 )
                 continue
-            pages = self.pages.allocate(pages_for(len(seq.tokens)))
+            # the replayed steps write every position they first wrote, refused proposals included
+            reach = max([len(seq.tokens)] + [at + len(tokens) for _, _, at, tokens in seq.fed])
+            pages = self.pages.allocate(pages_for(reach))
             if pages is None:
                 self._finish(seq, "error", "the KV cache of the rebuilt pipeline cannot hold this sequence")
                 continue

@@ -6,10 +6,11 @@ import time
 import pytest
 
 from shardwire.engine import Engine, Request
-from shardwire.engine.drafting import Speculation
+from shardwire.engine.drafting import Acceptance, Speculation
 from shardwire.formats import open_model
 from shardwire.pipeline.loading import load_stage
 from shardwire.sampling import SamplingParams
+from shardwire_kit.drafting import Scripted
 from shardwire_kit.synthetic import SIX_BLOCKS, write_random_llama
 
 from models import model_path
@@ -102,6 +103,26 @@ def test_a_replay_of_speculative_steps_gives_exactly_the_uninterrupted_tokens(se
     assert collect(handle)[0] == uninterrupted
     event = s.cluster.events[-1]
     assert event["recovered"] and event["replayed_tokens"] > len(PROMPT) * 3 + 40
+
+
+def test_a_hybrid_replays_its_speculative_steps_and_the_state_it_took_back(setup):
+    """Qwen3.5 over three workers, its proposals set to be refused in part every step (each
+    stage takes its delta-net state back to before them): a worker killed mid-generation, the
+    replay sends the steps again as they went, copies and takings-back included, and the
+    tokens are those of the uninterrupted run."""
+    s = setup(path=model_path("qwen35", "F32"))
+    uninterrupted = collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=120, ignore_eos=True)))[0]
+    s.engine.step_costs = FreeWidth()
+    s.engine.acceptance["ngram-simple"] = Acceptance()
+    vocab = s.pipeline.vocab_size
+    s.engine._drafter = lambda speculation, slot: Scripted(uninterrupted, len(PROMPT), vocab)
+    handle = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=120, ignore_eos=True, speculation=Speculation()))
+    wait_for_tokens(handle, 30)
+    s.workers[1].kill()
+    assert collect(handle)[0] == uninterrupted
+    assert 0 < handle.stats.draft_n_accepted < handle.stats.draft_n
+    event = s.cluster.events[-1]
+    assert event["recovered"] and event["replayed_tokens"] > len(PROMPT) + 20
 
 
 def test_a_replay_of_shared_decode_steps_is_exact(near_ties):
