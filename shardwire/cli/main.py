@@ -48,7 +48,9 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="a draft model of the same vocabulary (a .gguf file or a Hugging Face folder), run whole "
         "on --device-draft",
     )
-    g.add_argument("-devd", "--device-draft", default=None, help="the draft model's device (default: cpu)")
+    g.add_argument(
+        "-devd", "--device-draft", "--spec-draft-device", default=None, help="the draft model's device (default: cpu)"
+    )
     g.add_argument(
         "--draft-p-min",
         "--spec-draft-p-min",
@@ -56,13 +58,34 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="the draft model stops proposing where its most likely token is less likely (default: 0.0)",
     )
+    # llama-server's current names and those it had before (both are in users' commands)
     g.add_argument(
-        "--draft-max", "--draft", "--draft-n", type=int, default=16, help="most proposals a step carries (default: 16)"
+        "--spec-draft-n-max",
+        "--draft-max",
+        "--draft",
+        "--draft-n",
+        dest="draft_max",
+        type=int,
+        default=16,
+        help="most proposals a step carries (default: 16)",
     )
     g.add_argument(
-        "--draft-min", "--draft-n-min", type=int, default=0, help="fewest proposals worth a step (default: 0)"
+        "--spec-draft-n-min",
+        "--draft-min",
+        "--draft-n-min",
+        dest="draft_min",
+        type=int,
+        default=0,
+        help="fewest proposals worth a step (default: 0)",
     )
-    g.add_argument("--spec-ngram-size-n", type=int, default=3, help="longest n-gram looked up (default: %(default)s)")
+    g.add_argument(
+        "--spec-ngram-simple-size-n",
+        "--spec-ngram-size-n",
+        dest="spec_ngram_size_n",
+        type=int,
+        default=3,
+        help="longest n-gram looked up (default: %(default)s)",
+    )
 
 
 def _add_server_defaults_args(p: argparse.ArgumentParser) -> None:

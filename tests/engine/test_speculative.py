@@ -393,6 +393,8 @@ def test_generate_and_serve_take_llama_servers_speculative_flags():
 
     flags = ["--spec-type", "ngram-simple", "--draft-max", "5", "--draft-min", "2", "--spec-ngram-size-n", "4"]
     assert generate_args(*flags) == Speculation("ngram-simple", 5, 2, 4)
+    current = ["--spec-type", "ngram-simple", "--spec-draft-n-max", "5", "--spec-draft-n-min", "2"]
+    assert generate_args(*current, "--spec-ngram-simple-size-n", "4") == Speculation("ngram-simple", 5, 2, 4)
     assert generate_args() is None
     assert generate_args("-md", "d.gguf", "--draft-p-min", "0.5") == Speculation("draft-simple", p_min=0.5)
     assert generate_args("-md", "d.gguf", "--spec-type", "none") is None
