@@ -320,14 +320,17 @@ APPENDED = [  # (file, this folder's source added at its end)
 ]
 
 
-def _sdist(name: str, version: str, sha256: str, into: Path) -> Path:
+def _sdist(name: str, version: str, sha256: str, into: Path, isolated: bool = False) -> Path:
     """The sdist of name==version from the package index pip is configured with; pip checks its
-    hash before it reads anything in it."""
+    hash before it reads anything in it. pip reads an sdist's metadata with its build backend:
+    inside shardwire's build with the build's own, elsewhere (`isolated`) in an environment of
+    its own."""
     pinned = into / f"{name}.txt"
     into.mkdir(parents=True, exist_ok=True)
     pinned.write_text(f"{name}=={version} --hash=sha256:{sha256}\n")
+    isolation = [] if isolated else ["--no-build-isolation"]
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", *isolation,
          "--quiet", "-d", str(into), "-r", str(pinned)],
         capture_output=True,
         text=True,

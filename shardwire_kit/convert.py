@@ -29,20 +29,7 @@ def _archive(into: Path) -> Path:
     kept = ggml_source.kept_sdist()
     if kept is not None:
         return kept
-    name, version, sha = ggml_source.LLAMA_CPP
-    # pip reads an sdist's metadata with its build backend before it keeps it: here in an isolated
-    # environment (ggml_source._sdist, run inside shardwire's build, takes the build's own)
-    into.mkdir(parents=True, exist_ok=True)
-    (into / "pinned.txt").write_text(f"{name}=={version} --hash=sha256:{sha}\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet", "-d", str(into),
-         "-r", str(into / "pinned.txt")],
-        capture_output=True,
-        text=True,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"pip could not download {name}=={version}: " + " ".join(done.stderr.splitlines()[-3:]))
-    archive = into / ggml_source.kept_llama_cpp().name
+    archive = ggml_source._sdist(*ggml_source.LLAMA_CPP, into, isolated=True)
     ggml_source.keep_sdist(archive)
     return archive
 

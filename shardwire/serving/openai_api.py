@@ -22,7 +22,7 @@ from ..engine.drafting import KINDS, MIN_NGRAM, Speculation
 from ..sampling import MAX_LOGIT_BIAS, SamplingParams
 from .harmony import splitter
 from .reasoning import close_thinking, opens_thinking, tags_of
-from .tools import ToolError, ToolSpec, ToolStream, call_marks, call_syntax, history_message, parse_tools, single_tokens
+from .tools import ToolError, ToolSpec, ToolStream, call_marks, history_message, parse_tools, single_tokens
 
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOPS = 64  # OpenAI allows 4; llama-server any number, and its clients send more
@@ -489,7 +489,7 @@ def parse_chat(body: dict, tokenizer) -> Job:
     logprobs = (top or 0) if wants_logprobs else None
     job = _common(body, "chat", [prompt], logprobs, max_tokens, tokenizer=tokenizer, tools=tools)
     job.reasoning, job.thinking = tags, tags is not None and opens_thinking(text, tags)
-    marks = (*(tags or ()), *(call_marks(call_syntax(tokenizer)) if tools else ()))
+    marks = (*(tags or ()), *(call_marks(tools.syntax) if tools else ()))
     job.kept_tokens = single_tokens(tokenizer, marks)
     return job
 
