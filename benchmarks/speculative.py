@@ -31,6 +31,11 @@ the scripted proposals: the "tokens" column says so.)
 
 Per cell it also prints the decode steps' costs by width as the engine measured them (what the
 length of proposals is chosen from) and the tokens each step gave.
+
+Beside it, unless --no-llama-cpp: llama.cpp on the same files (GGUF; the Hugging Face folders
+written as GGUF by shardwire's writer) over the same relays, ggml-rpc-server workers and
+llama-server --rpc as the coordinator, plain, with --spec-type ngram-simple and with the draft
+model (benchmarks/speculative_llama_cpp.py).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from shardwire.sampling import GREEDY
 from shardwire.tokenizer import load_tokenizer
 from shardwire_kit.drafting import Scripted
 
+from . import speculative_llama_cpp
 from .models import CACHE, WORKLOADS, ensure, llama_cpp_prefix
 from .relay import Relay, Shaping
 from .run import LISTENING, Server, machine_info
@@ -135,6 +141,11 @@ def glassllm_draft_path() -> Path:
 DRAFTS = {"glassllm-en": glassllm_draft_path}  # the draft model each model (file stem) is run with
 
 
+def gguf_path(path: Path) -> Path:
+    """The model as a GGUF file llama.cpp reads."""
+    return path if path.is_file() else speculative_llama_cpp.gguf_of(path)
+
+
 def model_path(name: str) -> Path:
     if name == "glassllm":
         return glassllm_path()
@@ -191,6 +202,13 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
         draft = DraftModel(load_stage(draft_file, 0, draft_file.config.n_layers, weights="fast"), 1, ctx)
         variants["draft"] = (Speculation("draft-simple", n_max=args.draft_max), None)
     shaping = Shaping(enabled=True)
+    if args.llama_cpp is not None:
+        draft_file = gguf_path(DRAFTS[_name(path)]()) if "draft" in variants else None
+        theirs = speculative_llama_cpp.measure(
+            args.llama_cpp, gguf_path(path), draft_file, n_workers, delays, prompts, n_gen, args.alternations,
+            args.draft_max, shaping, log,
+        )  # fmt: skip
+        args.llama_cpp_rows += [{"model": _name(path), **row} for row in theirs]
     workers = start_workers(n_workers, log)
     relays = [Relay(tuple_address(w.address), shaping=shaping) for w in workers]
     rows = []
@@ -224,10 +242,7 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
         finally:
             cluster.close()
     finally:
-        for relay in relays:
-            relay.close()
-        for worker in workers:
-            worker.stop()
+        speculative_llama_cpp.stop(relays, workers)
     return rows
 
 
@@ -287,7 +302,7 @@ def _line(row: dict) -> str:
 
 def _costs(row: dict) -> str:
     """Each width's step cost, and as a multiple of a one-token step's."""
-    costs = row.get("step_ms") or {}
+    costs = {int(width): ms for width, ms in (row.get("step_ms") or {}).items()}  # str keys read back from JSON
     one = costs.get(1)
     return ", ".join(f"{w}: {ms} ms" + (f" ({ms / one:.2f}x)" if one else "") for w, ms in costs.items())
 
@@ -301,30 +316,58 @@ def report(rows: list[dict], machine: dict) -> str:
         f"commit {machine.get('commit')}{dirty}. Decode tokens/s, the median of each variant's runs; "
         "lookup: prompt lookup (--spec-type ngram-simple); draft: the draft model (-md).",
         "",
-        "| model | workers | one-way delay | prompt | plain t/s | variant | t/s | ratio | proposals kept | "
-        "tokens/step | tokens | step cost by width |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *_table(
+            rows,
+            {
+                "tokens/step": lambda r, v: v["tokens_per_step"],
+                "tokens": lambda r, v: "same" if r["same_tokens"] else "differ",
+                "step cost by width": lambda r, v: _costs(r),
+            },
+        ),
     ]
+    return "\n".join(out) + "\n"
+
+
+def _table(rows: list[dict], extra: dict | None = None) -> list[str]:
+    """A markdown table of each row's variants; `extra`: more columns, each a function of the row
+    and the variant's figures."""
+    extra = extra or {}
+    head = ["model", "workers", "one-way delay", "prompt", "plain t/s", "variant", "t/s", "ratio", "proposals kept"]
+    out = ["| " + " | ".join([*head, *extra]) + " |", "|" + "---|" * (len(head) + len(extra))]
     for r in rows:
         for name in _variants(r):
             v = r[name]
-            out.append(
-                f"| {r['model']} | {r['workers']} | {r['delay_ms']} ms | {r['prompt']} | {r['plain_tps']} | {name} | "
-                f"{v['tps']} | {v['ratio']}x | {v['draft_n_accepted']}/{v['draft_n']} | {v['tokens_per_step']} | "
-                f"{'same' if r['same_tokens'] else 'differ'} | {_costs(r)} |"
-            )
+            cells = [r["model"], r["workers"], f"{r['delay_ms']} ms", r["prompt"], r["plain_tps"], name, v["tps"]]
+            cells += [f"{v['ratio']}x", f"{v['draft_n_accepted']}/{v['draft_n']}", *(f(r, v) for f in extra.values())]
+            out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return out
+
+
+def report_llama_cpp(rows: list[dict]) -> str:
+    """llama.cpp's figures on the same files and links, where it ran."""
+    if not rows:
+        return "llama.cpp: not run (--no-llama-cpp, or no build)\n"
+    out = [
+        "## llama.cpp beside it: ggml-rpc-server workers behind the same relays, llama-server --rpc "
+        "(--spec-type ngram-simple, size n 3; -md with --spec-type draft-simple, the draft in its process)",
+        "",
+        *_table(rows),
+    ]
     return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="glassllm-taught,glassllm,1b-q4_0")
+    p.add_argument("--models", default="glassllm-taught,glassllm,1b-q4_0,moe35-q8_0")
     p.add_argument("--workers", default="2,3")
     p.add_argument("--delays", default="0,1,5", help="one-way delays in ms (default: %(default)s)")
     p.add_argument("--n-gen", type=int, default=64)
     p.add_argument("--alternations", type=int, default=2)
     p.add_argument("--draft-max", type=int, default=16)
     p.add_argument("--no-draft", action="store_true", help="leave out the draft model's runs")
+    p.add_argument(
+        "--no-llama-cpp", action="store_true", help="leave out llama.cpp's runs (llama-server --rpc, the same files)"
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the coordinator, as `serve -t 1`: tiny models run fastest on one thread
@@ -332,16 +375,21 @@ def main(argv=None) -> int:
     args.cache = Path(tempfile.mkdtemp(prefix="shardwire-speculative-"))  # the coordinator's weight cache
     machine = machine_info()
     machine["kernels"] = _kernel_line()
+    args.llama_cpp = None if args.no_llama_cpp else llama_cpp_prefix()
+    args.llama_cpp_rows = []
     delays = [float(d) for d in args.delays.split(",")]
     rows = []
     for name in args.models.split(","):
         path = model_path(name)
         for n in (int(w) for w in args.workers.split(",")):
             rows += measure(path, n, delays, args, args.out / "workers.log")
-    (args.out / "speculative.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    (args.out / "speculative.md").write_text(report(rows, machine) + "\n" + summary(rows) + "\n")
-    print(report(rows, machine))
-    print(summary(rows))
+    theirs = args.llama_cpp_rows
+    (args.out / "speculative.json").write_text(
+        json.dumps({"machine": machine, "rows": rows, "llama_cpp": theirs}, indent=1)
+    )
+    text = report(rows, machine) + "\n" + report_llama_cpp(theirs) + "\n" + summary(rows) + "\n"
+    (args.out / "speculative.md").write_text(text)
+    print(text, end="")
     return 0
 
 
