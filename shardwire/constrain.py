@@ -185,10 +185,8 @@ class ProposalCheck:
     by the tokens kept): how much of a proposal the grammar allows, so that a step never carries
     a proposal the sampler would have to refuse."""
 
-    def __init__(self, vocabulary: Vocabulary, grammar: Grammar, generated: list[int]):
+    def __init__(self, vocabulary: Vocabulary, grammar: Grammar):
         self.matcher = llguidance.LLMatcher(vocabulary.lltokenizer(), grammar.text, log_level=0, limits=_limits())
-        if generated:
-            self.matcher.consume_tokens(generated)
 
     def allowed(self, proposal: list[int]) -> list[int]:
         """The longest start of `proposal` the grammar allows after the tokens kept so far."""

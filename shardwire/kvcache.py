@@ -268,11 +268,12 @@ class RecurrentState:
         """Before a step that feeds `inputs` (a row's token ids or hidden states) at `start`:
         copy the slot's state, so that a later step may start at any of those positions. Only
         the slots of sequences that speculate hold a copy (as much again as their state)."""
-        if slot not in self.copies:
+        if slot in self.copies:
+            conv, delta = self.copies[slot]
+            conv.copy_(self.conv[:, slot])
+            delta.copy_(self.delta[:, slot])
+        else:
             self.copies[slot] = (self.conv[:, slot].clone(), self.delta[:, slot].clone())
-        conv, delta = self.copies[slot]
-        conv.copy_(self.conv[:, slot])
-        delta.copy_(self.delta[:, slot])
         self.kept[slot] = (start, inputs)
 
     def rewind(self, slot: int, start: int) -> tuple[int, torch.Tensor] | None:

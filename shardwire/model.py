@@ -837,13 +837,17 @@ class Stage(nn.Module):
             if all_logits and len(x[0]) > 1:  # proposals it may refuse: keep the state from before them
                 for i, (slot, start) in enumerate(zip(slots, starts)):
                     recurrent.keep(slot, start, torch.as_tensor(x[i]).clone())
-        runner = self.runner
-        if runner is not None and (runner.logits or not self.last) and (all_logits or len(x[0]) == 1):
+        if self._runs_whole and (all_logits or len(x[0]) == 1):
             out = self._as_decode_step(x, slots, starts, pages)
             if out is not None:
                 return out
         with torch.inference_mode():
             return self._forward(x, slots, starts, all_logits, pages)
+
+    @property
+    def _runs_whole(self) -> bool:
+        """Whether the backend runs a decode step of the whole stage (the head included, on the last)."""
+        return self.runner is not None and (self.runner.logits or not self.last)
 
     def _as_decode_step(self, x, slots: list[int], starts: list[int], pages) -> torch.Tensor | None:
         """A step that the backend runs whole, with no PyTorch call on the way: a decode step, or
@@ -876,10 +880,8 @@ class Stage(nn.Module):
         for n, rows in again.items():
             inputs, slots_again, at = torch.stack([r[3] for r in rows]), [r[1] for r in rows], [r[2] for r in rows]
             tables = None if pages is None else [pages[r[0]] for r in rows]
-            runner = self.runner
-            if runner is not None and (runner.logits or not self.last):  # as the step first computed them
-                if self._as_decode_step(inputs, slots_again, at, tables) is not None:
-                    continue
+            if self._runs_whole and self._as_decode_step(inputs, slots_again, at, tables) is not None:
+                continue  # as the step first computed them
             with torch.inference_mode():
                 ctx = self._context(slots_again, at, n, tables)
                 ctx.as_decoded = True

@@ -371,7 +371,7 @@ class Engine:
             seq = _Sequence(handle, self._free_slots[0], output)
             seq.drafter = self._drafter(request.speculation, seq.slot)
             if seq.drafter is not None and request.grammar is not None:
-                seq.check = ProposalCheck(self._vocabulary, request.grammar, [])
+                seq.check = ProposalCheck(self._vocabulary, request.grammar)
             seq.hashes = handle.prefix_hashes
             if handle.request.max_tokens > 0 and not self._restart(seq, handle.request.prompt):
                 handle.prefix_hashes = seq.hashes  # not hashed again on the next pass
