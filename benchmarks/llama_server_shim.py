@@ -54,6 +54,10 @@ SAME_SWITCH = {
     "--jinja": "--jinja",
     "--slots": "--slots",
     "--no-slots": "--no-slots",
+    "--ui": "--webui",
+    "--webui": "--webui",
+    "--no-ui": "--no-webui",
+    "--no-webui": "--no-webui",
     "--verbose": "--verbose",
     "-v": "--verbose",
     "--cors-credentials": "--cors-credentials",
@@ -75,8 +79,8 @@ DROPPED_WITH_VALUE = MODEL_FLAGS | set(
 # Without a value: dropped (--kv-unified only shapes -c and --kv-budget).
 SWITCHES = set(
     """--offline --cont-batching -cb --no-cont-batching --embedding --embeddings --reranking --rerank
-    --kv-unified --swa-full --no-ui --no-models-autoload --no-jinja --context-shift
-    --no-context-shift --no-mmproj --no-cache-idle-slots --ui-mcp-proxy --backend_sampling --no-webui""".split()
+    --kv-unified --swa-full --no-models-autoload --no-jinja --context-shift
+    --no-context-shift --no-mmproj --no-cache-idle-slots --ui-mcp-proxy --backend_sampling""".split()
 )
 
 

@@ -4,8 +4,9 @@ import pytest
 
 from shardwire.state import STATE_ENV
 
-# fixtures the tests of several folders share: worker_pool; model_file and reference (recovery)
-pytest_plugins = ["runs", "recovery"]
+# fixtures the tests of several folders share: worker_pool; model_file and reference (recovery);
+# browser and page (the web page's tests)
+pytest_plugins = ["runs", "recovery", "browser"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -309,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="GET /slots: what each sequence slot runs (--no-slots: 501, as llama-server's) (default: on)",
     )
+    p.add_argument(
+        "--webui",
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the web page at /: chat with the model and watch the cluster (--no-webui or --no-ui, "
+        "llama-server's names: / answers 404) (default: on)",
+    )
     _add_server_defaults_args(p)
     _add_speculative_args(p)
     add_cluster_args(p)

@@ -116,7 +116,7 @@ async def _serve(args: argparse.Namespace, model, backend: Backend) -> int:
         except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C raises KeyboardInterrupt instead
             pass
     runner = web.AppRunner(
-        create_app(backend, args.api_key, _cors(args), args.slots),
+        create_app(backend, args.api_key, _cors(args), args.slots, args.webui),
         handler_cancellation=True,
         shutdown_timeout=3,
     )

@@ -54,6 +54,7 @@ class Cluster:
         self.heartbeat = Heartbeat(lambda: self.links, self._answers)
         self.recovery_timeout = 60.0  # how long recovery waits for lost capacity to come back
         self.events: list[dict] = []  # recoveries and re-admissions, for the status endpoint
+        self._recovering: list[str] | None = None  # while a recovery runs: the workers it started with lost
         self._plan_options: dict = {}
         self._id = uuid.uuid4().hex[:12]
         self._tls_dir: tempfile.TemporaryDirectory | None = None
@@ -281,6 +282,13 @@ class Cluster:
         lost = [l.name for l in self.links if not l.alive or l.lost_since is not None]
         deadline = start + self.recovery_timeout
         log.warning("recovering: %s", reason)
+        self._recovering = lost
+        try:
+            return self._recover(reason, start, lost, deadline)
+        finally:
+            self._recovering = None
+
+    def _recover(self, reason: str, start: float, lost: list[str], deadline: float) -> dict:
         first_pass = True
         while True:
             for link in self.links:
@@ -348,8 +356,18 @@ class Cluster:
             "broken": None if self.pipeline is None else self.pipeline.broken,
             "load": self.load_stats,
             "recoveries": self.events[-20:],
-            "workers": [l.status(groups.get(l.name, [])) for l in self.links],
+            "workers": [l.status(groups.get(l.name, []), self._state(l, groups)) for l in self.links],
         }
+
+    def _state(self, link: WorkerLink, groups: dict) -> str:
+        """healthy | recovering | lost | rejoined (back in the plan after being lost) | idle (no stage)."""
+        if self._recovering is not None:
+            return "lost" if link.name in self._recovering else "recovering"
+        if not link.alive or link.lost_since is not None:
+            return "lost"
+        if not groups.get(link.name):
+            return "idle"
+        return "rejoined" if any(link.name in e.get("lost", ()) for e in self.events) else "healthy"
 
     def wire_bytes(self) -> int:
         """Bytes on the coordinator's own connections; worker-to-worker traffic is not seen here."""

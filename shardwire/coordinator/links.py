@@ -58,6 +58,7 @@ class WorkerLink:
     reader: threading.Thread | None = None
     local: object | None = None  # the in-process Worker behind a local link
     latency_ms: float | None = None  # last heartbeat round trip
+    stage_ms: dict[int, float] = field(default_factory=dict)  # stage index -> its decode compute, per its PONG
     last_pong: float = 0.0
     fingerprint: str | None = None  # its TLS certificate, once verified
     pin: str | None = None  # the certificate a local worker was started with
@@ -115,15 +116,17 @@ class WorkerLink:
                 self.last_pong = time.monotonic()
                 if msg.t:
                     self.latency_ms = (self.last_pong - msg.t) * 1000
+                self.stage_ms = dict(map(tuple, msg.stages))
             elif not isinstance(msg, Ok):
                 return f"worker {self.name} sent an unexpected {frame.type.name}"
 
-    def status(self, stages: list) -> dict:
+    def status(self, stages: list, state: str) -> dict:
         """For GET /v1/cluster: this worker, its devices, and its (index, PlannedStage) stages."""
         return {
             "name": self.name,
             "worker_id": self.worker_id,
             "alive": self.alive,
+            "state": state,
             "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
             "tls": self.fingerprint,  # the certificate verified on this link; None: plain TCP
             "devices": [{"name": d.name, "free": d.free, "total": d.total, "compute": d.compute} for d in self.devices],
@@ -134,6 +137,10 @@ class WorkerLink:
                     "blocks": [s.start, s.end],
                     "weight_bytes": s.weight_bytes,
                     "kv_bytes": s.kv_bytes,
+                    "workspace_bytes": s.workspace_bytes,
+                    "weights": s.weights,
+                    "formats": s.formats,
+                    "step_ms": self.stage_ms.get(i),
                 }
                 for i, s in stages
             ],

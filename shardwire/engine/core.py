@@ -131,6 +131,9 @@ class Counters:
     draft_tokens: int = 0  # the tokens they proposed
     draft_accepted: int = 0  # of them, those kept
     most_positions: int = 0  # the longest any sequence has grown
+    generated: int = 0  # tokens every sequence has generated
+    prompt_positions: int = 0  # prompt positions whose prefill steps came back
+    step_ms: float | None = None  # a decode step, sent to result: a moving average
 
 
 class Handle:
@@ -207,6 +210,7 @@ class Engine:
         self._decoding: set[int] = set()  # the decode steps among them
         self._free_slots = list(range(pipeline.n_slots))
         self._sent_at: dict[int, tuple[float, int]] = {}  # decode step id -> (when sent, width)
+        self._prefilling: dict[int, int] = {}  # in-flight prefill step id -> its positions
         self._checking: set[int] = set()  # the steps whose sampled rows check proposals: decode steps, replayed or not
         self.step_costs = StepCosts()
         # of every sequence's proposals, by kind: where a new sequence's rate starts
@@ -321,14 +325,23 @@ class Engine:
     def _on_wake(self, _) -> None:
         pass  # the pipeline broke or wants rebalancing; _schedule() looks
 
+    def _measured_step(self, sent_at: float, width: int) -> None:
+        seconds = time.perf_counter() - sent_at
+        self.step_costs.add(width, seconds)
+        last = self.counters.step_ms
+        self.counters.step_ms = seconds * 1000 if last is None else last + 0.2 * (seconds * 1000 - last)
+
     def _on_result(self, result: StepResult) -> None:
         seqs = self._steps.pop(result.step_id, [])
         self._decoding.discard(result.step_id)
         checking = result.step_id in self._checking
         self._checking.discard(result.step_id)
         sent = self._sent_at.pop(result.step_id, None)
-        if sent is not None and result.error is None:
-            self.step_costs.add(sent[1], time.perf_counter() - sent[0])
+        prefilled = self._prefilling.pop(result.step_id, 0)
+        if result.error is None:
+            self.counters.prompt_positions += prefilled
+            if sent is not None:
+                self._measured_step(*sent)
         broken = self._recoverable and self.pipeline.broken
         for i, seq in enumerate(seqs):
             seq.in_flight -= 1
@@ -555,6 +568,7 @@ class Engine:
                 generated = tokens[n:]
                 row.constraint = RowConstraint(grammar.key, len(generated), grammar.text, generated)
             step = Step([row])
+            self._prefilling[step.id] = len(chunk)
             if report:
                 seq.progress_at[step.id] = start + len(chunk)
             self._send(step, [seq])
@@ -675,6 +689,7 @@ class Engine:
         if seq.n_generated == 0:
             stats.t_first_token = time.perf_counter()
         seq.tokens.append(token)
+        self.counters.generated += 1
         if seq.check is not None:
             seq.check.kept(token)
         self.counters.most_positions = max(self.counters.most_positions, len(seq.tokens))

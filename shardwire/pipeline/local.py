@@ -234,6 +234,7 @@ class LocalPipeline:
                     "name": "local",
                     "worker_id": "local",
                     "alive": True,
+                    "state": "healthy",
                     "latency_ms": None,
                     "devices": [
                         {"name": d, "free": free_memory(d), "total": total(d), "compute": compute_line(d)}

@@ -6,7 +6,9 @@
     llama-server's: /chat/completions, /models, /v1/health, and its native API
     (llama_server_api.py): /completion (and /completions), /tokenize, /detokenize, /apply-template,
     /props, /slots, /metrics; CORS for browsers as llama-server answers it (cors.py)
+    GET  /v1/cluster/events                           (the same, pushed as server-sent events: cluster_view.py)
     POST /v1/cluster/workers {"address": "host:port"}  (admit a new worker; stages move onto it)
+    GET  /, /webui/...                                (the web page: chat and the cluster view, webui.py)
     POST /v1/chat/completions/input_tokens            (llama-server's: the prompt's length in tokens)
 
 The app answers from the start; serve.py loads the model behind it (/health answers 503 until
@@ -26,6 +28,7 @@ from aiohttp import web
 
 from ..coordinator.links import parse_address
 from . import llama_server_api as native
+from .cluster_view import RATES, Rates, cluster, cluster_events
 from .cors import CorsPolicy, allow_cors
 from .metrics import registry_for
 from .openai_api import (
@@ -52,6 +55,7 @@ from .state import (
     parse_off_loop,
     skip_ids,
 )
+from .webui import add_webui, is_public
 
 __all__ = ["Backend", "create_app"]
 
@@ -207,22 +211,6 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def cluster(request: web.Request) -> web.Response:
-    backend: Backend = request.app[BACKEND]
-    problem = backend.problem()
-    return web.json_response(
-        {
-            "model": backend.model_id,
-            "ready": problem is None,
-            "problem": problem,
-            "ctx": backend.ctx or None,
-            "slots": backend.engine.slots() if backend.engine is not None else None,
-            "requests": backend.requests,
-            "cluster": backend.pipeline_status(),
-        }
-    )
-
-
 async def add_worker(request: web.Request) -> web.Response:
     """Admit a worker that was not in --rpc: the next rebalance may place stages on it."""
     backend: Backend = request.app[BACKEND]
@@ -270,7 +258,7 @@ async def _api_key(request: web.Request, handler):
     """Authorization: Bearer KEY or X-Api-Key: KEY, as llama-server takes either. A browser's CORS
     preflight never carries the key: cors.py answers it first, and the request that follows needs it."""
     key = request.app[API_KEY]
-    if key and request.path not in PUBLIC_PATHS:
+    if key and request.path not in PUBLIC_PATHS and not is_public(request.path):
         bearer = request.headers.get("Authorization", "")
         given = request.headers.get("X-Api-Key") or (bearer[7:] if bearer.lower().startswith("bearer ") else "")
         if not hmac.compare_digest(given.encode(), key.encode()):
@@ -286,12 +274,17 @@ async def _api_key(request: web.Request, handler):
 
 
 def create_app(
-    backend: Backend, api_key: str | None = None, cors: CorsPolicy | None = CorsPolicy(), slots: bool = True
+    backend: Backend,
+    api_key: str | None = None,
+    cors: CorsPolicy | None = CorsPolicy(),
+    slots: bool = True,
+    webui: bool = True,
 ) -> web.Application:
     """`cors`: which browser pages may call the API (None: no CORS answers); `slots`: GET /slots
-    answers (llama-server's --slots, its default; --no-slots: 501)."""
+    answers (llama-server's --slots, its default; --no-slots: 501); `webui`: the web page at /
+    (llama-server's --no-webui: 404)."""
     app = web.Application(middlewares=[_openai_errors, _api_key], client_max_size=MAX_BODY)
-    app[BACKEND], app[API_KEY], app[native.SLOTS] = backend, api_key, slots
+    app[BACKEND], app[API_KEY], app[native.SLOTS], app[RATES] = backend, api_key, slots, Rates()
     app[native.METRICS] = registry_for(backend) if backend.settings.metrics else None
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -304,6 +297,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/v1/health", health)
     app.router.add_get("/v1/cluster", cluster)
+    app.router.add_get("/v1/cluster/events", cluster_events)
     app.router.add_post("/v1/cluster/workers", add_worker)
     # llama-server's native API
     app.router.add_post("/completion", native.completion)
@@ -314,6 +308,8 @@ def create_app(
     app.router.add_get("/props", native.props)
     app.router.add_get("/slots", native.slots)
     app.router.add_get("/metrics", native.metrics)
+    if webui:
+        add_webui(app)
     if cors is not None:
         allow_cors(app, cors)
     return app

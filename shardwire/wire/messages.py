@@ -268,8 +268,29 @@ class Ping(_Clock):
 
 
 @message(MessageType.PONG)
+@dataclass
 class Pong(_Clock):
-    pass
+    # [stage index, milliseconds]: each stage this worker runs, the moving average of its compute
+    # time in a decode step (for the coordinator's status); empty while none has run one
+    stages: list[list] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, h: dict) -> "Pong":
+        stages = _list(h, "stages", "PONG", MAX_ROWS) if "stages" in h else []
+        if not all(
+            isinstance(s, list)
+            and len(s) == 2
+            and isinstance(s[0], int)
+            and not isinstance(s[0], bool)
+            and 0 <= s[0] < MAX_ROWS
+            and isinstance(s[1], (int, float))
+            and not isinstance(s[1], bool)
+            and math.isfinite(s[1])
+            and s[1] >= 0
+            for s in stages
+        ):
+            raise FrameError("PONG: stages must be [index, milliseconds] pairs")
+        return cls(_get(h, "t", float, "PONG") if "t" in h else 0.0, stages)
 
 
 @message(MessageType.DESCRIBE)

@@ -52,6 +52,11 @@ class StageRunner:
         default_factory=queue.SimpleQueue
     )
     thread: threading.Thread | None = None
+    step_ms: float | None = None  # its compute in a decode step: a moving average
+
+    def measured(self, seconds: float) -> None:
+        ms, last = seconds * 1000, self.step_ms
+        self.step_ms = ms if last is None else last + 0.2 * (ms - last)
 
 
 class Ring:
@@ -165,7 +170,10 @@ class Ring:
         runner = self.runners[index]
         try:
             slots, starts = [r[0] for r in msg.rows], [r[1] for r in msg.rows]
+            began = time.perf_counter()
             out = runner.stage(x, slots, starts, all_logits=msg.drafts is not None, pages=msg.pages)
+            if msg.drafts is not None or msg.shape[1] == 1:  # a decode step, checking proposals or not
+                runner.measured(time.perf_counter() - began)
             if index + 1 < len(self.runners):
                 self.runners[index + 1].queue.put((msg, out, rows))
             elif self.next_conn is not None:
@@ -180,6 +188,10 @@ class Ring:
         except Exception as e:  # a stage's thread, and a reader, must outlive any one step
             log.exception("step %d failed on stage %d", msg.step, runner.spec.index)
             self._report(msg.step, "step", f"stage {runner.spec.index}: {type(e).__name__}: {e}")
+
+    def stage_times(self) -> list[list]:
+        """[stage index, ms] of each stage that has run a decode step, for PONG."""
+        return [[r.spec.index, round(r.step_ms, 3)] for r in self.runners if r.step_ms is not None]
 
     def _report(self, step: int, code: str, message: str) -> None:
         self.coordinator.send_error(code, f"worker {self.worker_id} {message}", request=step)

@@ -337,7 +337,8 @@ class Worker:
                 continue
             msg = parse_message(frame)
             if isinstance(msg, Ping):
-                conn.send(Pong(msg.t), request=frame.request)
+                ring = self._ring
+                conn.send(Pong(msg.t, ring.stage_times() if ring is not None else []), request=frame.request)
             elif role != "coordinator":
                 raise FrameError(f"a peer may not send {frame.type.name}")
             elif isinstance(msg, Describe):

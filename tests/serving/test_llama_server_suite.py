@@ -15,6 +15,7 @@ KNOWN_TO_PASS = [
     "unit/test_tokenize.py",
     "unit/test_basic.py::test_server_props",
     "unit/test_basic.py::test_server_slots",
+    "unit/test_basic.py::test_no_ui",
     "unit/test_completion.py::test_completion_with_tokens_input",
     "unit/test_completion.py::test_completion_response_fields",
     "unit/test_ignore_eos.py::test_ignore_eos_false_no_logit_bias",

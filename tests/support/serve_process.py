@@ -31,8 +31,7 @@ class ServeProcess:
             "info",
             "serve",
             str(model),
-            "--rpc",
-            ",".join(w.address for w in workers),
+            *(("--rpc", ",".join(w.address for w in workers)) if workers else ()),  # none: in this process
             "--port",
             "0",
             "-c",

@@ -237,6 +237,7 @@ EXAMPLES = [
     Error("plan", "worker w rejects the plan: too big"),
     Ping(12.5),
     Pong(12.5),
+    Pong(12.5, [[0, 3.25], [2, 11.0]]),
     Describe(),
     Release(),
     Ok(),
@@ -338,6 +339,14 @@ def test_a_forward_with_bad_drafts_is_refused(drafts):
     good = Forward("plan1", 9, [(0, 6, 3)], [[3]], [None], [[]], "int32", [1, 3], None, [[7, 8]]).to_wire()
     with pytest.raises(FrameError, match="drafts"):
         Forward.parse({**good, "drafts": drafts})
+
+
+@pytest.mark.parametrize(
+    "stages", [[[0]], [[0, -1.0]], [["0", 1.0]], [[0, float("nan")]], [[True, 1.0]], [[1 << 20, 1.0]], "0"]
+)
+def test_a_pong_with_bad_stage_times_is_refused(stages):
+    with pytest.raises(FrameError, match="PONG"):
+        Pong.parse({"t": 1.0, "stages": stages})
 
 
 @pytest.mark.parametrize(
