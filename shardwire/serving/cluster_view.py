@@ -21,7 +21,7 @@ from .state import BACKEND, Backend
 
 __all__ = ["RATES", "Rates", "cluster", "cluster_events", "snapshot"]
 
-PUSH_S = 0.25
+PUSH_S = 0.5
 KEEPALIVE_S = 15.0
 WINDOW_S = 2.0
 

@@ -964,14 +964,27 @@
   function renderCluster(snapshot) {
     const cluster = isObject(snapshot.cluster) ? snapshot.cluster : null;
     const workers = cluster ? asArray(cluster.workers).filter(isObject) : [];
-    ui.summary.replaceChildren(...summaryItems(snapshot, cluster, workers));
-    ui.ringBox.replaceChildren(ringDrawing(cluster, workers));
-    ui.workers.replaceChildren(
-      ...(workers.length
+    replaceIfChanged(ui.summary, summaryItems(snapshot, cluster, workers));
+    replaceIfChanged(ui.ringBox, [ringDrawing(cluster, workers)]);
+    replaceIfChanged(
+      ui.workers,
+      workers.length
         ? workers.map(workerCard)
-        : [h("p", { class: "muted" }, cluster ? "No worker is connected." : "One process: the coordinator holds every block.")])
+        : [h("p", { class: "muted" }, cluster ? "No worker is connected." : "One process: the coordinator holds every block.")]
     );
-    ui.recoveries.replaceChildren(recoveryList(cluster ? cluster.recoveries : []));
+    replaceIfChanged(ui.recoveries, [recoveryList(cluster ? cluster.recoveries : [])]);
+  }
+
+  const shownMarkup = new WeakMap(); // container -> the markup it shows
+
+  /** Puts `nodes` in `container` only where they differ from what it shows: while a model decodes,
+   * most snapshots change a figure or two, and the ring and the recoveries stay as they are, so
+   * the browser lays out and paints only what changed. */
+  function replaceIfChanged(container, nodes) {
+    const markup = nodes.map((node) => node.outerHTML).join("");
+    if (shownMarkup.get(container) === markup) return;
+    shownMarkup.set(container, markup);
+    container.replaceChildren(...nodes);
   }
 
   function stat(key, label, ...value) {
