@@ -18,33 +18,10 @@ from benchmarks.run import free_port
 from shardwire.formats import open_model
 from shardwire.pipeline.loading import load_stage
 
-transformers = pytest.importorskip("transformers")
-convert = pytest.importorskip("shardwire_kit.convert")
+pytest.importorskip("transformers")
+from taught import CALL, REASONING, REPLIES, asked, taught_model  # noqa: E402  (needs transformers)
 
 pytestmark = pytest.mark.slow  # a model taught, converted and served per family
-
-REASONING = "The user asks for the weather in Rome."
-ASKED = {"messages": [{"role": "user", "content": "Weather in Rome?"}], "max_tokens": 80, "temperature": 0}
-CALL = ("get_weather", {"city": "Rome"})
-# each family's reply in its own format: its reasoning, then the call, then the token that ends it
-REPLIES = {
-    "glm4moe": (
-        convert.tiny_glm4moe,
-        f"<think>{REASONING}</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
-        "</tool_call><|observation|>",
-    ),
-    "deepseek2": (  # R1's chat: the prompt opens the thinking
-        convert.tiny_deepseek3,
-        f"{REASONING}\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-        '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
-    ),
-    "gpt-oss": (
-        convert.tiny_gpt_oss,
-        f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>commentary "
-        'to=functions.get_weather <|constrain|>json<|message|>{"city":"Rome"}<|call|>',
-    ),
-}
-
 
 # where the pinned llama-server cannot read the family's reply, and what it answers instead
 UNREAD_BY_LLAMA_SERVER = {
@@ -54,24 +31,9 @@ UNREAD_BY_LLAMA_SERVER = {
 }
 
 
-def _asked() -> dict:
-    from tool_calls import WEATHER
-
-    return {**ASKED, "tools": [WEATHER]}
-
-
 @pytest.fixture(scope="module", params=sorted(REPLIES))
 def taught(request, tmp_path_factory) -> Path:
-    """The family's tiny model taught its reply to ASKED, as the converter's float32 GGUF."""
-    from shardwire.serving.openai_api import parse_chat
-    from shardwire.tokenizer import load_tokenizer
-
-    build, reply = REPLIES[request.param]
-    folder = build(tmp_path_factory.mktemp(request.param) / "hf", layers=2)
-    tokenizer = load_tokenizer(open_model(folder))
-    prompt = parse_chat(_asked(), tokenizer).prompts[0]
-    convert.teach(folder, prompt, tokenizer.encode(reply, add_special=False, parse_special=True))
-    return convert.convert(folder, folder.parent / f"{request.param}.gguf")
+    return taught_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _message(choice: dict) -> dict:
@@ -108,10 +70,10 @@ async def _replies(url: str) -> tuple[dict, dict]:
     from aiohttp import ClientSession
 
     async with ClientSession() as http:
-        async with http.post(f"{url}/v1/chat/completions", json=_asked()) as r:
+        async with http.post(f"{url}/v1/chat/completions", json=asked()) as r:
             assert r.status == 200, await r.text()
             whole = _message((await r.json())["choices"][0])
-        async with http.post(f"{url}/v1/chat/completions", json={**_asked(), "stream": True}) as r:
+        async with http.post(f"{url}/v1/chat/completions", json={**asked(), "stream": True}) as r:
             assert r.status == 200, await r.text()
             lines = [line.decode().strip() async for line in r.content]
     events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: {")]

@@ -212,7 +212,42 @@ def test_chat_streams_stops_exports_and_imports(server, page, tmp_path):
     page.get_by_test_id("import-file").set_input_files(str(bad))
     page.get_by_test_id("error").wait_for(timeout=5_000)
     assert page.locator('[data-testid="message"]').count() == 4
+
+    # a schema that is not JSON: said so, nothing sent
+    page.get_by_test_id("setting-schema").fill("{not json")
+    send(page, "Answer in JSON")
+    page.get_by_text('Setting "JSON schema" is not JSON').wait_for(timeout=5_000)
+    assert page.locator('[data-testid="message"]').count() == 4
     assert not page.errors
+
+
+def test_reasoning_folds_and_a_tool_call_shows(page, tmp_path):
+    """A model taught to think and then call a tool, asked as the page asks it, with the tool in
+    the settings: its reasoning folded above the reply, its call as a call."""
+    pytest.importorskip("transformers")
+    from taught import ASKED, CALL, REASONING, taught_model
+    from tool_calls import WEATHER
+
+    model = taught_model("glm4moe", tmp_path)
+    serve = ServeProcess(model, [], tmp_path / "coordinator", "-c", "1024")
+    try:
+        open_page(page, serve.url)
+        page.get_by_test_id("settings").locator("summary").click()
+        page.get_by_test_id("setting-max_tokens").fill(str(ASKED["max_tokens"]))
+        page.get_by_test_id("setting-temperature").fill("0")
+        page.get_by_test_id("setting-tools").fill(json.dumps([WEATHER]))
+        send(page, ASKED["messages"][0]["content"])
+        reply = replies(page).first
+        reply.get_by_test_id("stats").wait_for(timeout=60_000)
+        reasoning = reply.get_by_test_id("reasoning")
+        assert reasoning.get_attribute("open") is None  # folded
+        assert reasoning.text_content().strip() == "Reasoning" + REASONING
+        call = reply.get_by_test_id("tool-call")
+        name, arguments = CALL
+        assert name in call.inner_text() and json.loads(call.locator("pre").inner_text()) == arguments
+        assert not page.errors
+    finally:
+        assert serve.stop() == 0
 
 
 def test_cluster_view_shows_a_worker_lost_and_the_ring_recovering(server, workers, page):

@@ -669,20 +669,28 @@
       }
       fields[name] = value;
     }
-    const schemaText = String(settings.schema || "").trim();
-    if (schemaText) {
-      let schema;
-      try {
-        schema = JSON.parse(schemaText);
-      } catch (error) {
-        throw new Error(`The JSON schema does not parse: ${error.message}`);
-      }
-      if (!isObject(schema)) throw new Error("The JSON schema must be a JSON object.");
-      fields.response_format = { type: "json_schema", json_schema: { name: "schema", schema } };
-    } else if (settings.json) {
-      fields.response_format = { type: "json_object" };
-    }
+    const schema = jsonSetting(settings.schema, "JSON schema", isObject, "a JSON object");
+    if (schema !== null) fields.response_format = { type: "json_schema", json_schema: { name: "schema", schema } };
+    else if (settings.json) fields.response_format = { type: "json_object" };
+    const isToolList = (x) => Array.isArray(x) && x.every(isObject);
+    const tools = jsonSetting(settings.tools, "tools", isToolList, "a JSON array of objects");
+    if (tools !== null) fields.tools = tools;
     return { system: String(settings.system || "").trim(), fields };
+  }
+
+  /** A setting written as JSON: null when empty; throws, naming it, when it does not parse or is
+   * not what `valid` accepts. */
+  function jsonSetting(raw, name, valid, what) {
+    const source = String(raw || "").trim();
+    if (!source) return null;
+    let value;
+    try {
+      value = JSON.parse(source);
+    } catch (error) {
+      throw new Error(`Setting "${name}" is not JSON: ${error.message}`);
+    }
+    if (!valid(value)) throw new Error(`Setting "${name}" must be ${what}.`);
+    return value;
   }
 
   // ---------------------------------------------------------------- sending and streaming
