@@ -5,8 +5,8 @@ import pytest
 from shardwire.state import STATE_ENV
 
 # fixtures the tests of several folders share: worker_pool; model_file and reference (recovery);
-# browser and page (the web page's tests)
-pytest_plugins = ["runs", "recovery", "browser"]
+# browser and page (the web page's tests); taught_models (the chat tests)
+pytest_plugins = ["runs", "recovery", "browser", "taught"]
 
 
 @pytest.fixture(autouse=True, scope="session")

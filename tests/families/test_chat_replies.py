@@ -19,7 +19,7 @@ from shardwire.formats import open_model
 from shardwire.pipeline.loading import load_stage
 
 pytest.importorskip("transformers")
-from taught import CALL, REASONING, REPLIES, asked, taught_model  # noqa: E402  (needs transformers)
+from taught import CALL, REASONING, REPLIES, asked  # noqa: E402  (needs transformers)
 
 pytestmark = pytest.mark.slow  # a model taught, converted and served per family
 
@@ -32,8 +32,8 @@ UNREAD_BY_LLAMA_SERVER = {
 
 
 @pytest.fixture(scope="module", params=sorted(REPLIES))
-def taught(request, tmp_path_factory) -> Path:
-    return taught_model(request.param, tmp_path_factory.mktemp(request.param))
+def taught(request, taught_models) -> Path:
+    return taught_models(request.param)
 
 
 def _message(choice: dict) -> dict:

@@ -221,14 +221,14 @@ def test_chat_streams_stops_exports_and_imports(server, page, tmp_path):
     assert not page.errors
 
 
-def test_reasoning_folds_and_a_tool_call_shows(page, tmp_path):
+def test_reasoning_folds_and_a_tool_call_shows(page, taught_models, tmp_path):
     """A model taught to think and then call a tool, asked as the page asks it, with the tool in
     the settings: its reasoning folded above the reply, its call as a call."""
     pytest.importorskip("transformers")
-    from taught import ASKED, CALL, REASONING, taught_model
+    from taught import ASKED, CALL, REASONING
     from tool_calls import WEATHER
 
-    model = taught_model("glm4moe", tmp_path)
+    model = taught_models("glm4moe")
     serve = ServeProcess(model, [], tmp_path / "coordinator", "-c", "1024")
     try:
         open_page(page, serve.url)

@@ -1,10 +1,13 @@
 """Tiny models of a family taught to answer one chat request in the family's own format: by
 thinking, then calling a tool (shardwire_kit.convert.teach), as llama.cpp's converter writes them.
-The chat tests check what serve and llama-server return for them; the web page's test shows it."""
+The chat tests check what serve and llama-server return for them; the web page's test shows it.
+`taught_models`: each made once per test run."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from shardwire_kit import convert
 
@@ -50,3 +53,16 @@ def taught_model(family: str, folder: Path) -> Path:
     prompt = parse_chat(asked(), tokenizer).prompts[0]
     convert.teach(hf, prompt, tokenizer.encode(reply, add_special=False, parse_special=True))
     return convert.convert(hf, folder / f"{family}.gguf")
+
+
+@pytest.fixture(scope="session")
+def taught_models(tmp_path_factory):
+    """family -> its taught model, made once in a test run for every test that asks for it."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = taught_model(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get
