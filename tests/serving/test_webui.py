@@ -164,6 +164,7 @@ def test_chat_streams_stops_exports_and_imports(server, page, tmp_path):
     stats.wait_for(timeout=60_000)
     assert reply.get_by_test_id("message-content").inner_text().strip()
     assert re.search(r"TTFT \d+ ms", stats.inner_text()) and "tokens/s" in stats.inner_text()
+    assert re.search(r"prompt \d+ tokens in \d+ ms", stats.inner_text())
 
     # regenerated; then the question edited, which asks again and drops the old reply
     page.get_by_test_id("regenerate").click()

@@ -480,7 +480,7 @@
 
     if (message.role === "assistant") {
       const view = assistantView(message);
-      node.append(view.reasoning, view.toolCalls, view.content);
+      node.append(view.progress, view.reasoning, view.toolCalls, view.content);
       if (chat.stream && chat.stream.message === message) chat.stream.view = view;
       else if (message.stats) node.append(h("div", { class: "stats", testid: "stats" }, formatStats(message.stats)));
       actions.append(button("Copy", "copy", (e) => copyText(message.content, e.currentTarget)));
@@ -509,7 +509,8 @@
       reasoning: h("details", { class: "reasoning", testid: "reasoning", hidden: true, open: openReasoning.has(message) }),
       toolCalls: h("div", { class: "tool-calls" }),
       content: h("div", { class: "markdown", testid: "message-content" }),
-      shown: { content: null, reasoning: null, toolCalls: null },
+      progress: h("div", { class: "prompt-progress", testid: "prompt-progress", hidden: true }),
+      shown: { content: null, reasoning: null, toolCalls: null, progress: null },
     };
     view.reasoning.append(h("summary", {}, "Reasoning"), view.reasoningText);
     view.reasoning.addEventListener("toggle", () => {
@@ -522,6 +523,12 @@
 
   function fillAssistant(view, message) {
     const shown = view.shown;
+    const progress = promptProgressText(message.progress);
+    if (progress !== shown.progress) {
+      view.progress.textContent = progress;
+      view.progress.hidden = !progress;
+      shown.progress = progress;
+    }
     if (message.reasoning !== shown.reasoning) {
       view.reasoningText.textContent = message.reasoning || "";
       view.reasoning.hidden = !message.reasoning;
@@ -536,6 +543,13 @@
       setMarkdown(view.content, message.content || "");
       shown.content = message.content;
     }
+  }
+
+  /** How far the server has read the prompt, before the first token: "" once it has. */
+  function promptProgressText(progress) {
+    if (!isObject(progress) || !isNumber(progress.total) || !isNumber(progress.processed)) return "";
+    const cached = isNumber(progress.cache) && progress.cache > 0 ? `, ${progress.cache} from the cache` : "";
+    return `Reading the prompt: ${progress.processed} of ${progress.total} tokens${cached}`;
   }
 
   function toolCallBlock(call) {
@@ -569,6 +583,9 @@
     if (isNumber(stats.tokens_per_s)) parts.push(`${stats.tokens_per_s.toFixed(1)} tokens/s`);
     if (isNumber(stats.tokens)) parts.push(`${stats.tokens} tokens`);
     if (isNumber(stats.cached)) parts.push(`cached ${stats.cached}`);
+    if (isNumber(stats.prompt_n) && isNumber(stats.prompt_ms)) {
+      parts.push(`prompt ${stats.prompt_n} tokens in ${Math.round(stats.prompt_ms)} ms`);
+    }
     let line = parts.join(" · ");
     if (stats.finish_reason === "length") line += " (cut at max tokens)";
     if (stats.stopped) line += " (stopped)";
@@ -739,7 +756,8 @@
   function requestBody(conversation, options) {
     const messages = options.system ? [{ role: "system", content: options.system }] : [];
     for (const message of conversation.messages) messages.push({ role: message.role, content: message.content || "" });
-    const body = { messages, stream: true, stream_options: { include_usage: true }, ...options.fields };
+    // return_progress: while the prompt is read, chunks say how far (llama-server's prompt_progress)
+    const body = { messages, stream: true, stream_options: { include_usage: true }, return_progress: true, ...options.fields };
     return chat.model ? { model: chat.model, ...body } : body;
   }
 
@@ -810,6 +828,10 @@
     }
     if (isObject(chunk.usage)) stream.usage = chunk.usage;
     if (isObject(chunk.timings)) stream.timings = chunk.timings;
+    if (isObject(chunk.prompt_progress) && stream.firstToken === null) {
+      stream.message.progress = chunk.prompt_progress;
+      scheduleRender(stream);
+    }
     const choice = asArray(chunk.choices).find((c) => isObject(c) && (c.index === 0 || c.index === undefined));
     if (!choice) return;
     if (choice.finish_reason) stream.finishReason = choice.finish_reason;
@@ -829,6 +851,7 @@
       fresh = true;
     }
     if (!fresh) return;
+    delete message.progress;
     stream.deltas += 1;
     if (stream.firstToken === null) stream.firstToken = performance.now();
     scheduleRender(stream);
@@ -869,6 +892,7 @@
     if (stream.frame) cancelAnimationFrame(stream.frame);
     if (chat.stream === stream) chat.stream = null;
     const { conversation, message } = stream;
+    delete message.progress;
     if (message.tool_calls) message.tool_calls = message.tool_calls.filter(Boolean);
     const empty = !message.content && !message.reasoning && !(message.tool_calls && message.tool_calls.length);
     if (empty && outcome === "failed") {
@@ -897,6 +921,8 @@
       tokens,
       cached: firstNumber(timings.cache_n, details.cached_tokens),
       prompt_tokens: firstNumber(usage.prompt_tokens),
+      prompt_n: firstNumber(timings.prompt_n),
+      prompt_ms: firstNumber(timings.prompt_ms),
       finish_reason: stream.finishReason,
     };
     if (outcome === "stopped") stats.stopped = true;
