@@ -281,6 +281,7 @@ def test_cluster_view_shows_a_worker_lost_and_the_ring_recovering(server, worker
         arg=[workers[0].address, shown],
         timeout=10_000,
     )
+    page.get_by_test_id("stat-mode").get_by_text("1 worker (+1 without a stage)").wait_for(timeout=10_000)
     page.screenshot(path=str(SCREENSHOTS / "cluster-after-recovery.png"), full_page=True)
     assert not page.errors
 

@@ -1051,7 +1051,11 @@
     const status = problem
       ? h("span", { class: "problem", testid: "cluster-problem" }, String(problem))
       : h("span", { class: snapshot.ready ? "ok" : "muted" }, snapshot.ready ? "ready" : "not ready");
-    const mode = cluster ? `${workers.length} worker${workers.length === 1 ? "" : "s"}` : "one process";
+    const serving = workers.filter((w) => asArray(w.stages).length).length;
+    const others = workers.length - serving; // lost, or connected with no stage
+    const mode = cluster
+      ? `${serving} worker${serving === 1 ? "" : "s"}${others ? ` (+${others} without a stage)` : ""}`
+      : "one process";
     const kvTitle = `${text(kv.page_tokens)} tokens a page · ${text(kv.cached)} cached · ${text(kv.hit_tokens)} hit / ${text(kv.miss_tokens)} missed tokens`;
     const items = [
       stat("model", "Model", text(snapshot.model)),
