@@ -251,7 +251,7 @@ def test_reasoning_folds_and_a_tool_call_shows(page, taught_models, tmp_path):
         assert serve.stop() == 0
 
 
-def test_cluster_view_shows_a_worker_lost_and_the_ring_recovering(server, workers, page):
+def test_cluster_view_shows_a_worker_lost_the_ring_recovering_and_the_worker_rejoining(server, workers, page):
     open_page(page, server.url, "cluster")
     cards = page.get_by_test_id("worker")
     page.wait_for_function("() => document.querySelectorAll('[data-testid=worker][data-state=healthy]').length === 2")
@@ -283,6 +283,12 @@ def test_cluster_view_shows_a_worker_lost_and_the_ring_recovering(server, worker
     )
     page.get_by_test_id("stat-mode").get_by_text("1 worker (+1 without a stage)").wait_for(timeout=10_000)
     page.screenshot(path=str(SCREENSHOTS / "cluster-after-recovery.png"), full_page=True)
+
+    # the worker back at its address: the plan moves stages back onto it, and the page says so
+    workers[1] = WorkerProcess(workers[1].cache_dir, port=workers[1].port).start()
+    back = page.locator(f'[data-testid="worker"][data-name="{workers[1].address}"][data-state="rejoined"]')
+    back.wait_for(timeout=60_000)
+    page.get_by_test_id("stat-mode").get_by_text("2 workers").wait_for(timeout=10_000)
     assert not page.errors
 
 
