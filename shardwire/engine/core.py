@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterator, Mapping
 
+from ..averages import moved
 from ..backends import IDLE_S
 from ..constrain import Grammar, ProposalCheck, RowConstraint, vocabulary_of
 from ..enums import PAGE, pages_for
@@ -328,8 +329,7 @@ class Engine:
     def _measured_step(self, sent_at: float, width: int) -> None:
         seconds = time.perf_counter() - sent_at
         self.step_costs.add(width, seconds)
-        last = self.counters.step_ms
-        self.counters.step_ms = seconds * 1000 if last is None else last + 0.2 * (seconds * 1000 - last)
+        self.counters.step_ms = moved(self.counters.step_ms, seconds * 1000)
 
     def _on_result(self, result: StepResult) -> None:
         seqs = self._steps.pop(result.step_id, [])

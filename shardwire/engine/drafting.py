@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from ..averages import moved
+
 MIN_NGRAM = 2
 # the widths a step may take (tokens per row): a few, so that a stage keeps a decode graph built for
 # each (ggml's graphs are built per row count) and the engine has measured each
@@ -65,8 +67,7 @@ class StepCosts:
     """What a decode step has cost, from its sending to its result, by width (tokens per row): a
     moving average of each width measured, for the engine's thread alone."""
 
-    def __init__(self, weight: float = 0.2):
-        self.weight = weight
+    def __init__(self):
         self._seconds: dict[int, float] = {}
         self._widths: list[int] = []  # those measured, in order
         self._first: set[int] = set()  # widths whose first step came back
@@ -78,7 +79,7 @@ class StepCosts:
         old = self._seconds.get(width)
         if old is None:
             bisect.insort(self._widths, width)
-        self._seconds[width] = seconds if old is None else old + self.weight * (seconds - old)
+        self._seconds[width] = moved(old, seconds)
 
     def measured(self, width: int) -> bool:
         return width in self._seconds

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..averages import moved
 from ..backends import IDLE_S, release_scratch
 from ..config import ModelConfig
 from ..constrain import Matchers
@@ -55,8 +56,7 @@ class StageRunner:
     step_ms: float | None = None  # its compute in a decode step: a moving average
 
     def measured(self, seconds: float) -> None:
-        ms, last = seconds * 1000, self.step_ms
-        self.step_ms = ms if last is None else last + 0.2 * (ms - last)
+        self.step_ms = moved(self.step_ms, seconds * 1000)
 
 
 class Ring:
