@@ -172,10 +172,21 @@ def test_too_little_capacity_waits_for_the_worker_to_come_back(setup, reference,
     s = setup(mem=budget_for_a_third(model_file))
     handle = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=40))
     wait_for_tokens(handle, 5)
+    killed = s.workers[1].address
     s.workers[1].kill()
     threading.Timer(3.0, s.restart, args=(1,)).start()
+    # what GET /v1/cluster and the web page show meanwhile: the lost worker, the others recovering
+    deadline = time.monotonic() + 3.0
+    while (states := _states(s.cluster)) != {**{w.address: "recovering" for w in s.workers}, killed: "lost"}:
+        assert time.monotonic() < deadline, states
+        time.sleep(0.02)
     assert collect(handle)[0] == reference()
     assert len(s.cluster.plan.stages) == 3
+    assert _states(s.cluster) == {**{w.address: "healthy" for w in s.workers}, killed: "rejoined"}
+
+
+def _states(cluster) -> dict[str, str]:
+    return {w["name"]: w["state"] for w in cluster.status()["workers"]}
 
 
 def test_too_little_capacity_fails_clearly_within_the_deadline_and_serves_again(setup, reference, model_file):
