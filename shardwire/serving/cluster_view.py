@@ -49,11 +49,8 @@ class Rates:
 RATES = web.AppKey("rates", Rates)
 
 
-def _live(backend: Backend, rates: Rates) -> dict | None:
-    engine = backend.engine
-    if engine is None:
-        return None
-    counters, slots = engine.counters, engine.slots()
+def _live(engine, slots: dict, rates: Rates) -> dict:
+    counters = engine.counters
     generated, prompt = rates.sample(counters.generated, counters.prompt_positions)
     return {
         "tokens_per_s": round(generated, 1),
@@ -65,15 +62,16 @@ def _live(backend: Backend, rates: Rates) -> dict | None:
 
 
 def snapshot(backend: Backend, rates: Rates) -> dict:
-    problem = backend.problem()
+    problem, engine = backend.problem(), backend.engine
+    slots = engine.slots() if engine is not None else None
     return {
         "model": backend.model_id,
         "ready": problem is None,
         "problem": problem,
         "ctx": backend.ctx or None,
-        "slots": backend.engine.slots() if backend.engine is not None else None,
+        "slots": slots,
         "requests": dict(backend.requests),
-        "live": _live(backend, rates),
+        "live": _live(engine, slots, rates) if engine is not None else None,
         "cluster": backend.pipeline_status(),
     }
 

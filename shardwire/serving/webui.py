@@ -67,9 +67,7 @@ class WebUI:
             if p.is_file() and p.name != "index.html"
         }
         # each of the page's own files named with its content's hash
-        page = re.sub(
-            r'(src|href)="/webui/([^"?]+)"', lambda m: self._versioned(m), (folder / "index.html").read_text()
-        )
+        page = re.sub(r'(src|href)="/webui/([^"?]+)"', self._versioned, (folder / "index.html").read_text())
         self.page = Asset.of(page.encode(), "index.html")
 
     def _versioned(self, m: re.Match) -> str:
