@@ -4,7 +4,7 @@ import pytest
 
 from shardwire.state import STATE_ENV
 
-# fixtures the tests of several folders share: worker_pool; model_file and reference (recovery);
+# fixtures the tests of several folders share: worker_pool, two_workers; model_file and reference (recovery);
 # browser and page (the web page's tests); taught_models (the chat tests)
 pytest_plugins = ["runs", "recovery", "browser", "taught"]
 

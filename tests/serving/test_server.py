@@ -47,16 +47,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    started = [WorkerProcess(tmp_path_factory.mktemp("worker")).start() for _ in range(2)]
-    yield started
-    for w in started:
-        w.stop()
-
-
-@pytest.fixture(scope="module")
-def server(model, workers, tmp_path_factory):
-    serve = ServeProcess(model, workers, tmp_path_factory.mktemp("coordinator"))
+def server(model, two_workers, tmp_path_factory):
+    serve = ServeProcess(model, two_workers, tmp_path_factory.mktemp("coordinator"))
     yield serve
     code = serve.stop()
     print("".join(serve.log))  # pytest shows it when the teardown fails
@@ -351,7 +343,8 @@ def test_metrics_show_each_worker(server, client, model):
     assert "shardwire:recoveries" in families
 
 
-def test_a_lost_worker_is_survived_then_readmitted_and_new_workers_join(server, workers, client, model, tmp_path):
+def test_a_lost_worker_is_survived_then_readmitted_and_new_workers_join(server, two_workers, client, model, tmp_path):
+    workers = two_workers
     victim = workers[1]
     victim.kill()
     # the model fits on the remaining worker: requests keep being served
@@ -361,7 +354,7 @@ def test_a_lost_worker_is_survived_then_readmitted_and_new_workers_join(server, 
     assert st["recoveries"] and victim.address in st["recoveries"][-1]["lost"]
     assert sum(bool(w["stages"]) for w in st["workers"]) == 1
 
-    workers[1] = WorkerProcess(victim.cache_dir, port=victim.port).start()  # back on the same address
+    workers[1] = victim.restarted()  # back on the same address
     wait_for_stages(server, client, model, 2)
 
     newcomer = WorkerProcess(tmp_path / "new").start()

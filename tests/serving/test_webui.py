@@ -17,7 +17,6 @@ import pytest
 from browser import SCREENSHOTS
 from models import model_path
 from serve_process import KEY, ServeProcess, call
-from workers import WorkerProcess
 
 pytestmark = pytest.mark.slow  # a server and two workers
 
@@ -25,17 +24,9 @@ LOAD_BUDGET_MS = 1000  # the page loads in under a second from the machine that 
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    started = [WorkerProcess(tmp_path_factory.mktemp("worker")).start() for _ in range(2)]
-    yield started
-    for w in started:
-        w.stop()
-
-
-@pytest.fixture(scope="module")
-def server(workers, tmp_path_factory):
+def server(two_workers, tmp_path_factory):
     # the qwen2 vocabulary brings Qwen's chat template; a worker lost is given up on after 20 s
-    serve = ServeProcess(model_path("qwen2", "F32"), workers, tmp_path_factory.mktemp("coordinator"))
+    serve = ServeProcess(model_path("qwen2", "F32"), two_workers, tmp_path_factory.mktemp("coordinator"))
     yield serve
     serve.stop()
 
@@ -251,7 +242,8 @@ def test_reasoning_folds_and_a_tool_call_shows(page, taught_models, tmp_path):
         assert serve.stop() == 0
 
 
-def test_cluster_view_shows_a_worker_lost_the_ring_recovering_and_the_worker_rejoining(server, workers, page):
+def test_cluster_view_shows_a_worker_lost_the_ring_recovering_and_the_worker_rejoining(server, two_workers, page):
+    workers = two_workers
     open_page(page, server.url, "cluster")
     cards = page.get_by_test_id("worker")
     page.wait_for_function("() => document.querySelectorAll('[data-testid=worker][data-state=healthy]').length === 2")
@@ -285,7 +277,7 @@ def test_cluster_view_shows_a_worker_lost_the_ring_recovering_and_the_worker_rej
     page.screenshot(path=str(SCREENSHOTS / "cluster-after-recovery.png"), full_page=True)
 
     # the worker back at its address: the plan moves stages back onto it, and the page says so
-    workers[1] = WorkerProcess(workers[1].cache_dir, port=workers[1].port).start()
+    workers[1] = workers[1].restarted()
     back = page.locator(f'[data-testid="worker"][data-name="{workers[1].address}"][data-state="rejoined"]')
     back.wait_for(timeout=60_000)
     page.get_by_test_id("stat-mode").get_by_text("2 workers").wait_for(timeout=10_000)

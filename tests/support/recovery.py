@@ -68,9 +68,7 @@ class Setup:
         self.engine = Engine(self.pipeline, prefill_chunk=CHUNK)
 
     def restart(self, i):
-        self.workers[i] = WorkerProcess(
-            self.workers[i].cache_dir, port=self.workers[i].port, extra=self.workers[i].extra
-        ).start()
+        self.workers[i] = self.workers[i].restarted()
 
     def close(self):
         self.engine.close()

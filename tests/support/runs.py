@@ -77,6 +77,16 @@ def assert_same(reference, got):
         assert max(abs(a - b) for (_, a), (_, b) in zip(ours, theirs)) <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """Two workers for a module's tests; one a test replaced (killed, then restarted()) in the list
+    is stopped with the other."""
+    started = [WorkerProcess(tmp_path_factory.mktemp("worker")).start() for _ in range(2)]
+    yield started
+    for w in started:
+        w.stop()
+
+
 @pytest.fixture
 def worker_pool(tmp_path):
     started = []

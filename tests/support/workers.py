@@ -83,6 +83,22 @@ class WorkerProcess:
         self.stop()
         raise RuntimeError("worker did not start:\n" + "".join(lines))
 
+    def restarted(self) -> "WorkerProcess":
+        """A new worker at this one's address, with its cache folder and options (this one killed
+        or stopped): what a user restarting it would run."""
+        return WorkerProcess(
+            self.cache_dir,
+            self.extra,
+            self.port,
+            self.token,
+            self.devices,
+            self.threads,
+            self.host,
+            self.env,
+            self.launcher,
+            self.cwd,
+        ).start()
+
     def _drain(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
