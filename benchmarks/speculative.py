@@ -32,6 +32,12 @@ the scripted proposals: the "tokens" column says so.)
 Per cell it also prints the decode steps' costs by width as the engine measured them (what the
 length of proposals is chosen from) and the tokens each step gave.
 
+Steps sent ahead (engine/core.py: a speculating sequence's next step sent while the one before it
+is in flight, on what that one is expected to give) are on by default, as `serve` runs; the
+"-one" variants ("lookup-one", "draft-one") run the same proposals one step in flight at a time,
+so that each cell shows what going ahead gains or costs there, and the steps sent ahead and of
+them those void. A hybrid sends none (its stages' recurrent state goes back one step at most).
+
 Beside it, unless --no-llama-cpp: llama.cpp on the same files (GGUF; the Hugging Face folders
 written as GGUF by shardwire's writer) over the same relays, ggml-rpc-server workers and
 llama-server --rpc as the coordinator, plain, with --spec-type ngram-simple and with the draft
@@ -170,9 +176,10 @@ def start_workers(n: int, log: Path) -> list[Server]:
 
 
 def one_run(engine: ScriptingEngine, prompt: list[int], n: int, variant: tuple) -> dict:
-    """`variant`: (speculation, script) as ScriptingEngine takes it."""
-    speculation, engine.script = variant
-    steps = engine.counters.decode_steps
+    """`variant`: (speculation, script as ScriptingEngine takes it, whether steps go ahead)."""
+    speculation, engine.script, engine.ahead = variant
+    counters = engine.counters
+    steps, ahead, void = counters.decode_steps, counters.ahead_steps, counters.void_steps
     handle = engine.submit(Request(prompt, GREEDY, max_tokens=n, ignore_eos=True, speculation=speculation))
     handle.result()
     if handle.error:
@@ -183,7 +190,9 @@ def one_run(engine: ScriptingEngine, prompt: list[int], n: int, variant: tuple) 
         "tokens": handle.tokens,
         "draft_n": s.draft_n,
         "draft_n_accepted": s.draft_n_accepted,
-        "steps": engine.counters.decode_steps - steps,  # the first token comes from the prompt's step
+        "steps": counters.decode_steps - steps,  # the first token comes from the prompt's step
+        "ahead": counters.ahead_steps - ahead,
+        "void": counters.void_steps - void,
     }
 
 
@@ -194,13 +203,15 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
     kinds = KINDS.get(_name(path), tuple(PROMPTS))
     prompts = {kind: tokenizer.encode(PROMPTS[kind])[: model.config.context_length - n_gen - 1] for kind in kinds}
     ctx = min(model.config.context_length, 512)
-    variants = {"plain": (None, None), "lookup": (Speculation(n_max=args.draft_max), None)}
+    lookup = Speculation(n_max=args.draft_max)
+    variants = {"plain": (None, None, True), "lookup": (lookup, None, True), "lookup-one": (lookup, None, False)}
     draft = None
     if _name(path) in DRAFTS and not args.no_draft:
         folder = DRAFTS[_name(path)]()
         draft_file = open_model(folder)
         draft = DraftModel(load_stage(draft_file, 0, draft_file.config.n_layers, weights="fast"), 1, ctx)
-        variants["draft"] = (Speculation("draft-simple", n_max=args.draft_max), None)
+        variants["draft"] = (Speculation("draft-simple", n_max=args.draft_max), None, True)
+        variants["draft-one"] = (variants["draft"][0], None, False)
     shaping = Shaping(enabled=True)
     if args.llama_cpp is not None:
         draft_file = gguf_path(DRAFTS[_name(path)]()) if "draft" in variants else None
@@ -217,6 +228,8 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
         try:
             cluster.connect(model)
             pipeline = cluster.load(cluster.make_plan(ctx=ctx, weights="auto"))  # as `serve` plans by default
+            if pipeline.recurrent:  # it sends no step ahead: the "-one" variants would run the same
+                variants = {name: v for name, v in variants.items() if not name.endswith("-one")}
             engine = ScriptingEngine(pipeline, tokenizer, draft=draft)
             try:
                 for delay in delays:
@@ -228,7 +241,7 @@ def measure(path: Path, n_workers: int, delays: list[float], args, log: Path) ->
                         for name, refusing in (("scripted-all", False), ("scripted-some", True)):
                             variants.pop(name, None)
                             if scripted:
-                                variants[name] = (Speculation(n_max=SCRIPTED_N), (written, len(prompt), refusing))
+                                variants[name] = (Speculation(n_max=SCRIPTED_N), (written, len(prompt), refusing), True)
                         runs = {name: [] for name in variants}
                         for alt in range(args.alternations):
                             order = list(variants) if alt % 2 == 0 else list(reversed(variants))
@@ -265,6 +278,8 @@ def _row(path: Path, n_workers: int, delay: float, kind: str, runs: dict) -> dic
                 "ratio": round(tps / plain, 3) if plain else None,
                 "draft_n": sum(r["draft_n"] for r in runs[name]),
                 "draft_n_accepted": sum(r["draft_n_accepted"] for r in runs[name]),
+                "ahead": sum(r["ahead"] for r in runs[name]),
+                "void": sum(r["void"] for r in runs[name]),
                 "tokens_per_step": round(sum(len(r["tokens"]) - 1 for r in runs[name]) / steps, 2)
                 if (steps := sum(r["steps"] for r in runs[name]))
                 else None,
@@ -282,7 +297,9 @@ def tuple_address(address: str) -> tuple[str, int]:
 
 
 def _variants(row: dict) -> list[str]:
-    return [name for name in ("lookup", "draft", "scripted-all", "scripted-some") if name in row]
+    return [
+        name for name in ("lookup", "lookup-one", "draft", "draft-one", "scripted-all", "scripted-some") if name in row
+    ]
 
 
 def _line(row: dict) -> str:
@@ -294,7 +311,7 @@ def _line(row: dict) -> str:
         v = row[name]
         parts.append(
             f"{name} {v['tps']:8.2f} t/s {v['ratio']:.2f}x kept {v['draft_n_accepted']}/{v['draft_n']} "
-            f"{v['tokens_per_step']} tokens/step"
+            f"{v['tokens_per_step']} tokens/step" + (f", {v['ahead']} ahead ({v['void']} void)" if "ahead" in v else "")
         )
     parts.append("same tokens" if row["same_tokens"] else "TOKENS DIFFER")
     return "  ".join(parts) + f"\n    step cost by width: {_costs(row)}"
@@ -320,6 +337,7 @@ def report(rows: list[dict], machine: dict) -> str:
             rows,
             {
                 "tokens/step": lambda r, v: v["tokens_per_step"],
+                "steps ahead (void)": lambda r, v: f"{v['ahead']} ({v['void']})" if "ahead" in v else "",
                 "tokens": lambda r, v: "same" if r["same_tokens"] else "differ",
                 "step cost by width": lambda r, v: _costs(r),
             },

@@ -68,7 +68,7 @@ def run_generate(args: argparse.Namespace) -> int:
     speculation = speculation_from_args(args)
     draft = load_draft(args, tokenizer, 1, min(args.ctx_size, model.config.context_length))  # before any weight ships
     pipeline, _ = build_pipeline(model, args)
-    engine = Engine(pipeline, tokenizer, draft=draft)
+    engine = Engine(pipeline, tokenizer, draft=draft, ahead=args.spec_ahead)
     try:
         handle = engine.submit(
             Request(

@@ -86,6 +86,13 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
         default=3,
         help="longest n-gram looked up (default: %(default)s)",
     )
+    g.add_argument(
+        "--spec-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on workers, send a sequence's next step while the one before is in flight, on what it "
+        "is expected to give, where its proposals are kept often enough to pay (default: on)",
+    )
 
 
 def _add_server_defaults_args(p: argparse.ArgumentParser) -> None:

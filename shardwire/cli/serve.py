@@ -169,7 +169,7 @@ def _load_in_background(model, args: argparse.Namespace, tokenizer) -> asyncio.F
             ctx = min(args.ctx_size, model.config.context_length)
             draft = load_draft(args, tokenizer, args.parallel, ctx)  # before any weight ships
             pipeline, cluster = build_pipeline(model, args, n_slots=args.parallel)
-            engine = Engine(pipeline, tokenizer, draft=draft)
+            engine = Engine(pipeline, tokenizer, draft=draft, ahead=args.spec_ahead)
         except Exception as e:  # noqa: BLE001 -- handed to the event loop, which re-raises it
             settle(future.set_exception, e)
             return

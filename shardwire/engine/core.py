@@ -135,6 +135,8 @@ class Counters:
     generated: int = 0  # tokens every sequence has generated
     prompt_positions: int = 0  # prompt positions whose prefill steps came back
     step_ms: float | None = None  # a decode step, sent to result: a moving average
+    ahead_steps: int = 0  # decode steps sent ahead, on what the steps before them were expected to give
+    void_steps: int = 0  # of them, those whose expectation failed: their results were dropped
 
 
 class Handle:
@@ -188,6 +190,8 @@ class _Sequence:
         self.drafter: Drafter | None = None  # how its decode steps propose tokens (speculative decoding)
         self.proposal: list[int] = []  # what its next decode step proposes
         self.check: ProposalCheck | None = None  # its grammar, where it speculates under one
+        self.decoding: list[int] = []  # its decode steps in flight whose results count, in order
+        self.void = 0  # its steps in flight whose results no longer count (sent ahead on a wrong guess)
 
     @property
     def n_generated(self) -> int:
@@ -196,11 +200,18 @@ class _Sequence:
 
 class Engine:
     def __init__(
-        self, pipeline: Pipeline, tokenizer=None, *, prefill_chunk: int = 512, draft: DraftModel | None = None
+        self,
+        pipeline: Pipeline,
+        tokenizer=None,
+        *,
+        prefill_chunk: int = 512,
+        draft: DraftModel | None = None,
+        ahead: bool = True,
     ):
         """`draft`: the model that requests' speculative type draft-simple proposes with (its
-        cache sized for the pipeline's slots)."""
-        self.pipeline, self.tokenizer, self.draft = pipeline, tokenizer, draft
+        cache sized for the pipeline's slots); `ahead`: a speculating sequence's decode steps
+        may be sent while the one before is in flight (_send_ahead), where the stages overlap."""
+        self.pipeline, self.tokenizer, self.draft, self.ahead = pipeline, tokenizer, draft, ahead
         self.prefill_chunk = prefill_chunk
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[Handle] = []
@@ -213,6 +224,7 @@ class Engine:
         self._sent_at: dict[int, tuple[float, int]] = {}  # decode step id -> (when sent, width)
         self._prefilling: dict[int, int] = {}  # in-flight prefill step id -> its positions
         self._checking: set[int] = set()  # the steps whose sampled rows check proposals: decode steps, replayed or not
+        self._void: set[int] = set()  # steps in flight sent ahead on an expectation that failed
         self.step_costs = StepCosts()
         # of every sequence's proposals, by kind: where a new sequence's rate starts
         self.acceptance: dict[str, Acceptance] = {}
@@ -336,6 +348,8 @@ class Engine:
         self._decoding.discard(result.step_id)
         checking = result.step_id in self._checking
         self._checking.discard(result.step_id)
+        void = result.step_id in self._void
+        self._void.discard(result.step_id)
         sent = self._sent_at.pop(result.step_id, None)
         prefilled = self._prefilling.pop(result.step_id, 0)
         if result.error is None:
@@ -345,6 +359,9 @@ class Engine:
         broken = self._recoverable and self.pipeline.broken
         for i, seq in enumerate(seqs):
             seq.in_flight -= 1
+            seq.void -= void
+            if result.step_id in seq.decoding:
+                seq.decoding.remove(result.step_id)
             seq.failed |= result.error is not None
             if seq.filling is not None and seq.filling[0] == result.step_id:
                 self.pages.computed(seq.filling[1], ok=not seq.failed)
@@ -357,8 +374,12 @@ class Engine:
                     seq.interrupted = True  # replayed once the pipeline is back
                 elif not seq.finished:
                     self._finish(seq, "error", str(result.error))
-            elif result.sampled and result.sampled[i] and not seq.finished:
-                self._accept(seq, result.sampled[i], checking)
+            elif result.sampled and result.sampled[i] and not (seq.finished or void):
+                sampled, fed = result.sampled[i], self._fed_by(seq, result.step_id)
+                guess = self._fed_by(seq, seq.decoding[0])[0] if seq.decoding else None  # of the step ahead
+                self._accept(seq, fed, sampled, checking, guess)
+                if seq.decoding and (seq.finished or [s.token for s in sampled] != fed[1:] + [guess]):
+                    self._void_ahead(seq)  # it went ahead on tokens this step did not give
             if seq.finished and seq.in_flight == 0:
                 self._release(seq)
 
@@ -411,9 +432,15 @@ class Engine:
         stages = max(1, self.pipeline.n_stages)
         free = stages - len(self._decoding)
         decoding = [s for s in self._running.values() if not (s.finished or s.interrupted or s.preempted)]
-        ready = [s for s in decoding if s.in_flight == 0][: max(0, free) * -(-len(decoding) // stages)]
-        if not ready or free <= 0:
-            return
+        # a sequence whose steps in flight were all sent ahead on a wrong guess goes on at once:
+        # its next step follows them through every stage and writes over what they wrote
+        ready = [s for s in decoding if s.in_flight == s.void][: max(0, free) * -(-len(decoding) // stages)]
+        if ready and free > 0:
+            self._send_decode(ready, free)
+        self._send_ahead(decoding, stages)
+
+    def _send_decode(self, ready: list[_Sequence], free: int) -> None:
+        """Decode steps for the sequences `ready` (in at most `free` steps)."""
         for seq in ready:
             seq.proposal = self._propose(seq)
         ready = self._with_pages(ready)
@@ -427,15 +454,95 @@ class Engine:
             step = Step([self._decode_row(s, len(s.tokens) - 1, tokens) for s, tokens in zip(group, fed)])
             for row, (s, tokens) in enumerate(zip(group, fed)):
                 s.fed.append((step.id, row, len(s.tokens) - 1, tokens))
-            self._decoding.add(step.id)
-            self._sent_at[step.id] = (time.perf_counter(), step.width)
-            self._checking.add(step.id)
-            self.counters.decode_steps += 1
-            self.counters.decode_rows += len(group)
-            if step.width > 1:
-                self.counters.drafts += len(group)
-                self.counters.draft_tokens += len(group) * (step.width - 1)
-            self._send(step, group)
+            if all(s.in_flight == 0 for s in group):  # not queued behind steps that no longer count
+                self._sent_at[step.id] = (time.perf_counter(), step.width)
+            self._send_decoding(step, group)
+
+    def _send_decoding(self, step: Step, group: list[_Sequence]) -> None:
+        self._decoding.add(step.id)
+        self._checking.add(step.id)
+        for seq in group:
+            seq.decoding.append(step.id)
+        self.counters.decode_steps += 1
+        self.counters.decode_rows += len(group)
+        if step.width > 1:
+            self.counters.drafts += len(group)
+            self.counters.draft_tokens += len(group) * (step.width - 1)
+        self._send(step, group)
+
+    # -- steps sent ahead ------------------------------------------------------------------
+    #
+    # Where the stages overlap (workers), a decode step of one sequence leaves all stages but one
+    # idle, and over a network most of its time is the trip. A speculating sequence may then send
+    # its next step before the one in flight is back, on what that one is expected to give: its
+    # proposals all kept and, after them, the token its drafter guesses it will sample. The step
+    # sent ahead starts with that guess and carries proposals after it, as any step does. When the
+    # step before comes back as expected, the one ahead is simply the sequence's next step; when
+    # not, it and any sent after it are void: their results are dropped, and the sequence's next
+    # step, sent at once, follows them through every stage and writes over the positions they
+    # wrote (a step writes each position it reads past the kept ones before reading it). Void
+    # steps are left out of a replay. Not where a stage keeps a recurrent state (it would have
+    # to go back past the void steps), nor under a grammar (its matcher would follow the guesses).
+
+    def _send_ahead(self, decoding: list[_Sequence], stages: int) -> None:
+        if not (self.ahead and self.pipeline.stages_overlap) or getattr(self.pipeline, "recurrent", False):
+            return
+        for seq in decoding:
+            while len(self._decoding) < stages and self._worth_ahead(seq, stages) and self._step_ahead(seq):
+                pass
+
+    def _worth_ahead(self, seq: _Sequence, stages: int) -> bool:
+        """Whether a step sent ahead now is likely enough to count: every token the sequence's
+        steps in flight are expected to give comes true with about the acceptance rate's chance;
+        a void step costs the stages its rows, one that counts saves a trip around the ring of
+        `stages` (at least stages - 1 of their shares)."""
+        if seq.drafter is None or seq.request.grammar is not None:
+            return False
+        if not seq.decoding or seq.in_flight != len(seq.decoding) + seq.void or len(seq.decoding) >= stages:
+            return False  # nothing to go ahead of, or a prefill or replay in flight
+        expected = sum(len(self._fed_by(seq, step_id)) for step_id in seq.decoding)
+        return seq.drafter.acceptance.rate**expected >= 1 / stages
+
+    @staticmethod
+    def _fed_by(seq: _Sequence, step_id: int) -> list[int]:
+        """The tokens a decode step fed the sequence ([] for any other step)."""
+        return next((tokens for fed_by, _, _, tokens in reversed(seq.fed) if fed_by == step_id), [])
+
+    def _step_ahead(self, seq: _Sequence) -> bool:
+        """Send the sequence a step after what its steps in flight are expected to give; False
+        where its drafter guesses nothing or no page is free for it."""
+        fed = [self._fed_by(seq, step_id) for step_id in seq.decoding]
+        expected = seq.tokens + fed[0][1:] + [token for tokens in fed[1:] for token in tokens]
+        will_have = seq.n_generated + len(expected) - len(seq.tokens) + 1  # and the last step's token after them
+        room = min(self.pipeline.ctx - len(expected), seq.request.max_tokens - will_have)  # tokens it may give
+        if room < 1:
+            return False
+        tokens = seq.drafter.propose(expected, self.step_costs, room - 1, known=len(seq.tokens), guess=1)
+        if not tokens:
+            return False
+        at = len(expected)
+        short = pages_for(at + len(tokens)) - len(seq.pages)
+        new = self.pages.allocate(short) if short > 0 else []
+        if new is None:
+            return False
+        seq.pages += new
+        pages = seq.pages[: pages_for(at + len(tokens))]
+        row = Row(seq.slot, at, tokens, seq.request.sampling, self._recent(seq, expected), pages=pages)
+        row.n_draft = len(tokens) - 1
+        step = Step([row])
+        seq.fed.append((step.id, 0, at, tokens))
+        self.counters.ahead_steps += 1
+        self._send_decoding(step, [seq])
+        return True
+
+    def _void_ahead(self, seq: _Sequence) -> None:
+        void = set(seq.decoding)
+        self._void |= void
+        self._checking -= void
+        seq.void += len(void)
+        seq.decoding = []
+        seq.fed = [fed for fed in seq.fed if fed[0] not in void]
+        self.counters.void_steps += len(void)
 
     def _recover(self) -> bool:
         """Rebuild the pipeline and replay every unfinished sequence; False if that failed and
@@ -460,6 +567,9 @@ class Engine:
                     f"interrupted {seq.fruitless_replays} times without progress; last failure: {event.get('reason')}",
                 )
                 continue
+            # steps sent ahead that never came back gave nothing: the replay leaves them out
+            seq.fed = [fed for fed in seq.fed if fed[2] < len(seq.tokens)]
+            seq.decoding = []
             # the replayed steps write every position they first wrote, refused proposals included
             reach = max([len(seq.tokens)] + [at + len(tokens) for _, _, at, tokens in seq.fed])
             pages = self.pages.allocate(pages_for(reach))
@@ -492,11 +602,17 @@ class Engine:
         for seq in seqs:
             for step_id, row, at, tokens in seq.fed:
                 steps.setdefault(step_id, []).append((row, seq, at, tokens))
+            seq.fed = []  # each entry again, under the step that replays it
+        sending = []
         for step_id in sorted(steps):
             rows = sorted(steps[step_id], key=lambda r: r[0])
             step = Step([self._decode_row(seq, at, tokens) for _, seq, at, tokens in rows])
+            for row, (_, seq, at, tokens) in enumerate(rows):
+                seq.fed.append((step.id, row, at, tokens))
+            sending.append((step, [seq for _, seq, _, _ in rows]))
+        for step, group in sending:
             self._checking.add(step.id)  # the step in flight at the break samples again: its check counts
-            self._send(step, [seq for _, seq, _, _ in rows])
+            self._send(step, group)
 
     def _restart(self, seq: _Sequence, tokens: list[int]) -> bool:
         """Give a sequence the pages for `tokens`, reusing those of a cached prefix; False, taking
@@ -652,9 +768,9 @@ class Engine:
         return row
 
     @staticmethod
-    def _recent(seq: _Sequence) -> list[int]:
-        params = seq.request.sampling
-        return seq.tokens[-params.repeat_last_n :] if params.penalized and params.repeat_last_n else []
+    def _recent(seq: _Sequence, tokens: list[int] | None = None) -> list[int]:
+        params, tokens = seq.request.sampling, seq.tokens if tokens is None else tokens
+        return tokens[-params.repeat_last_n :] if params.penalized and params.repeat_last_n else []
 
     def _send(self, step: Step, seqs: list[_Sequence]) -> None:
         self.counters.steps += 1
@@ -666,18 +782,23 @@ class Engine:
         except PipelineError as e:
             self._on_result(StepResult(step.id, error=e))
 
-    def _accept(self, seq: _Sequence, sampled: list[Sampled], decoded: bool) -> None:
-        """What a step sampled for the sequence; `decoded`: a decode step, whose proposals (all
-        but the last token) it kept."""
+    def _accept(
+        self, seq: _Sequence, fed: list[int], sampled: list[Sampled], decoded: bool, guess: int | None = None
+    ) -> None:
+        """What a step that fed the sequence `fed` sampled for it; `decoded`: a decode step, whose
+        proposals (all but the first token fed) it kept up to the first it would not have drawn.
+        `guess`: the token a step sent ahead of it guessed it samples after them, which counts
+        with the proposals in the sequence's acceptance rate where they were all kept."""
         if decoded:
-            proposed = seq.fed[-1][3][1:] if seq.fed else []
-            kept = len(sampled) - 1
-            seq.handle.stats.draft_n += len(proposed)
+            proposed, kept = len(fed) - 1, len(sampled) - 1
+            seq.handle.stats.draft_n += proposed
             seq.handle.stats.draft_n_accepted += kept
             self.counters.draft_accepted += kept
+            if guess is not None and kept == proposed:
+                proposed, kept = proposed + 1, kept + (sampled[-1].token == guess)
             if seq.drafter is not None and proposed:
-                seq.drafter.checked(len(proposed), kept)
-                self.acceptance[seq.request.speculation.kind].checked(len(proposed), kept)
+                seq.drafter.checked(proposed, kept)
+                self.acceptance[seq.request.speculation.kind].checked(proposed, kept)
         for one in sampled:
             if seq.finished:
                 return

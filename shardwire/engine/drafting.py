@@ -141,8 +141,13 @@ class Drafter:
         self.acceptance = (prior or Acceptance()).prior()
         self._waited = 0
 
-    def propose(self, tokens: list[int], costs: StepCosts, room: int) -> list[int]:
-        """What the sequence's next step proposes after `tokens` (at most `room`)."""
+    def propose(
+        self, tokens: list[int], costs: StepCosts, room: int, known: int | None = None, guess: int = 0
+    ) -> list[int]:
+        """What the sequence's next step proposes after `tokens` (at most `room`). A step sent
+        ahead (engine.core: while those before it are in flight) proposes after what they are
+        expected to give: only the first `known` of `tokens` are the sequence's, and its first
+        `guess` tokens are a guess at the token the step before it samples."""
         raise NotImplementedError
 
     def filler(self, tokens: list[int], skip: int, n: int) -> list[int]:
@@ -193,26 +198,29 @@ class Lookup(Drafter):
         self._index: list[dict[tuple[int, ...], int]] = [{} for _ in range(speculation.ngram + 1)]
         self._seen = 0  # tokens indexed
 
-    def _extend(self, tokens: list[int]) -> None:
-        """Index each n-gram of tokens by where the token after its latest occurrence is."""
-        for t in range(max(self._seen, 1), len(tokens)):
+    def _extend(self, tokens: list[int], known: int) -> None:
+        """Index each n-gram of the first `known` tokens by where the token after its latest
+        occurrence is (the sequence's own: tokens past them may yet be taken back)."""
+        for t in range(max(self._seen, 1), known):
             for n in range(MIN_NGRAM, min(self.speculation.ngram, t) + 1):
                 self._index[n][tuple(tokens[t - n : t])] = t
-        self._seen = len(tokens)
+        self._seen = max(self._seen, known)
 
-    def lookup(self, tokens: list[int], limit: int) -> list[int]:
+    def lookup(self, tokens: list[int], limit: int, known: int | None = None) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest n-gram
-        tokens end with."""
-        self._extend(tokens)
+        tokens end with (among the first `known`)."""
+        self._extend(tokens, len(tokens) if known is None else known)
         for n in range(min(self.speculation.ngram, len(tokens) - 1), MIN_NGRAM - 1, -1):
             follows = self._index[n].get(tuple(tokens[-n:]))
             if follows is not None:
                 return tokens[follows : follows + limit]
         return []
 
-    def propose(self, tokens: list[int], costs: StepCosts, room: int) -> list[int]:
-        found = self.lookup(tokens, min(self.speculation.n_max, room))
-        return found[: self.length(len(found), costs, room)]
+    def propose(
+        self, tokens: list[int], costs: StepCosts, room: int, known: int | None = None, guess: int = 0
+    ) -> list[int]:
+        found = self.lookup(tokens, min(self.speculation.n_max, room) + guess, known)
+        return found[: guess + self.length(len(found) - guess, costs, room)] if len(found) >= guess else []
 
     def filler(self, tokens: list[int], skip: int, n: int) -> list[int]:
         return self.lookup(tokens, skip + n)[skip:]
@@ -225,6 +233,11 @@ class ByModel(Drafter):
         super().__init__(speculation, prior)
         self.model, self.slot = model, slot
 
-    def propose(self, tokens: list[int], costs: StepCosts, room: int) -> list[int]:
+    def propose(
+        self, tokens: list[int], costs: StepCosts, room: int, known: int | None = None, guess: int = 0
+    ) -> list[int]:
         k = self.length(min(self.speculation.n_max, room), costs, room, self.model.seconds_per_token)
-        return self.model.continuation(self.slot, tokens, k, self.speculation.p_min) if k else []
+        if not k + guess:
+            return []
+        found = self.model.continuation(self.slot, tokens, k + guess, self.speculation.p_min)
+        return found if len(found) >= guess else []

@@ -105,6 +105,27 @@ def test_a_replay_of_speculative_steps_gives_exactly_the_uninterrupted_tokens(se
     assert event["recovered"] and event["replayed_tokens"] > len(PROMPT) * 3 + 40
 
 
+def test_steps_sent_ahead_are_left_out_of_a_replay(setup):
+    """Proposals kept but for one step in four: a sequence's steps go ahead of the one in flight
+    (some void where that one refused a proposal). A worker killed mid-generation: those in
+    flight give nothing, the replay sends only the steps that counted, and the tokens are
+    the uninterrupted run's."""
+    s = setup()
+    uninterrupted = collect(s.engine.submit(Request(PROMPT, GREEDY, max_tokens=120, ignore_eos=True)))[0]
+    s.engine.step_costs = FreeWidth()
+    s.engine.acceptance["ngram-simple"] = Acceptance()
+    vocab = s.pipeline.vocab_size
+    s.engine._drafter = lambda speculation, slot: Scripted(uninterrupted, len(PROMPT), vocab, every=4)
+    handle = s.engine.submit(Request(PROMPT, GREEDY, max_tokens=120, ignore_eos=True, speculation=Speculation()))
+    wait_for_tokens(handle, 40)
+    ahead = s.engine.counters.ahead_steps
+    s.workers[1].kill()
+    assert collect(handle)[0] == uninterrupted
+    assert ahead > 0 and s.engine.counters.void_steps > 0, s.engine.counters
+    event = s.cluster.events[-1]
+    assert event["recovered"] and event["replayed_tokens"] > len(PROMPT) + 30
+
+
 def test_a_hybrid_replays_its_speculative_steps_and_the_state_it_took_back(setup):
     """Qwen3.5 over three workers, its proposals set to be refused in part every step (each
     stage takes its delta-net state back to before them): a worker killed mid-generation, the

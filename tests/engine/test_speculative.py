@@ -44,6 +44,26 @@ def test_lookup_proposes_what_followed_the_latest_earlier_occurrence_of_the_long
     assert drafter.lookup(tokens + [6, 6], 3) == []  # 6, 6 never came before (and single tokens are not looked up)
 
 
+def test_a_lookup_past_the_known_tokens_leaves_them_out_of_its_index():
+    """A step sent ahead looks up after tokens the sequence may yet take back: they are looked up
+    from, never indexed, so a later lookup on what the sequence did write finds only its own."""
+    drafter = Lookup(Speculation(ngram=2))
+    tokens = [1, 2, 3, 4, 5, 6]
+    assert drafter.lookup(tokens + [7, 8, 1, 2], 3, known=len(tokens)) == [3, 4, 5]
+    written = tokens + [7, 9, 7, 8]  # 7, 8 at 6 and 7 was assumed, never written: not indexed
+    assert drafter.lookup(written, 3) == []
+    assert drafter.lookup(written + [4, 7, 8], 3) == [4, 7, 8]  # once written, it is
+    assert drafter.propose(tokens + [1, 2], FreeWidth(), 8, known=len(tokens), guess=1)[0] == 3
+
+
+def test_serve_and_generate_send_steps_ahead_unless_told_not_to():
+    from shardwire.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m.gguf"]).spec_ahead
+    assert not parser.parse_args(["generate", "m.gguf", "-p", "x", "--no-spec-ahead"]).spec_ahead
+
+
 def test_step_costs_between_and_past_the_widths_measured():
     costs = StepCosts()
     assert costs.of(1) is None
@@ -110,14 +130,15 @@ def copier(tmp_path_factory):
     return teach(folder, PROMPT, REPLY)
 
 
-def generate(pipeline, sampling, speculation=None, n=len(REPLY) + 6, draft=None):
-    engine = Engine(pipeline, draft=draft)
+def generate(pipeline, sampling, speculation=None, n=len(REPLY) + 6, draft=None, ahead=True):
+    """The tokens, the request's stats and the engine's counters."""
+    engine = Engine(pipeline, draft=draft, ahead=ahead)
     engine.step_costs = FreeWidth()
     try:
         handle = engine.submit(Request(PROMPT, sampling, max_tokens=n, ignore_eos=True, speculation=speculation))
         handle.result()
         assert handle.error is None, handle.error
-        return handle.tokens, handle.stats, engine.counters.decode_steps
+        return handle.tokens, handle.stats, engine.counters
     finally:
         engine.close()
 
@@ -129,12 +150,13 @@ def one_process(folder):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_in_one_process_speculation_gives_the_same_tokens_in_fewer_steps(copier, sampling):
-    plain, _, plain_steps = generate(one_process(copier), sampling)
+    plain, _, plain_counters = generate(one_process(copier), sampling)
     assert plain[: len(REPLY)] == REPLY or sampling is SEEDED
-    tokens, stats, steps = generate(one_process(copier), sampling, Speculation(n_max=8))
+    tokens, stats, counters = generate(one_process(copier), sampling, Speculation(n_max=8))
     assert tokens == plain
     assert stats.draft_n_accepted >= len(REPLY) // 2, (stats.draft_n, stats.draft_n_accepted)
-    assert steps < plain_steps - len(REPLY) // 2
+    assert counters.decode_steps < plain_counters.decode_steps - len(REPLY) // 2
+    assert counters.ahead_steps == 0  # one process: its stages run one after another
 
 
 @contextmanager
@@ -199,10 +221,11 @@ def smaller(tmp_path_factory):
 def test_a_draft_models_proposals_give_the_tokens_of_plain_decoding(copier, smaller, sampling):
     """The copier drafting for itself proposes what it writes; a smaller untaught model of its
     vocabulary proposes other tokens, refused: either way the tokens are plain decoding's."""
-    plain, _, plain_steps = generate(one_process(copier), sampling)
+    plain, _, plain_counters = generate(one_process(copier), sampling)
     spec = Speculation("draft-simple", n_max=8)
-    tokens, stats, steps = generate(one_process(copier), sampling, spec, draft=draft_model(copier))
-    assert tokens == plain and stats.draft_n_accepted >= len(REPLY) // 2 and steps < plain_steps
+    tokens, stats, counters = generate(one_process(copier), sampling, spec, draft=draft_model(copier))
+    assert tokens == plain and stats.draft_n_accepted >= len(REPLY) // 2
+    assert counters.decode_steps < plain_counters.decode_steps
     tokens, stats, _ = generate(one_process(copier), sampling, spec, draft=draft_model(smaller))
     assert tokens == plain and stats.draft_n > stats.draft_n_accepted
 
@@ -314,16 +337,24 @@ def test_draft_simple_without_a_draft_model_is_a_clear_error(copier):
 
 
 def test_over_two_workers_speculation_gives_the_tokens_of_one_process(copier, tmp_path):
+    """On workers a speculating sequence's steps go ahead of the one in flight: while the reply
+    copies its prompt they count; where it parts from the prompt they are void. Either way, with
+    steps ahead or without, the tokens are plain decoding's."""
     reference, _, _ = generate(one_process(copier), GREEDY)
+    ahead = void = 0
     with on_two_workers(copier, tmp_path) as pipeline:
         draft = draft_model(copier)
         for sampling in (GREEDY, SEEDED):
             plain, _, _ = generate(pipeline, sampling)
             for speculation in (Speculation(n_max=8), Speculation("draft-simple", n_max=8)):
-                tokens, stats, _ = generate(pipeline, sampling, speculation, draft=draft)
-                assert tokens == plain
-                assert stats.draft_n_accepted >= len(REPLY) // 2
+                for go_ahead in (True, False):
+                    tokens, stats, counters = generate(pipeline, sampling, speculation, draft=draft, ahead=go_ahead)
+                    assert tokens == plain, (speculation.kind, go_ahead)
+                    assert stats.draft_n_accepted >= len(REPLY) // 2
+                    ahead, void = ahead + counters.ahead_steps, void + counters.void_steps
+                    print(speculation.kind, sampling.temperature, go_ahead, counters)
         assert plain == reference or sampling is SEEDED
+    assert ahead > void > 0
 
 
 async def _post(http, url: str, body: dict) -> tuple[int, dict]:
