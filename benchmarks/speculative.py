@@ -415,7 +415,8 @@ def summary(rows: list[dict], delay: float = 5.0, workers: int = 3) -> str:
     """The headline figures at `delay` ms and `workers`: prompt lookup on grounded prompts (the
     models that go on with a passage of their prompt: glassllm taught it), its worst cell on
     open-ended prompts, the draft model's on open-ended prompts; before them, the hybrid's with
-    scripted proposals. A figure not measured in this run is "n/a"."""
+    scripted proposals, and what steps sent ahead gave over the same proposals one step in flight
+    at a time. A figure not measured in this run is "n/a"."""
     cells = [r for r in rows if r["delay_ms"] == delay and r["workers"] == workers]
 
     def ratio(variant: str, prompt: str, models=None, pick=min) -> str:
@@ -426,12 +427,26 @@ def summary(rows: list[dict], delay: float = 5.0, workers: int = 3) -> str:
         ]
         return f"{pick(found):.2f}x" if found else "n/a"
 
+    def ahead(variant: str, prompt: str, models=None) -> str:
+        """The variant's tokens/s over its one-step-in-flight run's, the worst cell's."""
+        found = [
+            r[variant]["tps"] / r[f"{variant}-one"]["tps"]
+            for r in cells
+            if r["prompt"] == prompt and f"{variant}-one" in r and (models is None or r["model"] in models)
+        ]
+        return f"{min(found):.2f}x" if found else "n/a"
+
     hybrid = (
         f"hybrid ({', '.join(sorted(SCRIPTED))}, scripted proposals): all kept {ratio('scripted-all', 'grounded')}, "
         f"some kept {ratio('scripted-some', 'grounded')} ({delay:g} ms links, {workers} workers)"
     )
+    gains = (
+        f"steps sent ahead, over one step in flight: grounded {ahead('lookup', 'grounded', {'glassllm-en-taught'})}, "
+        f"open-ended {ahead('lookup', 'open')}, draft model {ahead('draft', 'open')} "
+        f"({delay:g} ms links, {workers} workers)"
+    )
     return (
-        f"{hybrid}\nspeculative decoding: grounded {ratio('lookup', 'grounded', {'glassllm-en-taught'})}, "
+        f"{hybrid}\n{gains}\nspeculative decoding: grounded {ratio('lookup', 'grounded', {'glassllm-en-taught'})}, "
         f"open-ended {ratio('lookup', 'open')}, draft model {ratio('draft', 'open')} "
         f"({delay:g} ms links, {workers} workers)"
     )
