@@ -90,6 +90,12 @@ def _engine_families(engine):
     yield _counter("llamacpp:spec_decode_num_drafts", "Decode rows that carried proposed tokens.", done.drafts)
     yield _counter("llamacpp:spec_decode_num_draft_tokens", "Proposed tokens decode steps checked.", done.draft_tokens)
     yield _counter("llamacpp:spec_decode_num_accepted_tokens", "Proposed tokens kept.", done.draft_accepted)
+    yield _counter(
+        "shardwire:spec_ahead_steps",
+        "Decode steps sent ahead of the one in flight, on what it would give.",
+        done.ahead_steps,
+    )
+    yield _counter("shardwire:spec_void_steps", "Of those, the ones whose step before gave otherwise.", done.void_steps)
     yield _gauge("llamacpp:requests_processing", "Number of requests processing.", slots["busy"])
     yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", slots["waiting"])
     yield _gauge("shardwire:slots", "Sequence slots (--parallel).", slots["total"])

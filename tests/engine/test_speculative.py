@@ -392,11 +392,12 @@ def test_requests_ask_for_speculation_with_llama_servers_fields_and_see_it_in_ti
                 counted = {
                     line.split()[0]: float(line.split()[1])
                     for line in (await r.text()).splitlines()
-                    if line.startswith("llamacpp:spec_decode")
+                    if line.startswith(("llamacpp:spec_decode", "shardwire:spec_"))
                 }
             assert counted["llamacpp:spec_decode_num_draft_tokens_total"] == timings["draft_n"]
             assert counted["llamacpp:spec_decode_num_accepted_tokens_total"] == timings["draft_n_accepted"]
             assert 0 < counted["llamacpp:spec_decode_num_drafts_total"] <= timings["draft_n"]
+            assert counted["shardwire:spec_ahead_steps_total"] == 0  # one process: its stages take turns
             status, chat = await _post(
                 http, f"{base}/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **fields}
             )
