@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -340,14 +341,35 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
 
 PRODUCT_ROWS = {"gemm": PROMPT_ROWS, "gemv": 1}  # the rows a product of each kind (ggml_cpu.OWN_PRODUCTS) is timed on
 STREAMED = 64 << 20  # bytes of weights a one-row product is timed on
+# Passes a one-row product is timed in, each on matrices of its own: its seconds are the median of
+# their fastest. Streaming from memory, the two kernels are within 5-20% of each other, and a
+# worker's start during a test run once chose the other one for two types, each more than 10%
+# apart (an AMD EPYC with AVX-512; every other pass that day, in 14 processes, chose alike).
+ROW_PASSES = 3
 
 
 def _own_products(kind: str, dtype: torch.dtype) -> dict[str, dict]:
     """For each stored type this ggml has one of shardwire's own products of `kind` for: its
-    PRODUCT_ROWS rows' fastest seconds through it and through ggml's kernel, timed in turns, and
-    the faster. One row goes through STREAMED bytes of matrices, one after another, as a decode
-    step streams its weights: how fast one product starts on a matrix fresh from memory varies by
-    half from run to run, and a step's speed is in the streaming."""
+    PRODUCT_ROWS rows' seconds through it and through ggml's kernel, and the faster. A prompt
+    chunk's are the fastest of turns (_product_seconds); one row's the median over ROW_PASSES
+    passes of them."""
+    if PRODUCT_ROWS[kind] > 1:
+        passes = [_product_seconds(kind, dtype)]
+    else:
+        passes = [_product_seconds(kind, dtype) for _ in range(ROW_PASSES)]
+    out = {}
+    for stored in passes[0]:
+        times = {whose: statistics.median(p[stored][whose] for p in passes) for whose in passes[0][stored]}
+        out[stored] = {"seconds": times, "fastest": min(times, key=times.get)}
+    return out
+
+
+def _product_seconds(kind: str, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """For each stored type this ggml has one of shardwire's own products of `kind` for: its
+    PRODUCT_ROWS rows' fastest seconds through it and through ggml's kernel, timed in turns. One
+    row goes through STREAMED bytes of matrices, one after another, as a decode step streams its
+    weights: how fast one product starts on a matrix fresh from memory varies by half from run
+    to run, and a step's speed is in the streaming."""
     out = {}
     try:
         for stored in ggml_cpu.own_products(kind):
@@ -374,8 +396,7 @@ def _own_products(kind: str, dtype: torch.dtype) -> dict[str, dict]:
 
                 return call
 
-            times = _settled({"shardwire": through([stored]), "ggml": through([])})
-            out[stored] = {"seconds": times, "fastest": min(times, key=times.get)}
+            out[stored] = _settled({"shardwire": through([stored]), "ggml": through([])})
     finally:
         ggml_cpu.use_own_products(ggml_cpu.own_products(kind), kind)
     return out
@@ -390,9 +411,10 @@ def own_products(device: str, dtype: str, kind: str) -> dict[str, str]:
     if not device.startswith("cpu") or not ggml_cpu.own_products(kind):
         return {}
     rows = PRODUCT_ROWS[kind]
+    # a build with other products measures again, as does a process that measures one row otherwise
     measured = _remembered(
         f"{_key(dtype)} | {f'prompt products of {rows} rows' if rows > 1 else 'one-row products'}: "
-        f"{','.join(ggml_cpu.own_products(kind))} (v1)",  # a build with another product measures again
+        f"{','.join(ggml_cpu.own_products(kind))} (v{2 if rows == 1 else 1})",
         lambda: _own_products(kind, TORCH_DTYPES[dtype]),
         lambda m: _chooses(m, PRODUCT_SOURCES) and set(m) <= set(ggml_cpu.own_products(kind)),
     )
