@@ -351,12 +351,12 @@ ROW_PASSES = 3
 def _own_products(kind: str, dtype: torch.dtype) -> dict[str, dict]:
     """For each stored type this ggml has one of shardwire's own products of `kind` for: its
     PRODUCT_ROWS rows' seconds through it and through ggml's kernel, and the faster. A prompt
-    chunk's are the fastest of turns (_product_seconds); one row's the median over ROW_PASSES
-    passes of them."""
+    chunk's are the fastest of turns, more for kernels close to each other (_settled); one row's
+    the median over ROW_PASSES passes of the fastest of ROUNDS turns each."""
     if PRODUCT_ROWS[kind] > 1:
-        passes = [_product_seconds(kind, dtype)]
+        passes = [_product_seconds(kind, dtype, _settled)]
     else:
-        passes = [_product_seconds(kind, dtype) for _ in range(ROW_PASSES)]
+        passes = [_product_seconds(kind, dtype, _fastest_of) for _ in range(ROW_PASSES)]
     out = {}
     for stored in passes[0]:
         times = {whose: statistics.median(p[stored][whose] for p in passes) for whose in passes[0][stored]}
@@ -364,12 +364,12 @@ def _own_products(kind: str, dtype: torch.dtype) -> dict[str, dict]:
     return out
 
 
-def _product_seconds(kind: str, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+def _product_seconds(kind: str, dtype: torch.dtype, timed) -> dict[str, dict[str, float]]:
     """For each stored type this ggml has one of shardwire's own products of `kind` for: its
     PRODUCT_ROWS rows' fastest seconds through it and through ggml's kernel, timed in turns. One
     row goes through STREAMED bytes of matrices, one after another, as a decode step streams its
     weights: how fast one product starts on a matrix fresh from memory varies by half from run
-    to run, and a step's speed is in the streaming."""
+    to run, and a step's speed is in the streaming. `timed`: how the two are timed in turns."""
     out = {}
     try:
         for stored in ggml_cpu.own_products(kind):
@@ -396,7 +396,7 @@ def _product_seconds(kind: str, dtype: torch.dtype) -> dict[str, dict[str, float
 
                 return call
 
-            out[stored] = _settled({"shardwire": through([stored]), "ggml": through([])})
+            out[stored] = timed({"shardwire": through([stored]), "ggml": through([])})
     finally:
         ggml_cpu.use_own_products(ggml_cpu.own_products(kind), kind)
     return out
