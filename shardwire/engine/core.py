@@ -521,11 +521,8 @@ class Engine:
         if not tokens:
             return False
         at = len(expected)
-        short = pages_for(at + len(tokens)) - len(seq.pages)
-        new = self.pages.allocate(short) if short > 0 else []
-        if new is None:
+        if not self._hold(seq, at + len(tokens)):
             return False
-        seq.pages += new
         pages = seq.pages[: pages_for(at + len(tokens))]
         row = Row(seq.slot, at, tokens, seq.request.sampling, self._recent(seq, expected), pages=pages)
         row.n_draft = len(tokens) - 1
@@ -632,20 +629,27 @@ class Engine:
         seq.pages, seq.n_cached, seq.failed = reused + new, len(reused) * PAGE, False
         return True
 
+    def _hold(self, seq: _Sequence, positions: int) -> bool:
+        """Give the sequence pages for its first `positions` positions; False, taking none, where
+        too few are free."""
+        short = pages_for(positions) - len(seq.pages)
+        new = self.pages.allocate(short) if short > 0 else []
+        if new is None:
+            return False
+        seq.pages += new
+        return True
+
     def _with_pages(self, ready: list[_Sequence]) -> list[_Sequence]:
         """Those of `ready` that have (or now get) a page for their next position. When none does
         and nothing is in flight, the newest sequence gives its pages up and restarts later."""
         out = []
         for seq in ready:
-            short = pages_for(len(seq.tokens) + len(seq.proposal)) - len(seq.pages)
-            new = self.pages.allocate(short) if short > 0 else []
-            if new is None and seq.proposal:  # pages for its next position alone, then
-                seq.proposal = []
-                short = pages_for(len(seq.tokens)) - len(seq.pages)
-                new = self.pages.allocate(short) if short > 0 else []
-            if new is not None:
-                seq.pages += new
+            if self._hold(seq, len(seq.tokens) + len(seq.proposal)):
                 out.append(seq)
+            elif seq.proposal:  # pages for its next position alone, then
+                seq.proposal = []
+                if self._hold(seq, len(seq.tokens)):
+                    out.append(seq)
         if not out and not self._steps:
             live = [s for s in self._running.values() if not (s.finished or s.preempted)]
             newest = max(live, key=lambda s: s.handle.stats.t_submit)
