@@ -419,22 +419,21 @@ def summary(rows: list[dict], delay: float = 5.0, workers: int = 3) -> str:
     at a time. A figure not measured in this run is "n/a"."""
     cells = [r for r in rows if r["delay_ms"] == delay and r["workers"] == workers]
 
-    def ratio(variant: str, prompt: str, models=None, pick=min) -> str:
+    def worst(figure, needs: str, prompt: str, models=None) -> str:
+        """The least `figure` of the cells of `prompt` (and `models`) that ran the variant `needs`."""
         found = [
-            r[variant]["ratio"]
+            figure(r)
             for r in cells
-            if r["prompt"] == prompt and variant in r and (models is None or r["model"] in models)
-        ]
-        return f"{pick(found):.2f}x" if found else "n/a"
-
-    def ahead(variant: str, prompt: str, models=None) -> str:
-        """The variant's tokens/s over its one-step-in-flight run's, the worst cell's."""
-        found = [
-            r[variant]["tps"] / r[f"{variant}-one"]["tps"]
-            for r in cells
-            if r["prompt"] == prompt and f"{variant}-one" in r and (models is None or r["model"] in models)
+            if r["prompt"] == prompt and needs in r and (models is None or r["model"] in models)
         ]
         return f"{min(found):.2f}x" if found else "n/a"
+
+    def ratio(variant: str, prompt: str, models=None) -> str:
+        return worst(lambda r: r[variant]["ratio"], variant, prompt, models)
+
+    def ahead(variant: str, prompt: str, models=None) -> str:
+        """The variant's tokens/s over its one-step-in-flight run's."""
+        return worst(lambda r: r[variant]["tps"] / r[f"{variant}-one"]["tps"], f"{variant}-one", prompt, models)
 
     hybrid = (
         f"hybrid ({', '.join(sorted(SCRIPTED))}, scripted proposals): all kept {ratio('scripted-all', 'grounded')}, "
