@@ -405,6 +405,20 @@ def own_products_used(kind: str = "gemm") -> tuple[str, ...]:
     return tuple(t for t in own_products(kind) if used & OWN_PRODUCTS[kind][t])
 
 
+def quantized(values: torch.Tensor, stored: str) -> torch.Tensor:
+    """float32 `values` [out, in] as rows of `stored` blocks, quantized by ggml (uint8 [out, bytes a
+    row]); not for the types that need an importance matrix."""
+    rows, n = values.shape
+    values = values.contiguous()
+    qtype = int(GGMLQuantizationType[stored])
+    if ggml.ggml_quantize_requires_imatrix(qtype):
+        raise ValueError(f"{stored} is quantized with an importance matrix")
+    out = torch.empty(rows, ggml.ggml_row_size(qtype, n), dtype=torch.uint8)
+    src = ctypes.cast(values.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    ggml.ggml_quantize_chunk(qtype, src, ctypes.c_void_p(out.data_ptr()), 0, rows, n, None)
+    return out
+
+
 class RepackError(ValueError):
     pass
 

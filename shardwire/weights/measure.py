@@ -6,11 +6,13 @@ decode speed; which one that is differs by CPU (PyTorch's bf16 matrix-vector pro
 one and slow on another), so it is timed, never inferred from a CPU vendor or feature flag.
 The candidates: the dense matrix in the compute dtype, PyTorch's packed kernel for the type,
 ggml's kernel on the stored blocks, and ggml's on its repacked layout where it has one here.
-Values do not change these kernels' speed, so the matrices hold zero blocks.
+The formats are timed on zero blocks: on a model's weights they chose alike (an AMD EPYC with
+AVX-512; the candidates 1.15x or more apart).
 
 Where shardwire's ggml (kernels/) has shardwire's own products (kernels/products.cpp) of a prompt chunk
-or of one row, each is timed on those rows against the ggml kernel it stands in for, and only the
-faster runs (own_products), before the formats are timed.
+or of one row, each is timed on those rows against the ggml kernel it stands in for, on weights
+like a model's (the speed of ggml's products of one row depends on them), and only the faster runs
+(own_products), before the formats are timed.
 """
 
 from __future__ import annotations
@@ -339,8 +341,26 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     return {stored: entry["fastest"] for stored, entry in measured.items()}
 
 
+def model_like(stored: str) -> torch.Tensor:
+    """A SHAPE matrix of `stored` blocks holding what a model's weights hold (normal values of a
+    trained layer's spread, quantized by ggml), for the products whose speed depends on them: on
+    zero blocks ggml's Q8_0 product of one row streamed as fast as shardwire's, on a model's 1.26x
+    slower (an AMD EPYC with AVX-512, both reading the 1B layout's Q8_0 file)."""
+    values = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)) * 0.02
+    return ggml_cpu.quantized(values, stored)
+
+
 PRODUCT_ROWS = {"gemm": PROMPT_ROWS, "gemv": 1}  # the rows a product of each kind (ggml_cpu.OWN_PRODUCTS) is timed on
-STREAMED = 64 << 20  # bytes of weights a one-row product is timed on
+
+
+def streamed_bytes() -> int:
+    """Bytes of weights a one-row product is timed on: four times the largest cache, as a decode step
+    streams a stage's weights from memory. At twice (64 MiB on an AMD EPYC with 32 MiB of L3) the
+    two kernels for Q4_0 came out 1.01x-1.19x apart from run to run; from four times on, 1.17x-1.34x,
+    as on the 1B layout's own weights (1.19x)."""
+    return min(max(128 << 20, 4 * last_level_cache_bytes()), 1 << 30)
+
+
 # Passes a one-row product is timed in, each on matrices of its own: its seconds are the median of
 # their fastest. Streaming from memory, the two kernels are within 5-20% of each other, and a
 # worker's start during a test run once chose the other one for two types, each more than 10%
@@ -367,23 +387,20 @@ def _own_products(kind: str, dtype: torch.dtype) -> dict[str, dict]:
 def _product_seconds(kind: str, dtype: torch.dtype, timed) -> dict[str, dict[str, float]]:
     """For each stored type this ggml has one of shardwire's own products of `kind` for: its
     PRODUCT_ROWS rows' fastest seconds through it and through ggml's kernel, timed in turns. One
-    row goes through STREAMED bytes of matrices, one after another, as a decode step streams its
+    row goes through streamed_bytes() of matrices, one after another, as a decode step streams its
     weights: how fast one product starts on a matrix fresh from memory varies by half from run
     to run, and a step's speed is in the streaming. `timed`: how the two are timed in turns."""
     out = {}
     try:
         for stored in ggml_cpu.own_products(kind):
-            nbytes = stored_nbytes(stored, SHAPE)
-            count = -(-STREAMED // nbytes) if PRODUCT_ROWS[kind] == 1 else 1
-            raws = [torch.zeros(SHAPE[0], nbytes // SHAPE[0], dtype=torch.uint8) for _ in range(count)]
-            if PRODUCT_FORMATS[stored] == "repacked":
-                try:
-                    modules = [ggml_cpu.RepackedLinear(raw, stored, SHAPE[1], dtype) for raw in raws]
-                except ggml_cpu.RepackError:  # the product reads a layout this CPU does not repack into
-                    continue
-            else:
-                modules = [ggml_cpu.GGMLLinear(raw, stored, SHAPE[1], dtype) for raw in raws]
-            x = torch.zeros(PRODUCT_ROWS[kind], SHAPE[1], dtype=dtype)
+            count = -(-streamed_bytes() // stored_nbytes(stored, SHAPE)) if PRODUCT_ROWS[kind] == 1 else 1
+            weights = model_like(stored)
+            held = ggml_cpu.RepackedLinear if PRODUCT_FORMATS[stored] == "repacked" else ggml_cpu.GGMLLinear
+            try:  # a repacked matrix is a copy: each clone is dropped once copied
+                modules = [held(weights.clone(), stored, SHAPE[1], dtype) for _ in range(count)]
+            except ggml_cpu.RepackError:  # the product reads a layout this CPU does not repack into
+                continue
+            x = torch.randn(PRODUCT_ROWS[kind], SHAPE[1], generator=torch.Generator().manual_seed(0)).to(dtype)
 
             def rows(modules=modules, x=x):
                 for module in modules:
@@ -414,7 +431,7 @@ def own_products(device: str, dtype: str, kind: str) -> dict[str, str]:
     # a build with other products measures again, as does a process that measures one row otherwise
     measured = _remembered(
         f"{_key(dtype)} | {f'prompt products of {rows} rows' if rows > 1 else 'one-row products'}: "
-        f"{','.join(ggml_cpu.own_products(kind))} (v{2 if rows == 1 else 1})",
+        f"{','.join(ggml_cpu.own_products(kind))} (model-like weights, v{3 if rows == 1 else 2})",
         lambda: _own_products(kind, TORCH_DTYPES[dtype]),
         lambda m: _chooses(m, PRODUCT_SOURCES) and set(m) <= set(ggml_cpu.own_products(kind)),
     )

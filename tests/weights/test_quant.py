@@ -282,7 +282,7 @@ def quick_measurements(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDWIRE_CACHE", str(tmp_path))
     monkeypatch.setattr(measure, "SHAPE", (256, 256))
     monkeypatch.setattr(measure, "SECONDS", 0.002)
-    monkeypatch.setattr(measure, "STREAMED", 1 << 20)
+    monkeypatch.setattr(measure, "streamed_bytes", lambda: 1 << 20)
     return tmp_path
 
 
@@ -427,6 +427,29 @@ def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_featur
     else:  # its sums in another order
         assert not torch.equal(own, theirs)
         assert float((own - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+
+
+@pytest.mark.skipif(not ggml_cpu.available(), reason=f"no ggml here: {ggml_cpu.MISSING}")
+@pytest.mark.parametrize("stored", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"])
+def test_ggml_quantizes_the_blocks_the_measurement_times_as_gguf_reads_them(stored):
+    """The model-like weights the one-row measurement streams (measure.model_like) are ggml's own
+    blocks: gguf reads them back within the type's error, and the same as the writer's where
+    both round alike (Q8_0, Q4_0, F16)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w, raw, ref = matrix(stored, rows=16, cols=512)
+    raw = raw.view(torch.uint8)  # F16's are float16
+    blocks = ggml_cpu.quantized(torch.from_numpy(w), stored)
+    assert blocks.shape == raw.shape
+    back = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[stored]))
+    assert rms(back - torch.from_numpy(w)) <= 1.05 * rms(ref - torch.from_numpy(w)) + 1e-7
+    if stored in ("Q8_0", "Q4_0", "F16"):
+        assert torch.equal(blocks, raw)
+    rows, _ = measure.SHAPE
+    assert measure.model_like(stored).shape == (rows, codecs.stored_nbytes(stored, measure.SHAPE) // rows)
+    with pytest.raises(ValueError, match="importance matrix"):
+        ggml_cpu.quantized(torch.from_numpy(w), "IQ2_XXS")
 
 
 @pytest.mark.skipif(not ggml_cpu.own_products(), reason="no ggml with shardwire's own products here")
