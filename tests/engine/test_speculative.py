@@ -352,7 +352,6 @@ def test_over_two_workers_speculation_gives_the_tokens_of_one_process(copier, tm
                     assert tokens == plain, (speculation.kind, go_ahead)
                     assert stats.draft_n_accepted >= len(REPLY) // 2
                     ahead, void = ahead + counters.ahead_steps, void + counters.void_steps
-                    print(speculation.kind, sampling.temperature, go_ahead, counters)
         assert plain == reference or sampling is SEEDED
     assert ahead > void > 0
 
