@@ -409,7 +409,7 @@ def quantized(values: torch.Tensor, stored: str) -> torch.Tensor:
     """float32 `values` [out, in] as rows of `stored` blocks, quantized by ggml (uint8 [out, bytes a
     row]); not for the types that need an importance matrix."""
     rows, n = values.shape
-    values = values.contiguous()
+    values = values.to(torch.float32).contiguous()  # ggml reads float32
     qtype = int(GGMLQuantizationType[stored])
     if ggml.ggml_quantize_requires_imatrix(qtype):
         raise ValueError(f"{stored} is quantized with an importance matrix")
