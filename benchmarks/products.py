@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from shardwire.weights import ggml_cpu
+from shardwire.weights import ggml_cpu, measure
 from shardwire.weights.codecs import stored_nbytes
 from shardwire.weights.measure import cpu_model
 
@@ -33,6 +33,7 @@ THEIRS = {  # the ggml kernel each of shardwire's products stands in for
         "F16": "ggml's dot product",
         "Q4_0": "ggml's repacked GEMV",
         "Q4_K": "ggml's repacked GEMV",
+        "IQ2_XXS": "ggml's dot product",
     },
     "gemm": {
         "Q8_0": "llamafile's tinyBLAS",
@@ -44,7 +45,7 @@ THEIRS = {  # the ggml kernel each of shardwire's products stands in for
     },
 }
 OURS = {  # the file of shardwire's kernel for each
-    "gemv": dict.fromkeys(THEIRS["gemv"], "kernels/gemv.cpp"),
+    "gemv": dict.fromkeys(THEIRS["gemv"], "kernels/gemv.cpp") | {"IQ2_XXS": "kernels/iq2_xxs_dot.cpp"},
     "gemm": {
         "Q8_0": "kernels/vnni_gemm.cpp",
         "Q4_0": "kernels/vnni_gemm.cpp",
@@ -64,12 +65,15 @@ K_QUANT_BLOCKS = {  # a super-block of 256 values, as ggml stores it
 
 def matrices(stored: str, gbytes: float) -> list:
     """Random weights (F32 or F16 values; Q8_0, Q4_0, Q4_K or Q6_K blocks with F16 scales in a sane
-    range) as ggml layers, Q4_0 and Q4_K in the repacked layout shardwire's products read."""
+    range; IQ2_XXS as the kernel measurement's) as ggml layers, Q4_0 and Q4_K in the repacked layout
+    shardwire's products read."""
     rng = np.random.default_rng(0)
     nbytes = stored_nbytes(stored, SHAPE)
     out = []
     for _ in range(max(1, int(gbytes * 1e9 // nbytes))):
-        if stored in ("F32", "F16"):
+        if stored == "IQ2_XXS":
+            raw = measure.model_like(stored, SHAPE).numpy()
+        elif stored in ("F32", "F16"):
             raw = rng.standard_normal(SHAPE).astype(np.float32 if stored == "F32" else np.float16).view(np.uint8)
         elif stored in ("Q4_K", "Q6_K"):
             layout = K_QUANT_BLOCKS[stored]

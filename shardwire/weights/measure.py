@@ -341,13 +341,21 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     return {stored: entry["fastest"] for stored, entry in measured.items()}
 
 
-def model_like(stored: str) -> torch.Tensor:
-    """A SHAPE matrix of `stored` blocks holding what a model's weights hold (normal values of a
+def model_like(stored: str, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """A `shape` (SHAPE unless given) matrix of `stored` blocks holding what a model's weights hold (normal values of a
     trained layer's spread, quantized by ggml), for the products whose speed depends on them: on
     zero blocks ggml's Q8_0 product of one row streamed as fast as shardwire's, on a model's 1.26x
-    slower (an AMD EPYC with AVX-512, both reading the 1B layout's Q8_0 file)."""
-    values = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)) * 0.02
-    return ggml_cpu.quantized(values, stored)
+    slower (an AMD EPYC with AVX-512, both reading the 1B layout's Q8_0 file). IQ2_XXS, which
+    ggml quantizes only against an importance matrix (5 s for this shape), holds random codes
+    under a trained layer's F16 scales: its products read every code through the same tables."""
+    shape, generator = shape or SHAPE, torch.Generator().manual_seed(0)
+    if stored == "IQ2_XXS":
+        rows, row_bytes = shape[0], stored_nbytes(stored, shape) // shape[0]
+        raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=generator)
+        blocks = raw.view(rows, -1, stored_nbytes(stored, (1, 256)))
+        blocks[..., :2] = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8)  # each block's scale
+        return raw
+    return ggml_cpu.quantized(torch.randn(shape, generator=generator) * 0.02, stored)
 
 
 PRODUCT_ROWS = {"gemm": PROMPT_ROWS, "gemv": 1}  # the rows a product of each kind (ggml_cpu.OWN_PRODUCTS) is timed on
