@@ -138,6 +138,17 @@ class ModelConfig:
             return 1, self.kv_lora_rank + self.rope_dim, 0
         return self.n_kv_heads, self.head_dim, self.head_dim
 
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """Values per position of an attention block's queries (a gated block's gates beside them)
+        and of its heads' output, as a prompt's rows hold them between a block's graphs on a CPU.
+        Latent attention's are each head's latent (its queries with the rotated part): 9x the
+        model's width in the DeepSeek-V3 layout."""
+        if self.kv_lora_rank:
+            return self.n_heads * (self.kv_lora_rank + self.rope_dim), self.n_heads * self.kv_lora_rank
+        width = self.n_heads * self.head_dim
+        return width * (2 if self.linear_blocks else 1), width
+
     def sliding(self, block: int) -> bool:
         """Whether `block` attends to a sliding window of positions."""
         return self.sliding_window > 0 and block in self.sliding_blocks

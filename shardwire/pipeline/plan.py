@@ -291,11 +291,12 @@ def workspace_bytes(
     cfg: ModelConfig, chunk: int, last: bool, dtype: torch.dtype, device_type: str, dequant_per_value: int = 0
 ) -> int:
     """Peak activations of one prefill chunk: the FFN's gate and up (SwiGLU in place; on a CPU a
-    piece of the chunk's rows at a time, backends/ggml/block.py), attention scores, logits, the residual
-    stream's few copies, and where matrices are dequantized a chunk of rows at a time
-    (`dequant_per_value` bytes each) those rows and the product's pieces, which are joined in a
-    copy. A CPU computes attention one query row at a time (model.attention): its scores are a
-    row's; other devices may fall back to the plain product with a mask, so they count them."""
+    piece of the chunk's rows at a time, backends/ggml/block.py), attention scores, logits, the
+    residual stream's copies, the queries and the heads' output (ModelConfig.attention_widths), and
+    where matrices are dequantized a chunk of rows at a time (`dequant_per_value` bytes each) those
+    rows and the product's pieces, which are joined in a copy. A CPU computes attention one query
+    row at a time (model.attention): its scores are a row's; other devices may fall back to the
+    plain product with a mask, so they count them."""
     size = torch.empty((), dtype=dtype).element_size()
     if device_type != "cpu" or dequant_per_value or chunk <= ffn_piece_rows(cfg.ffn_dim):
         ffn = 2 * chunk * cfg.ffn_dim * size
@@ -308,7 +309,8 @@ def workspace_bytes(
         scores = max(scores, chunk * cfg.ssm_v_heads * per_token * 4)
     logits = cfg.vocab_size * 4 * 2 if last else 0
     dequant = CHUNK_ELEMENTS * dequant_per_value + chunk * max(cfg.ffn_dim, cfg.dim) * size if dequant_per_value else 0
-    return ffn + scores + logits + 4 * chunk * cfg.dim * size + dequant
+    rows = (2 * cfg.dim + sum(cfg.attention_widths)) * chunk * size
+    return ffn + scores + logits + rows + dequant
 
 
 @dataclass

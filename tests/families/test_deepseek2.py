@@ -147,6 +147,38 @@ def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give():
     assert_graphs_give_the_modules_outputs(stage, (6, 4))
 
 
+def test_the_plan_counts_the_latent_queries_and_outputs_a_prompt_holds_between_a_blocks_graphs():
+    """A prompt's rows hold each head's absorbed query (latent and rotated part) and its latent
+    output between a block's graphs on a CPU: 3x and 2x the model's width here, 9x and 8x in the
+    DeepSeek-V3 layout, where the plan once counted the model's width for each and fell 7% short of
+    a worker's peak. The widths the plan's workspace counts are those buffers'."""
+    if not ggml_cpu.available():
+        pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
+    import threading
+
+    from shardwire.backends.ggml.graph import scratch_held
+    from shardwire.pipeline.plan import workspace_bytes
+
+    model = open_model(deepseek("gguf"))
+    cfg = model.config
+    stage = load_stage(model, 0, cfg.n_layers, weights="fast", fastest={"F32": "ggml"})
+    stage.allocate_cache(1, 64)
+    held = {}
+
+    def prompt():  # in a thread of its own: its scratch is this prompt's alone
+        stage(torch.tensor([PROMPT]), [0], [0])
+        held.update(scratch_held())
+
+    reader = threading.Thread(target=prompt)
+    reader.start()
+    reader.join()
+    queries, outputs = cfg.attention_widths
+    assert (queries, outputs) == (cfg.n_heads * 48, cfg.n_heads * 32) and queries + outputs > 4 * cfg.dim
+    assert (held["queries"], held["attention"]) == (len(PROMPT) * queries * 4, len(PROMPT) * outputs * 4)
+    rows = (2 * cfg.dim + queries + outputs) * len(PROMPT) * 4
+    assert workspace_bytes(cfg, len(PROMPT), True, torch.float32, "cpu") >= rows
+
+
 @pytest.mark.slow
 def test_two_workers_split_inside_the_expert_blocks_give_the_single_process_tokens(worker_pool, tmp_path):
     path = deepseek("gguf")

@@ -263,6 +263,12 @@ def scratch(name: str, rows: int, width: int) -> torch.Tensor:
     return torch.frombuffer(buffer.map, dtype=torch.float32, count=n).view(rows, width)
 
 
+def scratch_held() -> dict[str, int]:
+    """Bytes of each of this thread's scratch buffers, by name: what a prompt's rows hold between
+    a block's graphs, which a plan's workspace counts (plan.workspace_bytes)."""
+    return {name: buffer.nbytes for name, buffer in _local.__dict__.get("scratch", {}).items()}
+
+
 def scratch_beside(t: torch.Tensor, name: str, rows: int, width: int) -> torch.Tensor:
     """One of this thread's two scratch buffers `name`, the one t is not in: a block's output
     beside its input, which is the block before's output."""
