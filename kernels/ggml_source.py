@@ -5,28 +5,28 @@ stored Q4_K-Q6_K weights about twice as fast as the older ggml's). Both sources 
 PyPI, checked against the hashes below; build_backend.py builds them with cmake into the package.
 
 The changes to that ggml are shardwire's own (PATCHES, tiled_q4_Kx8.cpp, vnni_gemm.cpp,
-float_gemm.cpp, gemv.cpp, kquant_gemm.cpp, iq2_xxs_dot.cpp, products.cpp). Its tiled K-quant products also read Q4_K
-weights held in the repacked layout, which the repack buffer's products of a prompt chunk (and its
-MUL_MAT_ID experts with 8 rows or more) then take, so that a repacked Q4_K weight reads prompts as
-fast as stored blocks do (on x86 the repacked GEMM reads a 64-row chunk 1.6x slower) and still
-decodes on the repacked GEMV. And the repack buffer's MUL_MAT_ID, which read an expert once per row
-(the one-row GEMV), takes an expert's rows four at a time through the repacked GEMM, as its MUL_MAT
-does a matrix's, to the GEMV's bits (Q4_0) or within their rounding (Q4_K): a 64-token prompt of the
-Qwen3-MoE benchmark layout in Q4_0 1.17x faster. And the tiles fetch the weight blocks they unpack
-next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with AVX-512 (VNNI for the
-quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32, F16 or Q6_K weights, on
-Q4_0 weights held repacked or on Q4_K held either way goes to vnni_gemm.cpp, float_gemm.cpp or
-kquant_gemm.cpp instead of llamafile's tinyBLAS, the repack buffer's GEMM or the tiled products: at
-64 rows on the EPYC (`python benchmarks/products.py --rows 64`) Q8_0 3.4x faster, Q4_0 1.8x, F32
-1.9x, F16 1.2x, Q4_K 1.15-1.22x, Q6_K 1.23x. And there one row of activations (a decode step) on
-Q8_0 or F16 weights, which llamafile declines, or on Q4_0 or Q4_K held repacked goes to gemv.cpp
-before ggml's dot products or the repack buffer's GEMV: the same arithmetic (F16, Q4_0 to the bit),
-with the weights fetched 8 KiB ahead, streaming Q8_0 1.3-1.8x, F16 1.1x, repacked Q4_0 1.4-1.6x and
-Q4_K 1.3x faster on the EPYC (`python benchmarks/products.py`). And ggml's dot product of IQ2_XXS
-(every row of such a matrix or expert that is not dequantized) goes to iq2_xxs_dot.cpp on CPUs with
-AVX-512 VNNI, VBMI and BITALG: ggml's bits, 1.3-1.5x faster on the EPYC. Each of those can be
-switched off at run time (products.cpp): shardwire times each against the kernel it stands in for
-and keeps only the faster.
+float_gemm.cpp, gemv.cpp, kquant_gemm.cpp, lattice_dot.cpp, products.cpp). Its tiled K-quant
+products also read Q4_K weights held in the repacked layout, which the repack buffer's products of a
+prompt chunk (and its MUL_MAT_ID experts with 8 rows or more) then take, so that a repacked Q4_K
+weight reads prompts as fast as stored blocks do (on x86 the repacked GEMM reads a 64-row chunk 1.6x
+slower) and still decodes on the repacked GEMV. And the repack buffer's MUL_MAT_ID, which read an
+expert once per row (the one-row GEMV), takes an expert's rows four at a time through the repacked
+GEMM, as its MUL_MAT does a matrix's, to the GEMV's bits (Q4_0) or within their rounding (Q4_K): a
+64-token prompt of the Qwen3-MoE benchmark layout in Q4_0 1.17x faster. And the tiles fetch the
+weight blocks they unpack next into the cache ahead of use (tiled_prefetch_ahead). And on CPUs with
+AVX-512 (VNNI for the quantized types) a prompt chunk's product (16 rows or more) on Q8_0, F32, F16
+or Q6_K weights, on Q4_0 weights held repacked or on Q4_K held either way goes to vnni_gemm.cpp,
+float_gemm.cpp or kquant_gemm.cpp instead of llamafile's tinyBLAS, the repack buffer's GEMM or the
+tiled products: at 64 rows on the EPYC (`python benchmarks/products.py --rows 64`) Q8_0 3.4x faster,
+Q4_0 1.8x, F32 1.9x, F16 1.2x, Q4_K 1.15-1.22x, Q6_K 1.23x. And there one row of activations (a
+decode step) on Q8_0 or F16 weights, which llamafile declines, or on Q4_0 or Q4_K held repacked goes
+to gemv.cpp before ggml's dot products or the repack buffer's GEMV: the same arithmetic (F16, Q4_0
+to the bit), with the weights fetched 8 KiB ahead, streaming Q8_0 1.3-1.8x, F16 1.1x, repacked Q4_0
+1.4-1.6x and Q4_K 1.3x faster on the EPYC (`python benchmarks/products.py`). And ggml's dot products
+of IQ2_XXS and IQ3_XXS (every row of such a matrix or expert that is not dequantized) go to
+lattice_dot.cpp on CPUs with AVX-512 VNNI, VBMI and BITALG: ggml's bits, 1.3-1.5x faster on the
+EPYC. Each of those can be switched off at run time (products.cpp): shardwire times each against the
+kernel it stands in for and keeps only the faster.
 
 The bindings' version is LOCAL_VERSION (ggml-python's with a local part): shardwire keeps the
 kernel measurements of one build apart from another's by it.
@@ -45,7 +45,7 @@ from pathlib import Path
 
 BINDINGS = ("ggml-python", "0.0.45", "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.22"
+LOCAL_VERSION = f"{BINDINGS[1]}+llamacpp.{LLAMA_CPP[1]}.shardwire.23"
 GGML_PARTS = ("CMakeLists.txt", "cmake", "include", "src")  # the rest of the vendored folder stays
 HERE = Path(__file__).resolve().parent
 
@@ -239,18 +239,23 @@ PATCHES += [
     )
     for t in "q2_K q3_K q4_K q5_K q6_K iq1_s iq1_m iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s iq4_xs".split()
 ]
-PATCHES += [  # ggml's dot product of IQ2_XXS goes through iq2_xxs_dot.cpp, which takes it where switched on
+PATCHES += [  # ggml's dot products of IQ2_XXS and IQ3_XXS go through lattice_dot.cpp, which takes them where on
     (
         "ggml-cpu.c",
         '#include "tiled/tiled.h"\n',
         '#include "tiled/tiled.h"\n\n'
-        "void shardwire_vec_dot_iq2_xxs_q8_K(int, float *, size_t, const void *, size_t, const void *, size_t, int);\n",
+        + "".join(
+            f"void shardwire_vec_dot_{t}_q8_K(int, float *, size_t, const void *, size_t, const void *, size_t, int);\n"
+            for t in ("iq2_xxs", "iq3_xxs")
+        ),
     ),
+] + [
     (
         "ggml-cpu.c",
-        "        .vec_dot                  = ggml_vec_dot_iq2_xxs_q8_K,\n",
-        "        .vec_dot                  = shardwire_vec_dot_iq2_xxs_q8_K,\n",
-    ),
+        f"        .vec_dot                  = ggml_vec_dot_{t}_q8_K,\n",
+        f"        .vec_dot                  = shardwire_vec_dot_{t}_q8_K,\n",
+    )
+    for t in ("iq2_xxs", "iq3_xxs")
 ]
 PATCHES += [  # a prompt chunk on Q8_0, F32 or F16 weights, or Q4_0 held repacked, goes to shardwire's kernels first
     (
@@ -332,7 +337,7 @@ APPENDED = [  # (file, this folder's source added at its end)
     ("repack.cpp", "float_gemm.cpp"),
     ("repack.cpp", "gemv.cpp"),
     ("repack.cpp", "kquant_gemm.cpp"),
-    ("repack.cpp", "iq2_xxs_dot.cpp"),
+    ("repack.cpp", "lattice_dot.cpp"),
 ]
 
 

@@ -365,7 +365,7 @@ def tiled_reads_repacked() -> bool:
 # products for one row).
 OWN_PRODUCTS = {
     "gemm": {"Q8_0": 1 << 0, "Q4_0": 1 << 1, "F32": 1 << 2, "F16": 1 << 3, "Q4_K": 1 << 8, "Q6_K": 1 << 9},
-    "gemv": {"Q8_0": 1 << 4, "F16": 1 << 5, "Q4_0": 1 << 6, "Q4_K": 1 << 7, "IQ2_XXS": 1 << 10},
+    "gemv": {"Q8_0": 1 << 4, "F16": 1 << 5, "Q4_0": 1 << 6, "Q4_K": 1 << 7, "IQ2_XXS": 1 << 10, "IQ3_XXS": 1 << 11},
 }
 
 

@@ -345,11 +345,12 @@ def model_like(stored: str, shape: tuple[int, int] | None = None) -> torch.Tenso
     """A `shape` (SHAPE unless given) matrix of `stored` blocks holding what a model's weights hold (normal values of a
     trained layer's spread, quantized by ggml), for the products whose speed depends on them: on
     zero blocks ggml's Q8_0 product of one row streamed as fast as shardwire's, on a model's 1.26x
-    slower (an AMD EPYC with AVX-512, both reading the 1B layout's Q8_0 file). IQ2_XXS, which
-    ggml quantizes only against an importance matrix (5 s for this shape), holds random codes
-    under a trained layer's F16 scales: its products read every code through the same tables."""
+    slower (an AMD EPYC with AVX-512, both reading the 1B layout's Q8_0 file). IQ2_XXS and
+    IQ3_XXS, which ggml quantizes only against an importance matrix (5 s for this shape), hold
+    random codes under a trained layer's F16 scales (each block's first 2 bytes): their products
+    read every code through the same tables."""
     shape, generator = shape or SHAPE, torch.Generator().manual_seed(0)
-    if stored == "IQ2_XXS":
+    if stored in ("IQ2_XXS", "IQ3_XXS"):
         rows, row_bytes = shape[0], stored_nbytes(stored, shape) // shape[0]
         raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=generator)
         blocks = raw.view(rows, -1, stored_nbytes(stored, (1, 256)))

@@ -429,34 +429,33 @@ def test_a_one_row_product_gives_what_ggmls_dot_products_give(stored, out_featur
         assert float((own - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
 
 
-def iq2_xxs_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """[rows, bytes a row] of IQ2_XXS blocks: random lattice indices, signs and scales, under F16
-    scales of 1e-4 to 1e-2."""
+def lattice_blocks(stored: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """[rows, bytes a row] of IQ2_XXS or IQ3_XXS blocks: random lattice indices, signs and scales,
+    under F16 scales (each block's first 2 bytes) of 1e-4 to 1e-2."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // 256, 66), dtype=np.uint8)
+    raw = rng.integers(0, 256, (rows, cols // 256, codecs.stored_nbytes(stored, (1, 256))), dtype=np.uint8)
     raw[..., :2] = rng.uniform(1e-4, 1e-2, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
-@pytest.mark.skipif(
-    "IQ2_XXS" not in ggml_cpu.own_products("gemv"),
-    reason="no ggml with shardwire's IQ2_XXS dot product here (AVX-512 with VNNI, VBMI and BITALG)",
-)
+@pytest.mark.parametrize("stored", ["IQ2_XXS", "IQ3_XXS"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_shardwires_iq2_xxs_dot_product_gives_ggmls_bits_and_the_dequantized_product(rows, threads):
-    """kernels/iq2_xxs_dot.cpp stands in for ggml's IQ2_XXS dot product wherever ggml calls it: a
-    matrix's one row or a few, and the experts' rows. Its integer sums are ggml's and it adds them
-    in ggml's order: ggml's bits, which are the dequantized weights' product to within the 8-bit
-    activations' rounding."""
+def test_shardwires_lattice_dot_products_give_ggmls_bits_and_the_dequantized_product(stored, rows, threads):
+    """kernels/lattice_dot.cpp stands in for ggml's IQ2_XXS and IQ3_XXS dot products wherever ggml
+    calls them: a matrix's one row or a few, and the experts' rows. Its integer sums are ggml's and
+    it adds them in ggml's order: ggml's bits, which are the dequantized weights' product to within
+    the 8-bit activations' rounding."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = iq2_xxs_blocks(97, 1024, seed=3)
-    module = ggml_cpu.GGMLLinear(raw, "IQ2_XXS", 1024, torch.float32)
+    if stored not in ggml_cpu.own_products("gemv"):
+        pytest.skip(f"no ggml with shardwire's {stored} dot product here (AVX-512 with VNNI, VBMI and BITALG)")
+    raw = lattice_blocks(stored, 97, 1024, seed=3)
+    module = ggml_cpu.GGMLLinear(raw, stored, 1024, torch.float32)
     shapes = ((512, 1024), (512, 1024), (1024, 512))  # gate, up, down of 4 experts: [rows, values a row]
     experts = ggml_cpu.GGMLExperts(
-        *(iq2_xxs_blocks(4 * n, k, seed=s).view(4, n, -1) for s, (n, k) in enumerate(shapes)), ("IQ2_XXS",) * 3
+        *(lattice_blocks(stored, 4 * n, k, seed=s).view(4, n, -1) for s, (n, k) in enumerate(shapes)), (stored,) * 3
     )
     random = torch.Generator().manual_seed(4)
     x = torch.randn(rows, 1024, generator=random)
@@ -464,8 +463,8 @@ def test_shardwires_iq2_xxs_dot_product_gives_ggmls_bits_and_the_dequantized_pro
     weights = torch.rand(rows, 2, generator=random)
     torch.set_num_threads(threads)
     try:
-        ggml_cpu.use_own_products(["IQ2_XXS"], "gemv")
-        assert ggml_cpu.own_products_used("gemv") == ("IQ2_XXS",)
+        ggml_cpu.use_own_products([stored], "gemv")
+        assert ggml_cpu.own_products_used("gemv") == (stored,)
         own = module(x), experts(x, chosen, weights)
         ggml_cpu.use_own_products([], "gemv")
         theirs = module(x), experts(x, chosen, weights)
@@ -473,7 +472,7 @@ def test_shardwires_iq2_xxs_dot_product_gives_ggmls_bits_and_the_dequantized_pro
         ggml_cpu.use_own_products(ggml_cpu.own_products("gemv"), "gemv")
         torch.set_num_threads(1)
     assert all(torch.equal(a, b) for a, b in zip(own, theirs))
-    dense = x @ torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType.IQ2_XXS)).T
+    dense = x @ torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[stored])).T
     assert float((own[0] - dense).abs().max()) <= 0.02 * float(dense.abs().max())
 
 
