@@ -46,7 +46,9 @@ THEIRS = {  # the ggml kernel each of shardwire's products stands in for
     },
 }
 OURS = {  # the file of shardwire's kernel for each
-    "gemv": {t: "kernels/lattice_dot.cpp" if t.startswith("IQ") else "kernels/gemv.cpp" for t in THEIRS["gemv"]},
+    "gemv": {
+        t: "kernels/lattice_dot.cpp" if t in ("IQ2_XXS", "IQ3_XXS") else "kernels/gemv.cpp" for t in THEIRS["gemv"]
+    },
     "gemm": {
         "Q8_0": "kernels/vnni_gemm.cpp",
         "Q4_0": "kernels/vnni_gemm.cpp",
@@ -66,13 +68,13 @@ K_QUANT_BLOCKS = {  # a super-block of 256 values, as ggml stores it
 
 def matrices(stored: str, gbytes: float) -> list:
     """Random weights (F32 or F16 values; Q8_0, Q4_0, Q4_K or Q6_K blocks with F16 scales in a sane
-    range; IQ2_XXS and IQ3_XXS as the kernel measurement's) as ggml layers, Q4_0 and Q4_K in the repacked layout
-    shardwire's products read."""
+    range; IQ2_XXS and IQ3_XXS as the kernel measurement's) as ggml layers, Q4_0 and Q4_K in the
+    repacked layout shardwire's products read."""
     rng = np.random.default_rng(0)
     nbytes = stored_nbytes(stored, SHAPE)
     out = []
     for _ in range(max(1, int(gbytes * 1e9 // nbytes))):
-        if stored in ("IQ2_XXS", "IQ3_XXS"):
+        if stored in measure.RANDOM_CODES:
             raw = measure.model_like(stored, SHAPE).numpy()
         elif stored in ("F32", "F16"):
             raw = rng.standard_normal(SHAPE).astype(np.float32 if stored == "F32" else np.float16).view(np.uint8)

@@ -1,6 +1,6 @@
 // shardwire: which of shardwire's products (a prompt chunk's: vnni_gemm.cpp, float_gemm.cpp,
-// kquant_gemm.cpp; one row's: gemv.cpp, lattice_dot.cpp) this build has, and which of them run. Each is taken only
-// where it was timed faster than the kernel it stands in for on this CPU (shardwire/weights/measure.py
+// kquant_gemm.cpp; one row's: gemv.cpp, lattice_dot.cpp) this build has, and which of them run.
+// Each is taken only where it was timed faster than the kernel it stands in for on this CPU (shardwire/weights/measure.py
 // switches them with shardwire_products_use); a build for a CPU without AVX-512 has none. Switching
 // one off gives its products back to tinyBLAS, the repack buffer's GEMM, the tiled products or
 // ggml's dot products on the next graph computed: the work sizes planned cover either.
@@ -20,7 +20,7 @@ enum : unsigned {  // one bit a product; shardwire/weights/ggml_cpu.py names the
     SHARDWIRE_Q4_KX8_GEMV = 1u << 7,
     SHARDWIRE_Q4_K = 1u << 8,  // held repacked or as stored: kquant_gemm.cpp
     SHARDWIRE_Q6_K = 1u << 9,
-    SHARDWIRE_IQ2_XXS_DOT = 1u << 10,  // ggml's dot product of IQ2_XXS, one row or more: lattice_dot.cpp
+    SHARDWIRE_IQ2_XXS_DOT = 1u << 10,  // ggml's dot products, one row or more: lattice_dot.cpp
     SHARDWIRE_IQ3_XXS_DOT = 1u << 11,
 };
 

@@ -341,16 +341,20 @@ def fastest_formats(device: str, dtype: str) -> dict[str, str]:
     return {stored: entry["fastest"] for stored, entry in measured.items()}
 
 
+# types ggml quantizes only against an importance matrix (5 s for a SHAPE matrix), which
+# model_like fills with random codes
+RANDOM_CODES = ("IQ2_XXS", "IQ3_XXS")
+
+
 def model_like(stored: str, shape: tuple[int, int] | None = None) -> torch.Tensor:
-    """A `shape` (SHAPE unless given) matrix of `stored` blocks holding what a model's weights hold (normal values of a
-    trained layer's spread, quantized by ggml), for the products whose speed depends on them: on
-    zero blocks ggml's Q8_0 product of one row streamed as fast as shardwire's, on a model's 1.26x
-    slower (an AMD EPYC with AVX-512, both reading the 1B layout's Q8_0 file). IQ2_XXS and
-    IQ3_XXS, which ggml quantizes only against an importance matrix (5 s for this shape), hold
-    random codes under a trained layer's F16 scales (each block's first 2 bytes): their products
-    read every code through the same tables."""
+    """A matrix (SHAPE unless `shape`) of `stored` blocks holding what a model's weights hold
+    (normal values of a trained layer's spread, quantized by ggml), for the products whose speed
+    depends on them: on zero blocks ggml's Q8_0 product of one row streamed as fast as shardwire's,
+    on a model's 1.26x slower (an AMD EPYC with AVX-512, both reading the 1B layout's Q8_0 file).
+    RANDOM_CODES types hold random codes under a trained layer's F16 scales (each block's first 2
+    bytes): their products read every code through the same tables."""
     shape, generator = shape or SHAPE, torch.Generator().manual_seed(0)
-    if stored in ("IQ2_XXS", "IQ3_XXS"):
+    if stored in RANDOM_CODES:
         rows, row_bytes = shape[0], stored_nbytes(stored, shape) // shape[0]
         raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=generator)
         blocks = raw.view(rows, -1, stored_nbytes(stored, (1, 256)))

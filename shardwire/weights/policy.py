@@ -34,7 +34,8 @@ FAST = {
 COMPACT = {t: f if f in ("int4", "int8x2") and t not in ("Q2_K", "Q3_K") else "gguf" for t, f in FAST.items()}
 
 # The format whose matrices shardwire's own products (of a prompt chunk, and of one row for Q8_0,
-# F16, Q4_0, Q4_K, IQ2_XXS and IQ3_XXS) multiply, by stored type (the others are multiplied by ggml's kernels alone)
+# F16, Q4_0, Q4_K, IQ2_XXS and IQ3_XXS) multiply, by stored type (the others are multiplied by
+# ggml's kernels alone)
 PRODUCT_FORMATS = {
     "Q8_0": "ggml", "Q4_0": "repacked", "F32": "ggml", "F16": "ggml", "Q4_K": "repacked", "Q6_K": "ggml",
     "IQ2_XXS": "ggml", "IQ3_XXS": "ggml",

@@ -56,14 +56,15 @@ def test_llama_quantize_files_give_llama_cpp_greedy_tokens(quantized, stored):
     differences = np.abs(logits - reference).max(-1)  # at each position
     spread = float((reference.max(-1) - reference.min(-1)).mean())
     if stored == "MXFP4":
-        # a mixture of experts: where a router's k-th and next experts score within the two engines'
-        # arithmetic of each other (this file has some 0.007 apart), one position runs other experts and its
-        # logits part by a fifth of their spread; a misread block parts every position
+        # a mixture of experts: where a router's k-th and next experts score within the two
+        # engines' arithmetic of each other (this file has some 0.007 apart), one position runs
+        # other experts and its logits part by a fifth of their spread; a misread block parts
+        # every position
         assert np.median(differences) < 0.03 * spread, (differences, spread)
         assert (differences >= 0.03 * spread).sum() <= STEPS // 8, (differences, spread)
     else:
         assert differences.max() < 0.03 * spread, (differences, spread)
     same, first = numerics.agreement(tokens, theirs)
-    if first is not None:  # the two part only where llama.cpp's own top two are within the logits' difference there
+    if first is not None:  # they part only where llama.cpp's top two are within that position's difference
         top2 = np.sort(reference[first])[-2:]
         assert top2[1] - top2[0] < 2 * differences[first], (same, first, top2, differences[first])
