@@ -1,9 +1,10 @@
 // shardwire: which of shardwire's products (a prompt chunk's: vnni_gemm.cpp, float_gemm.cpp,
 // kquant_gemm.cpp; one row's: gemv.cpp, lattice_dot.cpp) this build has, and which of them run.
-// Each is taken only where it was timed faster than the kernel it stands in for on this CPU (shardwire/weights/measure.py
-// switches them with shardwire_products_use); a build for a CPU without AVX-512 has none. Switching
-// one off gives its products back to tinyBLAS, the repack buffer's GEMM, the tiled products or
-// ggml's dot products on the next graph computed: the work sizes planned cover either.
+// Each is taken only where it was timed faster than the kernel it stands in for on this CPU
+// (shardwire/weights/measure.py switches them with shardwire_products_use); a build for a CPU
+// without AVX-512 has none. Switching one off gives its products back to tinyBLAS, the repack
+// buffer's GEMM, the tiled products or ggml's dot products on the next graph computed: the work
+// sizes planned cover either.
 //
 // kernels/build_backend.py appends this file to ggml-cpu/repack.cpp, before the products.
 
