@@ -32,6 +32,33 @@ def counting(n: int) -> array:
 
 
 _counting = array("i")
+_rings: dict[tuple[int, int], array] = {}  # (first pool position, ring size) -> ring_row's list
+
+
+def ring_row(first: int, size: int, n: int) -> array:
+    """The pool positions of a ring's first `n` sequence positions (position p at first + p %
+    size), as int32: a slice of a list kept per ring, grown by doubling."""
+    with _tables_lock:
+        row = _rings.get((first, size))
+        if row is None or len(row) < n:
+            row = array("i", [first + p % size for p in range(max(n, 2 * len(row or ())))])
+            _rings[(first, size)] = row
+        return row[:n]
+
+
+def ring_slack(window: int, size: int) -> int:
+    """The most positions a step may bring to a ring of `size` positions for blocks on a `window`:
+    the positions written past a step's start, its own included, that leave every key its first
+    row sees (and, for a step that goes back, the positions written past it before)."""
+    return size - window + 1
+
+
+def ring_size(window: int, step: int) -> int:
+    """Positions a sequence's ring keeps for blocks on a `window` when a step brings at most
+    `step` positions: every key a step's rows see, its own written first (whole pages)."""
+    return pages_for(window - 1 + step) * PAGE
+
+
 _TABLES_KEPT = 32  # page tables whose positions are kept: a decode step's sequences, as they grow
 _table_positions: OrderedDict[tuple[int, ...], array] = OrderedDict()
 _tables_lock = threading.Lock()  # a worker's stages run on threads of their own
@@ -89,6 +116,20 @@ class Addresses:
                 read += positions
                 read += array("i", bytes(4 * (width - len(positions))))
         write = array("q", [row[s + t] for row, s in zip(rows, starts) for t in range(T)])
+        return cls(write, read, n_keys, width, device)
+
+    @classmethod
+    def of_ring(cls, slots: list[int], starts: list[int], T: int, n_keys: int, size: int, device) -> "Addresses":
+        """Where a step's keys go and are read from in a pool of a ring of `size` positions per
+        slot (slot s's at s * size): position p at p % size. Every row reads its keys up to its
+        last position: those older than the ring's are stale, and the window masks them."""
+        width = pages_for(n_keys) * PAGE
+        rows = [ring_row(slot * size, size, width) for slot in slots]
+        read = rows[0] if len(rows) == 1 else array("i")
+        if len(rows) > 1:
+            for row in rows:
+                read += row
+        write = array("q", [slot * size + (s + t) % size for slot, s in zip(slots, starts) for t in range(T)])
         return cls(write, read, n_keys, width, device)
 
     @cached_property
@@ -161,6 +202,7 @@ class KVCache:
         self.k = torch.zeros((n_layers, n_kv_heads, 0, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros((n_layers, n_kv_heads, 0, self.v_dim), dtype=dtype, device=device)
         self.recurrent = recurrent
+        self.window: KVCache | None = None  # the sliding-window blocks' cache, where the stage has some
 
     @staticmethod
     def nbytes_for(
@@ -178,7 +220,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + (self.recurrent.nbytes if self.recurrent is not None else 0)
+        held = self.k.nbytes + self.v.nbytes + (self.recurrent.nbytes if self.recurrent is not None else 0)
+        return held + (self.window.nbytes if self.window is not None else 0)
 
     def reserve(self, n_pages: int) -> None:
         """Make pages [0, n_pages) usable: grow the pool (doubling) where it is smaller."""
@@ -226,6 +269,52 @@ class KVCache:
         if slots == list(range(first, first + len(slots))):
             return slice(first, first + len(slots))
         return torch.tensor(slots, device=device)
+
+
+class WindowCache(KVCache):
+    """Keys and values of the blocks that see a sliding window of `window` positions, in a ring
+    per slot (as llama.cpp's sliding-window cache keeps them): `size` positions, enough for a
+    step of `step` new positions whose rows see the `window` - 1 before them. A sequence's
+    position p is at p % size of its slot's ring, so a step may go back only as far as the
+    positions written after it left every key it needs: a sequence that starts past 0 must have
+    written its positions before in this slot (no prefix of another sequence is reused)."""
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, n_slots, window, step, dtype, device, v_dim=None):
+        size = ring_size(window, step)
+        super().__init__(n_layers, n_kv_heads, head_dim, n_slots * size // PAGE, dtype, device, None, v_dim)
+        self.size, self.window_size = size, window
+        self.reach = [0] * n_slots  # one past the furthest position written since the slot's sequence began
+
+    @staticmethod
+    def nbytes_for(n_layers, n_kv_heads, n_slots, window, step, head_dim, dtype, v_dim=None) -> int:
+        positions = n_slots * ring_size(window, step)
+        return KVCache.nbytes_for(n_layers, n_kv_heads, positions // PAGE, head_dim, dtype, v_dim)
+
+    @property
+    def step(self) -> int:
+        """The most positions a step may bring."""
+        return ring_slack(self.window_size, self.size)
+
+    def addresses(self, slots: list[int], starts: list[int], T: int, n_keys: int, device) -> Addresses:
+        """Where a step's rows (slot and first position, T positions each) write and read: refused
+        where a slot's ring no longer holds every key its rows see."""
+        spans: dict[int, tuple[int, int]] = {}
+        for slot, start in zip(slots, starts):
+            lo, hi = spans.get(slot, (start, start + T))
+            spans[slot] = (min(lo, start), max(hi, start + T))
+        for slot, (lo, hi) in spans.items():
+            reach = self.reach[slot] if lo else 0
+            if lo > reach or max(reach, hi) - lo > self.step:
+                held = max(0, reach - self.size)
+                raise ValueError(
+                    f"slot {slot}: the sliding window's cache holds positions [{held}, {reach}) of "
+                    f"{self.size}; a step over [{lo}, {hi}) needs those from {max(0, lo - self.window_size + 1)}: "
+                    "replay the sequence from 0, or keep every position (--swa-full)"
+                )
+        for slot, (lo, hi) in spans.items():
+            self.reach[slot] = max(self.reach[slot] if lo else 0, hi)
+        self.reserve((max(spans) + 1) * self.size // PAGE)
+        return Addresses.of_ring(slots, starts, T, n_keys, self.size, device)
 
 
 class RecurrentState:
@@ -325,10 +414,31 @@ def pool_pages(n_slots: int, ctx: int, kv_tokens: int | None = None) -> int:
     return whole if kv_tokens is None else max(pages_for(ctx), min(whole, pages_for(kv_tokens)))
 
 
-def stage_cache_nbytes(cfg: ModelConfig, start: int, end: int, n_slots: int, n_pages: int, dtype: torch.dtype) -> int:
+def stage_cache_nbytes(
+    cfg: ModelConfig, start: int, end: int, n_slots: int, n_pages: int, dtype: torch.dtype, window_step: int = 0
+) -> int:
     """The most the caches of blocks [start, end) computing in `dtype` hold: keys and values of
-    the attention blocks in a pool of `n_pages`, the recurrent state of the delta-net ones."""
+    the attention blocks in a pool of `n_pages` (those on a sliding window in a ring per slot,
+    where `window_step` gives the most positions a step brings), the recurrent state of the
+    delta-net ones."""
     n_linear = sum(cfg.linear(b) for b in range(start, end))
+    window_step = window_ring(cfg.sliding_window, window_step, n_slots, n_pages) if not n_linear else 0
+    n_window = sum(window_blocks(cfg, start, end)) if window_step else 0
     heads, k_dim, v_dim = cfg.cache_widths
-    kv = KVCache.nbytes_for(end - start - n_linear, heads, n_pages, k_dim, kv_dtype(dtype), v_dim)
+    keys = kv_dtype(dtype)
+    kv = KVCache.nbytes_for(end - start - n_linear - n_window, heads, n_pages, k_dim, keys, v_dim)
+    if n_window:
+        kv += WindowCache.nbytes_for(n_window, heads, n_slots, cfg.sliding_window, window_step, k_dim, keys, v_dim)
     return kv + (RecurrentState.nbytes_for(cfg, n_linear, n_slots, dtype) if n_linear else 0)
+
+
+def window_ring(window: int, step: int, n_slots: int, n_pages: int) -> int:
+    """`step` where blocks on a `window` keep their keys in a ring per slot (WindowCache) sized for
+    steps of that many positions, or 0 where the slots' rings would hold as much as the pool of
+    `n_pages` (they keep every position then, as the other blocks)."""
+    return step if window and step and n_slots * ring_size(window, step) < n_pages * PAGE else 0
+
+
+def window_blocks(cfg: ModelConfig, start: int, end: int) -> list[bool]:
+    """Of blocks [start, end), which attend to a sliding window (and keep their keys apart)."""
+    return [cfg.sliding(b) and not cfg.linear(b) for b in range(start, end)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from typing import Callable, Mapping
 
@@ -27,7 +27,7 @@ from .deltanet import GatedDeltaNet
 from .devices import attention_without_cudnn
 from .enums import pages_for
 from .formats.names import EXPERT_MATRICES, GROUPED_EXPERTS
-from .kvcache import Addresses, KVCache, RecurrentState, kv_dtype, pool_pages
+from .kvcache import Addresses, KVCache, RecurrentState, WindowCache, kv_dtype, pool_pages, window_blocks, window_ring
 from .linear import Linear, Weight, fused, linear
 from .models import BlockVariant, variant
 from .models.blocks import CHOICE_BIAS
@@ -164,6 +164,12 @@ class StepContext:
     local_inv_freq: torch.Tensor | None = None  # those of blocks with local RoPE (Gemma 3's sliding ones)
     gain: float = 1.0  # on the (global) RoPE's cos and sin: rope_gain
     as_decoded: bool = False  # each position computed as a decode step of it alone would (proposals checked)
+    window_at: Addresses | None = None  # where the sliding-window cache's keys go, where not `at`
+
+    @cached_property
+    def windowed(self) -> "StepContext":
+        """The context of the blocks whose keys are in the sliding-window cache."""
+        return self if self.window_at is None else replace(self, at=self.window_at, window_at=None)
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -617,11 +623,15 @@ class MixtureOfExperts(nn.Module):
 class Block(nn.Module):
     """A token mixer (attention, or a gated delta-net) and a feed-forward, each behind a norm and a
     residual, as its `variant` (models.BlockVariant) says; `layer` is the block's index among the
-    stage's blocks of its kind, which is where its cache (KV, or recurrent state) lives."""
+    stage's blocks of its kind, which is where its cache (KV, sliding-window KV, or recurrent
+    state) lives."""
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], variant: BlockVariant, layer: int = 0):
+    def __init__(
+        self, cfg: ModelConfig, w: Mapping[str, Weight], variant: BlockVariant, layer: int = 0, windowed: bool = False
+    ):
         super().__init__()
         self.layer, self.variant = layer, variant
+        self.windowed = windowed  # its keys and values are in the stage's sliding-window cache (KVCache.window)
         self.attn_norm = RMSNorm(w["attn_norm.weight"], cfg.norm_eps)
         if variant.mixer == "gated_delta_net":
             self.attn = GatedDeltaNet(cfg, w)
@@ -701,16 +711,18 @@ class Stage(nn.Module):
         if not 0 <= start <= end <= cfg.n_layers or (start == end and not (first or last)):
             raise ValueError(f"stage blocks [{start}, {end}) are not a valid range of {cfg.n_layers}")
         self.cfg, self.start, self.end, self.first, self.last = cfg, start, end, first, last
-        kinds = [cfg.linear(i) for i in range(start, end)]
-        self.n_linear = sum(kinds)
+        mixing, windowed = [cfg.linear(i) for i in range(start, end)], window_blocks(cfg, start, end)
+        kinds = list(zip(mixing, windowed))  # each kind's blocks keep their caches apart
+        self.n_linear, self.n_windowed = sum(mixing), sum(windowed)
         self.blocks = nn.ModuleList(
             Block(
                 cfg,
                 {k.split(".", 2)[2]: t for k, t in weights.items() if k.startswith(f"blk.{i}.")},
                 variant(cfg, i),
-                layer=sum(k == linear for k in kinds[: i - start]),
+                layer=kinds[: i - start].count(kind),
+                windowed=kind[1],
             )
-            for i, linear in zip(range(start, end), kinds)
+            for i, kind in zip(range(start, end), kinds)
         )
         if last:
             self.norm = RMSNorm(weights["output_norm.weight"], cfg.norm_eps)
@@ -745,9 +757,11 @@ class Stage(nn.Module):
         is in kvcache.kv_dtype of it unless `kv_dtype` says otherwise)."""
         return self._dtype.dtype
 
-    def allocate_cache(self, n_slots: int, ctx: int, n_pages: int | None = None) -> None:
+    def allocate_cache(self, n_slots: int, ctx: int, n_pages: int | None = None, window_step: int = 0) -> None:
         """Caches for `n_slots` sequences of up to `ctx` positions, their keys and values in a
-        pool of `n_pages` (default: every slot's whole context)."""
+        pool of `n_pages` (default: every slot's whole context); those of the blocks on a sliding
+        window apart, in a ring per slot for steps of up to `window_step` positions where that is
+        less than the pool holds (kvcache.window_ring; 0: every position, in a pool as the others')."""
         cfg = self.cfg
         if self.device.type == "cuda":
             attention_without_cudnn()
@@ -757,7 +771,14 @@ class Stage(nn.Module):
         keys_in = self.kv_dtype or kv_dtype(self.dtype)
         n_pages = pool_pages(n_slots, ctx) if n_pages is None else n_pages
         heads, k_dim, v_dim = cfg.cache_widths
-        self.cache = KVCache(n_attention, heads, k_dim, n_pages, keys_in, self.device, recurrent, v_dim)
+        n_full = n_attention - self.n_windowed
+        self.cache = KVCache(n_full, heads, k_dim, n_pages, keys_in, self.device, recurrent, v_dim)
+        step = window_ring(cfg.sliding_window, window_step, n_slots, n_pages) if recurrent is None else 0
+        if self.n_windowed and step:
+            window = (self.n_windowed, heads, k_dim, n_slots, cfg.sliding_window, step, keys_in, self.device, v_dim)
+            self.cache.window = WindowCache(*window)
+        elif self.n_windowed:
+            self.cache.window = KVCache(self.n_windowed, heads, k_dim, n_pages, keys_in, self.device, None, v_dim)
         self.ctx = ctx
 
     def own_pages(self, slot: int, n_positions: int) -> list[int]:
@@ -774,6 +795,11 @@ class Stage(nn.Module):
         if pages is None:
             pages = [self.own_pages(slot, start + T) for slot, start in zip(slots, starts)]
         self.cache.reserve(1 + max(max(t) for t in pages))
+        window, window_at = self.cache.window, None
+        if isinstance(window, WindowCache):
+            window_at = window.addresses(slots, starts, T, n_keys, device)
+        elif window is not None:
+            window.reserve(1 + max(max(t) for t in pages))
         return StepContext(
             KVCache.rows_for(slots, device),
             Addresses.of(pages, starts, T, n_keys, device),
@@ -784,27 +810,46 @@ class Stage(nn.Module):
             self.dtype,
             self.local_inv_freq,
             rope_gain(self.cfg),
+            window_at=window_at,
         )
+
+    @property
+    def step_limit(self) -> int | None:
+        """The most positions a step may bring at once (the sliding-window cache's ring), or None."""
+        window = self.cache.window
+        return window.step if isinstance(window, WindowCache) else None
 
     def _prompt_piece(self, x: torch.Tensor) -> int | None:
         """Where the blocks' runners take every block's rows a piece at a time: the rows of a prompt
         chunk that go through all the blocks before the next ones do (so that the activations
         held at once are a piece's, not a chunk's)."""
         runners = [block.runner for block in self.blocks]
-        if self.cache.recurrent is not None or not runners or any(r is None or not r.takes(x) for r in runners):
-            return None
-        pieces = {r.piece for r in runners}
-        piece = pieces.pop() if len(pieces) == 1 else None
+        piece = None
+        if self.cache.recurrent is None and runners and all(r is not None and r.takes(x) for r in runners):
+            pieces = {r.piece for r in runners}
+            piece = pieces.pop() if len(pieces) == 1 else None
+        limit = self.step_limit  # a step of more positions would overwrite keys its first rows see
+        if limit is not None:
+            piece = limit if piece is None else min(piece, limit)
         return piece if piece is not None and x.shape[1] > piece else None
 
     def _through_blocks(self, x: torch.Tensor, ctx: StepContext, last_only: bool) -> torch.Tensor:
         """x through every block; only the last positions out of the last block where `last_only`."""
         for i, block in enumerate(self.blocks):
-            x = block(x, self.cache, block.layer, ctx, last_only and i == len(self.blocks) - 1)
+            cache, seen = (self.cache.window, ctx.windowed) if block.windowed else (self.cache, ctx)
+            x = block(x, cache, block.layer, seen, last_only and i == len(self.blocks) - 1)
         return x
 
     def _in_pieces(
-        self, x, slots: list[int], starts: list[int], pages, piece: int, out: torch.Tensor, last_only: bool
+        self,
+        x,
+        slots: list[int],
+        starts: list[int],
+        pages,
+        piece: int,
+        out: torch.Tensor,
+        last_only: bool,
+        as_decoded: bool = False,
     ) -> torch.Tensor:
         """A prompt chunk's positions a piece at a time through every block, into `out` (which may
         be x: a piece's rows are read before its results are written): a piece's keys and values
@@ -813,6 +858,7 @@ class Stage(nn.Module):
         for a in range(0, x.shape[1], piece):
             b = min(a + piece, x.shape[1])
             ctx = self._context(slots, [s + a for s in starts], b - a, pages)
+            ctx.as_decoded = as_decoded
             y = self._through_blocks(x[:, a:b], ctx, last_only)
             out[:, b - y.shape[1] : b] = y
         return out
@@ -857,7 +903,7 @@ class Stage(nn.Module):
         in turn. None where the runner does not take the rows."""
         T = len(x[0])
         flat, f_slots, f_starts, f_pages = _one_position_rows(x, slots, starts, pages)
-        if not self.runner.takes(flat, self.cache):
+        if not self.runner.takes(flat, self.cache) or T > (self.step_limit or T):
             return None
         ctx, recurrent = self._context(f_slots, f_starts, 1, f_pages), self.cache.recurrent
         if recurrent is not None:
@@ -901,21 +947,24 @@ class Stage(nn.Module):
     def _forward(self, x, slots: list[int], starts: list[int], all_logits: bool, pages) -> torch.Tensor:
         given = x
         x = self._inputs(x)
-        ctx = self._context(slots, starts, x.shape[1], pages)
-        ctx.as_decoded = all_logits
+        whole = self.runner is not None and self.runner.takes(x, self.cache)
+        piece = None if whole else self._prompt_piece(x)
+        ctx = None if piece is not None else self._context(slots, starts, x.shape[1], pages)
         recurrent = self.cache.recurrent
         if recurrent is not None:
             recurrent.begin(slots, starts, x.shape[1])
         last_only = self.last and not all_logits  # the head reads the last position alone
-        if self.runner is not None and self.runner.takes(x, self.cache):
-            x = self.runner(x, self.cache, ctx)
-            if self.runner.logits:
-                return x
-        elif (piece := self._prompt_piece(x)) is not None:
+        if ctx is None:
             out = x if x is not given else torch.empty_like(x)
-            x = self._in_pieces(x, slots, starts, pages, piece, out, last_only)
+            x = self._in_pieces(x, slots, starts, pages, piece, out, last_only, all_logits)
         else:
-            x = self._through_blocks(x, ctx, last_only)
+            ctx.as_decoded = all_logits
+            if whole:
+                x = self.runner(x, self.cache, ctx)
+                if self.runner.logits:
+                    return x
+            else:
+                x = self._through_blocks(x, ctx, last_only)
         if self.backend is not None and self.backend.borrowed(x):  # what the next block to run overwrites
             x = x.clone()
         if recurrent is not None:

@@ -192,6 +192,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "sequences take as they grow; a full pool makes the newest sequence wait (default: every "
         "slot's whole --ctx-size; never less than one)",
     )
+    p.add_argument(
+        "--swa-full",
+        action="store_true",
+        help="blocks on a sliding window (gpt-oss, Gemma 3) keep every position, as the others do, so that "
+        "any cached prompt prefix is reused; by default they keep their window and a prefill chunk's worth "
+        "per sequence, and a prefix is reused only in the slot that computed it",
+    )
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
 
 

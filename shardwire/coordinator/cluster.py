@@ -167,6 +167,7 @@ class Cluster:
         weights: str = "dequant",
         overrides: list[tuple[str, str]] = (),
         kv_tokens: int | None = None,
+        swa_full: bool = False,
     ) -> Plan:
         self._plan_options = dict(
             overrides=list(overrides),
@@ -178,6 +179,7 @@ class Cluster:
             prefill_chunk=prefill_chunk,
             weights=weights,
             kv_tokens=kv_tokens,
+            swa_full=swa_full,
         )
         return self._plan_on(self.links)
 
@@ -201,6 +203,7 @@ class Cluster:
             weights=o["weights"],
             overrides=o["overrides"],
             kv_tokens=o["kv_tokens"],
+            swa_full=o["swa_full"],
         )
 
     # -- loading -------------------------------------------------------------------------
@@ -229,6 +232,7 @@ class Cluster:
                     plan.kv_pages,
                     stage_specs(model, stages, hashes),
                     next_hop(groups[i + 1][0] if i + 1 < len(groups) else None),
+                    plan.window_step,
                 )
                 ready = assign_and_ship(link, assign, model, reader, self.show_progress)
                 for kind, n in ready.sources.items():
@@ -247,6 +251,7 @@ class Cluster:
             len(plan.stages),
             model.config.vocab_size,
             recurrent=bool(model.config.linear_blocks),
+            ring_step=plan.ring_step(model.config),
         )
         for link, _ in groups:
             link.start_reader(self.pipeline.events)

@@ -108,6 +108,7 @@ def local_pipeline(
     ctx: int,
     prefill_chunk: int = 512,
     kv_tokens: int | None = None,
+    swa_full: bool = False,
 ) -> LocalPipeline:
     """Every block in this process on one device, its weights held as the plan resolves `weights`
     for that device (auto: the first mode that fits its free memory), as a worker's would be."""
@@ -118,7 +119,14 @@ def local_pipeline(
     products = prompt_products(device, dtype), row_products(device, dtype)
     planned = PlanDevice("local", device, free_memory(device), dtype, kernels, fastest, *products, compute_line(device))
     plan = make_plan(
-        model, [planned], n_slots=n_slots, ctx=ctx, prefill_chunk=prefill_chunk, weights=weights, kv_tokens=kv_tokens
+        model,
+        [planned],
+        n_slots=n_slots,
+        ctx=ctx,
+        prefill_chunk=prefill_chunk,
+        weights=weights,
+        kv_tokens=kv_tokens,
+        swa_full=swa_full,
     )
     stage = plan.stages[0]
     return LocalPipeline(
@@ -136,6 +144,7 @@ def local_pipeline(
         n_slots=n_slots,
         ctx=plan.ctx,
         kv_pages=plan.kv_pages,
+        window_step=plan.window_step,
     )
 
 
@@ -192,7 +201,9 @@ def build_pipeline(
     if not workers and (ngl is None or ngl >= model.config.n_layers) and not overrides:
         device = check_device(args.device or default_devices()[0])
         dtype = args.dtype or stored_precision_dtype(default_dtype(device), device, model.matrix_type)
-        pipeline = local_pipeline(model, device, dtype, args.weights, n_slots, ctx, kv_tokens=args.kv_budget)
+        pipeline = local_pipeline(
+            model, device, dtype, args.weights, n_slots, ctx, kv_tokens=args.kv_budget, swa_full=args.swa_full
+        )
         if not quiet:
             measured = provenance(device, dtype)
             print(f"kernels on {device}: {compute_line(device)}", file=sys.stderr, flush=True)
@@ -216,6 +227,7 @@ def build_pipeline(
             weights=args.weights,
             overrides=overrides,
             kv_tokens=args.kv_budget,
+            swa_full=args.swa_full,
         )
         if not quiet:
             print(plan.table(), file=sys.stderr)
@@ -244,6 +256,7 @@ def plan_only(model: ModelFile, args: argparse.Namespace) -> str:
             weights=args.weights,
             overrides=overrides,
             kv_tokens=args.kv_budget,
+            swa_full=args.swa_full,
         )
     finally:
         cluster.close()

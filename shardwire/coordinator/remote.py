@@ -33,7 +33,7 @@ class RemotePipeline:
         self.broken: str | None = None
         self.rebalance_due = False  # a lost worker answers again
         self.links: list[WorkerLink] = []
-        self.recurrent = False
+        self.recurrent, self.ring_step = False, 0
         self._in_flight: dict[int, Step] = {}
         self._lock = threading.Lock()
         self._last_progress = time.monotonic()
@@ -49,12 +49,13 @@ class RemotePipeline:
         n_stages: int,
         vocab_size: int,
         recurrent: bool = False,
+        ring_step: int = 0,
     ) -> None:
         """Point the pipeline at a loaded plan over `links`, first stage's worker first."""
         self.links, self.plan_id = links, plan_id
         self.n_slots, self.ctx, self.n_stages, self.vocab_size = n_slots, ctx, n_stages, vocab_size
         self.kv_pages = kv_pages
-        self.recurrent = recurrent
+        self.recurrent, self.ring_step = recurrent, ring_step
         self.broken, self.rebalance_due = None, False
         if self._vocabulary is not None:
             self._send_vocabulary()

@@ -34,7 +34,7 @@ from ..enums import PAGE, pages_for
 from ..pipeline import Pipeline, PipelineError, Recoverable, Row, Step, StepResult
 from ..sampling import Sampled, SamplingParams
 from .draft_model import DraftModel
-from .drafting import Acceptance, ByModel, Drafter, Lookup, Speculation, StepCosts
+from .drafting import MAX_PROPOSALS, Acceptance, ByModel, Drafter, Lookup, Speculation, StepCosts
 from .output import Output
 from .pages import PagePool, prefix_hashes
 
@@ -45,6 +45,14 @@ MAX_FRUITLESS_REPLAYS = 3
 # once more, and on a CPU a product of fewer rows spends more on that than the overlap gains
 # (a 64-token prompt of the 1B F16 file on 2 workers: 2 pieces of 32 5-10% sooner, 4 of 16 slower).
 MIN_PIECE = 32
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b begin with alike."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
 
 
 @dataclass
@@ -230,8 +238,12 @@ class Engine:
         self.acceptance: dict[str, Acceptance] = {}
         self.pages = PagePool(pipeline.kv_pages)
         self.counters = Counters()
-        # a recurrent state cannot start past position 0, so such a model reuses no prefix
-        self._reuse = not getattr(pipeline, "recurrent", False)
+        # a recurrent state cannot start past position 0, so such a model reuses no prefix; nor
+        # may a model whose sliding windows keep a ring per slot, but in the slot whose last
+        # sequence began with it (_ring_prefix)
+        self._ring_step = getattr(pipeline, "ring_step", 0)
+        self._reuse = not (getattr(pipeline, "recurrent", False) or self._ring_step)
+        self._ring_held: dict[int, list[int]] = {}  # slot -> its last sequence's tokens, which its rings hold
         pipeline.on_result = lambda result: self._inbox.put((self._on_result, result))
         pipeline.on_wake = lambda: self._inbox.put((self._on_wake, None))
         self._recoverable = isinstance(pipeline, Recoverable)
@@ -402,7 +414,7 @@ class Engine:
             handle = self._waiting[i]
             request = handle.request
             output = Output(self.tokenizer, request.prompt, request.stop, request.ignore_eos, request.kept_tokens)
-            seq = _Sequence(handle, self._free_slots[0], output)
+            seq = _Sequence(handle, self._slot_for(request.prompt), output)
             seq.drafter = self._drafter(request.speculation, seq.slot)
             if seq.drafter is not None and request.grammar is not None:
                 seq.check = ProposalCheck(self._vocabulary, request.grammar)
@@ -412,7 +424,7 @@ class Engine:
                 i += 1  # it waits for pages, or for a prefix another request is computing
                 continue
             del self._waiting[i]
-            self._free_slots.pop(0)
+            self._free_slots.remove(seq.slot)
             self._running[seq.slot] = seq
             self._publish_slots()
             handle.stats.cached_tokens = seq.n_cached
@@ -487,6 +499,10 @@ class Engine:
     def _send_ahead(self, decoding: list[_Sequence], stages: int) -> None:
         if not (self.ahead and self.pipeline.stages_overlap) or getattr(self.pipeline, "recurrent", False):
             return
+        # the void steps a sequence's next step goes back over must fit in the sliding windows'
+        # rings, with the positions it brings
+        if self._ring_step and stages * (2 + MAX_PROPOSALS) > self._ring_step:
+            return
         for seq in decoding:
             while len(self._decoding) < stages and self._worth_ahead(seq, stages) and self._step_ahead(seq):
                 pass
@@ -550,6 +566,7 @@ class Engine:
             self._fail_all(str(e), "error")
             return False
         self.pages.reset()  # the new stages' pools hold nothing
+        self._ring_held.clear()
         replaying = []
         for seq in list(self._running.values()):
             seq.pages, seq.hashes, seq.filling, seq.failed = [], [], None, False
@@ -619,6 +636,8 @@ class Engine:
         if self._reuse and seq.request.cache_prompt:
             seq.hashes = prefix_hashes(tokens, n_full, seq.hashes)
             reused, wait = self.pages.match(seq.hashes)
+        elif self._ring_step and seq.request.cache_prompt and not seq.preempted:
+            reused = self._ring_prefix(seq, tokens, n_full)
         if wait:
             return False
         self.pages.take(reused)
@@ -628,6 +647,32 @@ class Engine:
             return False
         seq.pages, seq.n_cached, seq.failed = reused + new, len(reused) * PAGE, False
         return True
+
+    def _slot_for(self, prompt: list[int]) -> int:
+        """A free slot for a new sequence: where the sliding windows keep a ring per slot, the one
+        whose last sequence shares the longest start with the prompt (a chat's next turn goes
+        where its last one ran), else one that held none, else the first."""
+        if not self._ring_step:
+            return self._free_slots[0]
+
+        def fit(slot: int) -> tuple:
+            held = self._ring_held.get(slot, [])
+            return _shared(held[:-1], prompt), not held, -slot
+
+        return max(self._free_slots, key=fit)
+
+    def _ring_prefix(self, seq: _Sequence, tokens: list[int], n_full: int) -> list[int]:
+        """The cached pages of the prompt's start that the slot's last sequence also began with,
+        where its sliding windows' rings still hold the positions before the first one computed:
+        the rings take a step over [start, start + T) where the positions written past `start`
+        are at most ring_step, and besides the last sequence's tokens a slot's rings may have
+        had positions written by refused proposals and steps sent ahead."""
+        held = self._ring_held.get(seq.slot, [])
+        n = min(n_full, _shared(held[:-1], tokens) // PAGE)  # its last token went through no stage
+        seq.hashes = prefix_hashes(tokens, n_full, seq.hashes)
+        reused, _ = self.pages.match(seq.hashes[:n])
+        stray = max(1, self.pipeline.n_stages) * (2 + MAX_PROPOSALS)
+        return reused if reused and len(held) + stray - len(reused) * PAGE <= self._ring_step else []
 
     def _hold(self, seq: _Sequence, positions: int) -> bool:
         """Give the sequence pages for its first `positions` positions; False, taking none, where
@@ -692,7 +737,7 @@ class Engine:
             if report:
                 seq.progress_at[step.id] = start + len(chunk)
             self._send(step, [seq])
-        if step is not None and self._reuse and seq.request.cache_prompt:
+        if step is not None and (self._reuse or self._ring_step) and seq.request.cache_prompt:
             seq.filling = (step.id, self._filling(seq, end))
 
     def _prefill_rows(self, n: int) -> int:
@@ -849,10 +894,13 @@ class Engine:
 
     def _release(self, seq: _Sequence) -> None:
         if self._running.get(seq.slot) is seq:
-            if self._reuse and seq.request.cache_prompt and not (seq.failed or seq.interrupted or seq.preempted):
+            caching = (self._reuse or self._ring_step) and seq.request.cache_prompt
+            if caching and not (seq.failed or seq.interrupted or seq.preempted):
                 # every position but the last token's went through the stages: its full pages
                 # are a prefix the next turn of a chat may start with
                 self.pages.computed(self._filling(seq, len(seq.tokens) - 1), ok=True)
+            lost = seq.failed or seq.interrupted or seq.preempted  # its rings hold what, nobody knows
+            self._ring_held[seq.slot] = [] if lost else list(seq.tokens)
             self._release_pages(seq)
             del self._running[seq.slot]
             self._publish_slots()

@@ -29,6 +29,7 @@ MIN_NGRAM = 2
 # the widths a step may take (tokens per row): a few, so that a stage keeps a decode graph built for
 # each (ggml's graphs are built per row count) and the engine has measured each
 WIDTHS = (2, 4, 8, 16, 32, 64)
+MAX_PROPOSALS = 64  # a step's, at most
 PROBE_EVERY = 32  # steps a sequence that stopped proposing waits before it proposes again
 PAYS = 1.1  # a step's proposals are worth probing where, all kept, they would give this many tokens per step's time
 FORGET = 0.9  # what a step's count of kept and refused proposals weighs, one step later
@@ -55,8 +56,8 @@ class Speculation:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"speculative type must be one of {', '.join(KINDS)}, not {self.kind!r}")
-        if not 0 <= self.n_min <= self.n_max <= 64:
-            raise ValueError("speculative n_min and n_max must satisfy 0 <= n_min <= n_max <= 64")
+        if not 0 <= self.n_min <= self.n_max <= MAX_PROPOSALS:
+            raise ValueError(f"speculative n_min and n_max must satisfy 0 <= n_min <= n_max <= {MAX_PROPOSALS}")
         if not MIN_NGRAM <= self.ngram <= 64:
             raise ValueError(f"speculative ngram size must be in [{MIN_NGRAM}, 64]")
         if not 0.0 <= self.p_min <= 1.0:

@@ -84,6 +84,9 @@ class Pipeline(Protocol):
     n_stages: int
     stages_overlap: bool  # its stages work on different steps at once (on workers), not one after another
     recurrent: bool  # some block keeps a recurrent state: a sequence cannot start past position 0
+    ring_step: (
+        int  # blocks on a sliding window keep a ring per slot, for steps of at most this many positions (0: none)
+    )
     on_result: Callable[[StepResult], None]
     on_wake: Callable[[], None]  # the pipeline broke, or wants rebalancing
 
@@ -169,13 +172,14 @@ class LocalPipeline:
 
     stages_overlap = False
 
-    def __init__(self, stages: list[Stage], n_slots: int, ctx: int, kv_pages: int | None = None):
+    def __init__(self, stages: list[Stage], n_slots: int, ctx: int, kv_pages: int | None = None, window_step: int = 0):
         self.stages, self.n_slots, self.ctx = stages, n_slots, ctx
         self.kv_pages = pool_pages(n_slots, ctx) if kv_pages is None else kv_pages
         self.vocab_size = stages[0].cfg.vocab_size
         self.recurrent = any(stage.n_linear for stage in stages)
         for stage in stages:
-            stage.allocate_cache(n_slots, ctx, self.kv_pages)
+            stage.allocate_cache(n_slots, ctx, self.kv_pages, window_step)
+        self.ring_step = min((stage.step_limit for stage in stages if stage.step_limit), default=0)
         self.matchers = Matchers()
         self.on_result: Callable[[StepResult], None] = lambda result: None
         self.on_wake: Callable[[], None] = lambda: None

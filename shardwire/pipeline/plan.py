@@ -22,7 +22,7 @@ from ..devices import parse_dtype
 from ..enums import PAGE
 from ..formats import ModelFile
 from ..formats.tensors import COPY_PIECE
-from ..kvcache import pool_pages, stage_cache_nbytes
+from ..kvcache import pool_pages, ring_size, ring_slack, stage_cache_nbytes, window_ring
 from ..model import ffn_piece_rows
 from ..weights.codecs import stored_nbytes
 from ..weights.packed import CHUNK_ELEMENTS
@@ -139,9 +139,22 @@ class Plan:
     prefill_chunk: int = 512  # the most tokens per row of a step, which each stage's workspace is sized for
     kv_pages: int = 0  # pages in each stage's KV pool (0: every slot's whole context)
     notes: list[str] = field(default_factory=list)
+    swa_full: bool = False  # blocks on a sliding window keep every position (else a ring per slot)
 
     def __post_init__(self):
         self.kv_pages = self.kv_pages or pool_pages(self.n_slots, self.ctx)
+
+    @property
+    def window_step(self) -> int:
+        """The most positions a step brings, for which blocks on a sliding window keep their keys
+        in a ring per slot (kvcache.WindowCache); 0: they keep every position."""
+        return 0 if self.swa_full else self.prefill_chunk
+
+    def ring_step(self, cfg: ModelConfig) -> int:
+        """Where the model's blocks on a sliding window keep only their window (a ring per slot):
+        the most positions a step may bring them; else 0."""
+        step = window_ring(cfg.sliding_window, self.window_step, self.n_slots, self.kv_pages)
+        return ring_slack(cfg.sliding_window, ring_size(cfg.sliding_window, step)) if cfg.sliding_blocks and step else 0
 
     def shortfalls(self) -> list[tuple[PlannedStage, PlanDevice, int]]:
         """(stage, device, bytes short) for each stage whose device, or a device holding its -ot
@@ -333,7 +346,14 @@ def _formats_on(device: PlanDevice, tensors: dict, first: bool, last: bool, tied
 
 
 def stage_cost(
-    cfg: ModelConfig, tensors: dict, stage: PlannedStage, weights: str, n_slots: int, kv_pages: int, chunk: int
+    cfg: ModelConfig,
+    tensors: dict,
+    stage: PlannedStage,
+    weights: str,
+    n_slots: int,
+    kv_pages: int,
+    chunk: int,
+    window_step: int = 0,
 ) -> StageCost:
     """What `stage` needs on its device with its `tensors` (anything with .dtype and .shape, by
     name) held as `weights` says (fast | dequant | packed | compact). The planner and a worker
@@ -376,23 +396,31 @@ def stage_cost(
     return StageCost(
         weight_bytes,
         # keys and values, the delta-net state
-        stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, kv_pages, dtype),
+        stage_cache_nbytes(cfg, stage.start, stage.end, n_slots, kv_pages, dtype, window_step),
         max(activations, loading) + runtime,
         by_type,
         elsewhere,
     )
 
 
-def cost_stage(model: ModelFile, stage: PlannedStage, n_slots: int, kv_pages: int, chunk: int, weights: str) -> None:
+def cost_stage(
+    model: ModelFile, stage: PlannedStage, n_slots: int, kv_pages: int, chunk: int, weights: str, window_step: int = 0
+) -> None:
     """Fill in what a planned stage needs with its weights held as `weights` says."""
     tensors = model.stage_tensors(stage.start, stage.end, stage.first, stage.last)
-    cost = stage_cost(model.config, tensors, stage, weights, n_slots, kv_pages, chunk)
+    cost = stage_cost(model.config, tensors, stage, weights, n_slots, kv_pages, chunk, window_step)
     stage.weights, stage.formats, stage.elsewhere = weights, cost.formats, cost.elsewhere
     stage.weight_bytes, stage.kv_bytes, stage.workspace_bytes = cost.weight_bytes, cost.kv_bytes, cost.workspace_bytes
 
 
 def _choose_weights(
-    model: ModelFile, stages: list[PlannedStage], weights: str, n_slots: int, kv_pages: int, chunk: int
+    model: ModelFile,
+    stages: list[PlannedStage],
+    weights: str,
+    n_slots: int,
+    kv_pages: int,
+    chunk: int,
+    window_step: int = 0,
 ) -> None:
     """Cost every stage; with auto, each device gets the fastest mode that fits it."""
     by_device: dict[PlanDevice, list[PlannedStage]] = {}
@@ -405,7 +433,7 @@ def _choose_weights(
             raise PlanError(str(e)) from None
         for mode in modes:
             for stage in group:
-                cost_stage(model, stage, n_slots, kv_pages, chunk, mode)
+                cost_stage(model, stage, n_slots, kv_pages, chunk, mode, window_step)
             if sum(s.total_bytes for s in group) <= device.free:
                 break
 
@@ -440,6 +468,7 @@ def make_plan(
     weights: str = "dequant",
     overrides: list[tuple[str, str]] = (),
     kv_tokens: int | None = None,
+    swa_full: bool = False,
 ) -> Plan:
     """Plan blocks over `devices` (in order); `cpu` is the coordinator's CPU, which takes the
     blocks that are not offloaded. `weights` (auto | fast | dequant | packed | compact) says how
@@ -483,14 +512,24 @@ def make_plan(
         stages.append(stage)
         start += count
     kv_pages = pool_pages(n_slots, ctx, kv_tokens)
-    _choose_weights(model, stages, weights, n_slots, kv_pages, prefill_chunk)
-    plan = Plan(stages, n_slots, ctx, prefill_chunk, kv_pages)
+    plan = Plan(stages, n_slots, ctx, prefill_chunk, kv_pages, swa_full=swa_full)
+    _choose_weights(model, stages, weights, n_slots, kv_pages, prefill_chunk, plan.window_step)
     cfg = model.config
     if cfg.n_experts:
         experts = sum(t.nbytes for name, t in model.tensors.items() if "_exps." in name)
         plan.notes.append(
             f"mixture of experts: {cfg.n_experts} experts per block, {cfg.n_experts_used} run per token; "
             f"expert tensors are {gib(experts)} of the file's {gib(sum(block_bytes))} in blocks"
+        )
+    if cfg.sliding_blocks:
+        n, window = len(cfg.sliding_blocks), cfg.sliding_window
+        if plan.ring_step(cfg):
+            ring = ring_size(window, plan.window_step)
+            kept = f"{ring} positions a sequence, in a ring (a prompt prefix is reused in its slot)"
+        else:
+            kept = "every position, as the other blocks"
+        plan.notes.append(
+            f"sliding window: {n} of {cfg.n_layers} blocks see the last {window} positions; they keep {kept}"
         )
     workers = [s.device.worker for s in stages]
     for i, w in enumerate(workers):

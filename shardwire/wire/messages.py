@@ -497,6 +497,7 @@ class Assign(Message):
     kv_pages: int  # pages in each stage's KV pool: page ids in FORWARD stay below it
     stages: list[StageSpec]
     next: NextHop | None  # None after the last stage
+    window_step: int = 0  # blocks on a sliding window keep a ring per slot for steps this long (0: every position)
 
     @classmethod
     def parse(cls, h: dict) -> "Assign":
@@ -519,6 +520,7 @@ class Assign(Message):
             _int(h, "kv_pages", what, 1, 1 << 24),
             stages,
             None if nxt is None else NextHop.parse(nxt),
+            _int(h, "window_step", what, 0, 1 << 20),
         )
 
 

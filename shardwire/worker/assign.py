@@ -48,7 +48,16 @@ def check_assign(assign: Assign, cfg: ModelConfig, devices: list[str], mem: int 
         )
         planned.overrides = tuple((o.pattern, _plan_device(o.device, o.dtype, o.fastest)) for o in spec.overrides)
         tensors = {t.name: t for t in spec.tensors}
-        cost = stage_cost(cfg, tensors, planned, spec.weights, assign.n_slots, assign.kv_pages, assign.prefill_chunk)
+        cost = stage_cost(
+            cfg,
+            tensors,
+            planned,
+            spec.weights,
+            assign.n_slots,
+            assign.kv_pages,
+            assign.prefill_chunk,
+            assign.window_step,
+        )
         need[spec.device] = need.get(spec.device, 0) + cost.total_bytes
         for device, n in cost.elsewhere.items():
             need[device.name] = need.get(device.name, 0) + n
@@ -111,7 +120,7 @@ def build_ring(
             ],
             release=found.reader.release,
         )
-        stage.allocate_cache(assign.n_slots, assign.ctx, assign.kv_pages)
+        stage.allocate_cache(assign.n_slots, assign.ctx, assign.kv_pages, assign.window_step)
         runners.append(StageRunner(spec, stage))
     found.reader.close()  # the stages hold their weights; a mapping some still view stays alive
     next_conn = None

@@ -62,7 +62,7 @@ class FakePipeline:
     def __init__(self, n_slots=2, ctx=64, vocab_size=1000, n_stages=1, hold=False, rule=plus_one):
         self.n_slots, self.ctx, self.vocab_size, self.n_stages = n_slots, ctx, vocab_size, n_stages
         self.stages_overlap = True  # as workers' stages do
-        self.recurrent, self.kv_pages = False, pool_pages(n_slots, ctx)
+        self.recurrent, self.ring_step, self.kv_pages = False, 0, pool_pages(n_slots, ctx)
         self.hold, self.rule = hold, rule
         self.on_result = None
         self.on_wake = None

@@ -157,10 +157,14 @@ def test_two_workers_split_where_a_full_block_meets_a_sliding_one_give_the_singl
 ):
     path = gpt_oss(form)
     workers = worker_pool(2)
+    # steps of at most 7 positions (the engine's prefill chunk): the sliding blocks keep 16 a sequence,
+    # which the prompt and reply (36 positions) go round twice; the single process keeps every position
+    addresses, chunk = [w.address for w in workers], dict(prefill_chunk=7)
     got, plan, _ = distributed(
-        path, [w.address for w in workers], tmp_path / "coord", tensor_split=[1, 1], prompt=PROMPT
+        path, addresses, tmp_path / "coord", tensor_split=[1, 1], prompt=PROMPT, plan_options=chunk
     )
     assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4)]  # block 1 full, block 2 sliding
+    assert plan.ring_step(open_model(path).config) == 13  # rings of 16 positions for the 4-key window
     assert_same(single_process(path, prompt=PROMPT), got)
 
 

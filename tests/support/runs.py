@@ -48,8 +48,10 @@ def distributed(
     local_devices=(),
     token=None,
     tls=TRUST_ON_FIRST_USE,
+    plan_options=None,
     **kw,
 ):
+    """generate() on a cluster of the workers at `addresses`; `plan_options`: make_plan's, beside these."""
     model = open_model(path)
     cluster = Cluster(
         addresses,
@@ -62,7 +64,9 @@ def distributed(
     )
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, ctx=256, dtype="float32")
+        plan = cluster.make_plan(
+            tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, ctx=256, dtype="float32", **(plan_options or {})
+        )
         pipeline = cluster.load(plan)
         return generate(pipeline, **kw), plan, cluster.load_stats
     finally:

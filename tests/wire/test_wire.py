@@ -220,6 +220,7 @@ def test_assign_stages_must_be_consecutive():
         "kv_pages": 4,
         "stages": [stage, later],
         "next": None,
+        "window_step": 512,
     }
     with pytest.raises(FrameError, match="consecutive"):
         Assign.parse(h)

@@ -417,7 +417,7 @@ class BlockGraphs(FeedForwardGraphs):
             m.bias = _f32(m.bias)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.gated = attn.gated  # each head's queries followed by as many gate rows (Qwen3.5)
-        self.layer = block.layer  # its keys' and values' layer in the stage's cache
+        self._place(block)
         self.head_norms = None
         if attn.q_norm is not None:
             eps = attn.q_norm.eps
@@ -427,6 +427,13 @@ class BlockGraphs(FeedForwardGraphs):
         self.scale = attn.scale  # of the scores
         self.attn_width = out.K  # a row's attention output, before the output projection
         self.rope: tuple | None = None  # (rotated dims, base, frequency factors or None, gain on cos and sin)
+
+    def _place(self, block: nn.Module) -> None:
+        """Where the block's keys and values are: their layer in the stage's cache (its sliding-window
+        one where the block is windowed), and a stage graph's names of its pools and of their size."""
+        self.layer = block.layer
+        self.cached = f"w{self.layer}" if block.windowed else str(self.layer)
+        self.size = "pool_w" if block.windowed else "pool"
 
     def _set_rope(self, inv_freq: torch.Tensor, base: float, gain: float) -> None:
         """The stage's RoPE frequencies, as ggml computes them: base^(-2i/dims), each divided by a
@@ -519,10 +526,9 @@ class BlockGraphs(FeedForwardGraphs):
         pool = ggml.ggml_new_tensor_3d(g.ctx, kind, self.head_dim, built, self.kv_heads)
         return self._follow_pool(g, pool, name, built)
 
-    @staticmethod
-    def _follow_pool(g: Graph, t, name: str, built: int):
+    def _follow_pool(self, g: Graph, t, name: str, built: int):
         g.fields.data(t, name)
-        return g.fields.follow(t, "pool", built, ne=(1,), nb=(2, 3))
+        return g.fields.follow(t, self.size, built, ne=(1,), nb=(2, 3))
 
     def _index(self, g: Graph, name: str, n: str, built: int):
         """A sequence's first n cache positions, int32; every kv head reads the same list."""
@@ -674,7 +680,7 @@ class BlockGraphs(FeedForwardGraphs):
         ctx, D, KV = g.ctx, self.head_dim, self.kv_heads
         q, k, v, *gate = self._project(ctx, x, rows, positions)
         pools = [
-            self._store(g, t, f"{name}{self.layer}", rows, built, kind, write) for name, t in zip(self.POOLS, (k, v))
+            self._store(g, t, f"{name}{self.cached}", rows, built, kind, write) for name, t in zip(self.POOLS, (k, v))
         ]
         attn = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, self.attn_width, rows)
         group, width = self.heads // KV, self.attn_width * 4
@@ -705,15 +711,15 @@ class BlockGraphs(FeedForwardGraphs):
         if kind == FEED:
             return super()._names(kind, rows)
         if kind == STORE:
-            return ["x", "positions", "write", "out", "k", "v", "pool", *gate]
+            return ["x", "positions", "write", "out", "k", "v", self.size, *gate]
         if kind == FINISH:
             return ["x", "attn", "out", *gate]
         counts = [f"n{r}" for r in range(rows)]
         indexes = [f"index{r}" for r in range(rows)]
         return {
-            STEP: ["x", "qkv", "out", "k", "v", "pool", *counts, *indexes, *gate],
-            EACH: ["qkv", "out", "k", "v", "pool", *counts, *indexes],
-            SHARED: ["qkv", "out", "k", "v", "pool", "seen", "index0", *counts],
+            STEP: ["x", "qkv", "out", "k", "v", self.size, *counts, *indexes, *gate],
+            EACH: ["qkv", "out", "k", "v", self.size, *counts, *indexes],
+            SHARED: ["qkv", "out", "k", "v", self.size, "seen", "index0", *counts],
         }[kind]
 
     def store(self, x: torch.Tensor, ctx, pools: list[int], kind: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -830,7 +836,7 @@ class LatentGraphs(BlockGraphs):
         self.gated, self.head_norms, self.sinks, self.window = False, None, None, 0
         self.scale = attn.scale
         self.attn_width = self.heads * self.latent
-        self.layer = block.layer
+        self._place(block)
 
     @classmethod
     def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float, gain: float = 1.0) -> "LatentGraphs | None":
@@ -940,6 +946,7 @@ class StageGraph:
         self.attending = [b for b in blocks if isinstance(b, BlockGraphs)]
         self.mixing = [b for b in blocks if not isinstance(b, BlockGraphs)]
         self.windows = sorted({b.window for b in self.attending if b.window})  # the sliding windows' sizes
+        self.windowed = [b for b in self.attending if b.size != "pool"]  # those in the sliding-window cache
         self.dim = blocks[0].dim
         self.head = head  # (norm weight, eps, the head's matrix)
         self.table = table  # the token embedding: a call takes token ids
@@ -986,11 +993,12 @@ class StageGraph:
             x = _input(g, "x", self.dim, rows)
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
+        write_w = _input(g, "write_w", rows, kind=ggml.GGML_TYPE_I64) if self.windowed else None
         if self.mixing:  # the sequences' slots, where their recurrent state lies
             g.slots, g.n_slots = _input(g, "slots", rows // per_sequence, kind=ggml.GGML_TYPE_I32), slots
             g.per_sequence = per_sequence
         for block in self.blocks:
-            x = block.decode(g, x, rows, built, kind, positions, write)
+            x = block.decode(g, x, rows, built, kind, positions, write_w if block in self.windowed else write)
         if self.head is not None:
             weight, eps, matrix = self.head
             x = _linear(g.ctx, matrix, _norm(g.ctx, x, weight, eps))
@@ -1002,8 +1010,10 @@ class StageGraph:
             named = ["", *(window_names(w) for w in self.windows)]
             counts = [f"n{r}{w}" for w in named for r in range(rows)]
             indexes = [f"index{r}{w}" for w in named for r in range(rows)]
-            pools = [f"{name}{b.layer}" for b in self.attending for name in ("k", "v")]
+            pools = [f"{name}{b.cached}" for b in self.attending for name in ("k", "v")]
             names = ["x", "positions", "write", "out", "pool", *counts, *indexes, *pools]
+            if self.windowed:
+                names += ["write_w", "pool_w"]
             if self.mixing:
                 names += ["slots", *(f"{name}{b.layer}" for b in self.mixing for name in ("conv", "state"))]
             size = sum(b.nodes(rows) for b in self.blocks) + 16
@@ -1045,9 +1055,14 @@ class StageGraph:
         windowed = [[min(n, w) for n in seen] for w in self.windows]  # the keys each window's blocks see
         at += [n for counts in windowed for n in counts]
         at += [index_at + s * index_row for s in range(B)]
+        if self.windows:  # the windows' keys are listed where the sliding-window cache's are
+            index_at, index_row = ctx.windowed.at.read_at
         for counts in windowed:  # each row's window starts that many keys into its list
             at += [index_at + s * index_row + 4 * (n - w) for s, (n, w) in enumerate(zip(seen, counts))]
-        at += pool_addresses(cache, range(len(self.attending)))
+        for b in self.attending:
+            at += pool_addresses(cache.window if b in self.windowed else cache, range(b.layer, b.layer + 1))
+        if self.windowed:
+            at += [ctx.windowed.at.write_at, cache.window.k.shape[2]]
         slots = 0
         if self.mixing:
             recurrent = cache.recurrent
