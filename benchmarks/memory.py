@@ -1,17 +1,20 @@
 """Workers' process memory while they hold a model, beside llama.cpp's rpc-server on the same file.
 
     python -m benchmarks.memory [--workloads moe-q4_0,1b-q4_0,...] [--workers 1,2] [--no-llama-cpp]
+                                [--ctx 1024] [--swa-full]
 
 For each file, worker count and system: the workers (shardwire worker / ggml-rpc-server), idle
 first; then a server as a user runs it (shardwire serve --rpc / llama-server --rpc -ngl 99 -ts
 1,1,...) loads the blocks onto them and answers one 32-token completion of a prompt longer than a
-prefill chunk, in one sequence slot whose context (CTX tokens) the prompt and reply nearly fill, so
-that the KV cache each system sizes for that context is in use. From each worker's /proc/PID/status: idle
-(settled, before the server), peak (VmHWM) and at rest (a second after the completion, the
-model loaded), as growth over idle, split into anonymous and file-backed memory, and as a ratio
-to the file bytes of the tensors it holds (llama.cpp's server keeps the token embedding itself;
-shardwire's first worker holds it); beside shardwire's, what its plan said that worker needs,
-and the server's own memory. Prints a table and writes JSON.
+prefill chunk, in one sequence slot whose context (--ctx tokens) the prompt and reply nearly fill,
+so that the KV cache each system sizes for that context is in use. From each worker's
+/proc/PID/status: idle (settled, before the server), peak (VmHWM) and at rest (a second after the
+completion, the model loaded), as growth over idle, split into anonymous and file-backed memory,
+and as a ratio to the file bytes of the tensors it holds (llama.cpp's server keeps the token
+embedding itself; shardwire's first worker holds it); the KV cache each system says the worker
+holds (shardwire's plan; llama-server's log) and the growth at rest less it, which a longer or
+shorter context does not change; beside shardwire's, what its plan said that worker needs, and
+the server's own memory. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,7 +33,7 @@ from pathlib import Path
 from . import models
 from .run import LISTENING, Server, free_port, machine_info, private_state_dir, wait_healthy
 
-CTX = 1024  # each system's one sequence slot; the completion below fills ~97% of it
+CTX = 1024  # each system's one sequence slot (--ctx); the completion below fills ~97% of it
 
 
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
@@ -65,8 +69,11 @@ def held_bytes(path: Path, system: str, n_workers: int) -> list[int]:
     return out
 
 
-def planned_bytes(path: Path, addresses: list[str], workdir: Path) -> list[int]:
-    """What shardwire's plan says each worker's stage needs (weights, KV cache, workspace)."""
+def planned_bytes(
+    path: Path, addresses: list[str], workdir: Path, ctx: int, swa_full: bool
+) -> tuple[list[int], list[int]]:
+    """What shardwire's plan says each worker's stage needs (weights, KV cache, workspace), and
+    its KV cache alone (the pool at its most, which a completion filling the slot reaches)."""
     from shardwire.coordinator import Cluster
     from shardwire.formats import open_model
 
@@ -74,10 +81,23 @@ def planned_bytes(path: Path, addresses: list[str], workdir: Path) -> list[int]:
     cluster = Cluster(addresses, cache_dir=workdir / "plan", show_progress=False)
     try:
         cluster.connect(model)
-        plan = cluster.make_plan(n_slots=1, ctx=CTX, weights="auto", tensor_split=[1.0] * len(addresses))
-        return [s.total_bytes + sum(s.elsewhere.values()) for s in plan.stages]
+        split = [1.0] * len(addresses)
+        plan = cluster.make_plan(n_slots=1, ctx=ctx, weights="auto", tensor_split=split, swa_full=swa_full)
+        return [s.total_bytes + sum(s.elsewhere.values()) for s in plan.stages], [s.kv_bytes for s in plan.stages]
     finally:
         cluster.close()
+
+
+def llama_kv_cache_bytes(log: Path, addresses: list[str]) -> list[int]:
+    """The KV buffers llama-server put on each rpc-server, as its log says (a sliding-window
+    model's two caches each say theirs)."""
+    sizes = [0] * len(addresses)
+    for line in log.read_text(errors="replace").splitlines():
+        found = re.search(r"(\S+) KV buffer size = +([\d.]+) MiB", line)
+        for i, address in enumerate(addresses):
+            if found and f"[{address}]" in found.group(1):
+                sizes[i] += round(float(found.group(2)) * 2**20)
+    return sizes
 
 
 def settled(pid: int, timeout: float = 60) -> dict[str, int]:
@@ -92,11 +112,11 @@ def settled(pid: int, timeout: float = 60) -> dict[str, int]:
     return before
 
 
-def _complete(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+def _complete(port: int, proc: subprocess.Popen, ctx: int, timeout: float = 600) -> None:
     """Wait for the server's /health, then one greedy 32-token completion of a prompt longer than
-    a prefill chunk (so the workspace a chunk needs is used)."""
+    a prefill chunk (so the workspace a chunk needs is used) that, with it, nearly fills `ctx`."""
     wait_healthy(port, proc, timeout)
-    prompt = "Once upon a time, in a small town beside a wide river, there lived a clockmaker. " * 48
+    prompt = "Once upon a time, in a small town beside a wide river, there lived a clockmaker. " * (48 * ctx // 1024)
     body = json.dumps({"prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
@@ -106,7 +126,15 @@ def _complete(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 
 def measure(
-    system: str, path: Path, prefix: Path | None, workdir: Path, threads: int, own_copy: bool, n_workers: int
+    system: str,
+    path: Path,
+    prefix: Path | None,
+    workdir: Path,
+    threads: int,
+    own_copy: bool,
+    n_workers: int,
+    ctx: int = CTX,
+    swa_full: bool = False,
 ) -> list[dict]:
     """One row per worker, each with the server's (the coordinator's) own memory."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
@@ -136,7 +164,7 @@ def measure(
                 "--port",
                 str(port),
                 "-c",
-                str(CTX),
+                str(ctx),
                 "-np",
                 "1",
                 "-ts",
@@ -146,14 +174,19 @@ def measure(
             ]
         else:
             server = [str(prefix / "bin" / "llama-server"), "-m", str(path), "--rpc", ",".join(addresses)]
-            server += ["-ngl", "99", "-ts", split, "--port", str(port), "-t", str(threads), "-c", str(CTX), "-np", "1"]
+            server += ["-ngl", "99", "-ts", split, "--port", str(port), "-t", str(threads), "-c", str(ctx), "-np", "1"]
+            server += ["-lv", "4"]  # it logs its KV buffers' sizes (llama_kv_cache_bytes) at this level
+        server += ["--swa-full"] if swa_full else []  # both servers' flag
         idle = [settled(w.proc.pid) for w in workers]
-        planned = planned_bytes(path, addresses, workdir) if system == "shardwire" else [None] * n_workers
+        if system == "shardwire":
+            planned, kv = planned_bytes(path, addresses, workdir, ctx, swa_full)
+        else:
+            planned = [None] * n_workers
         started = time.monotonic()
         with open(log, "a") as out:
             proc = subprocess.Popen(["taskset", "-c", "0", *server], stdout=out, stderr=out, env=env)
             try:
-                _complete(port, proc)
+                _complete(port, proc, ctx)
                 loaded_s = time.monotonic() - started
                 time.sleep(1.0)
                 rest = [status(w.proc.pid) for w in workers]
@@ -164,6 +197,8 @@ def measure(
     finally:
         for w in workers:
             w.stop()
+    if system != "shardwire":
+        kv = llama_kv_cache_bytes(log, addresses)
     held = held_bytes(path, system, n_workers)
     return [
         {
@@ -179,6 +214,7 @@ def measure(
             "rest_growth": rest[i]["VmRSS"] - idle[i]["VmRSS"],
             "rest_anon_growth": rest[i]["RssAnon"] - idle[i]["RssAnon"],
             "rest_file_growth": rest[i]["RssFile"] - idle[i]["RssFile"],
+            "kv_bytes": kv[i],
             "coordinator": coordinator,
             "ready_and_answered_s": round(loaded_s, 1),
         }
@@ -205,7 +241,7 @@ def status():
 model = open_model(sys.argv[1])
 idle = status()
 start = time.monotonic()
-pipeline = local_pipeline(model, "cpu", default_dtype("cpu"), "auto", 1, CTX_TOKENS)
+pipeline = local_pipeline(model, "cpu", default_dtype("cpu"), "auto", 1, CTX_TOKENS, swa_full=SWA_FULL)
 loaded_s = time.monotonic() - start
 engine = Engine(pipeline)
 handle = engine.submit(Request(list(range(10, PROMPT_END)), GREEDY, max_tokens=32))
@@ -216,11 +252,12 @@ engine.close()
 """
 
 
-def one_process(path: Path, threads: int) -> dict:
+def one_process(path: Path, threads: int, ctx: int = CTX, swa_full: bool = False) -> dict:
     """`generate`/`serve`/`bench` without workers: the model loaded in the process itself, a
-    prompt and 32 tokens decoded that nearly fill its CTX-token context."""
+    prompt and 32 tokens decoded that nearly fill its `ctx`-token context."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    script = ONE_PROCESS.replace("CTX_TOKENS", str(CTX)).replace("PROMPT_END", str(10 + CTX - 48))
+    script = ONE_PROCESS.replace("CTX_TOKENS", str(ctx)).replace("PROMPT_END", str(10 + ctx - 48))
+    script = script.replace("SWA_FULL", str(swa_full))
     out = subprocess.run(
         ["taskset", "-c", "0", sys.executable, "-c", script, str(path)],
         capture_output=True,
@@ -249,17 +286,20 @@ def mib(n: int) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| file | system | workers | worker | held MiB | peak growth MiB (x held) | at rest growth MiB (x held) | "
-        "at rest anon / file MiB | plan MiB (x peak growth) | coordinator peak / at rest MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "at rest anon / file MiB | KV cache MiB | at rest less KV MiB (x held) | plan MiB (x peak growth) | "
+        "coordinator peak / at rest MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         held, planned = r["held_bytes"], r["planned_bytes"]
         plan = f"{mib(planned)} ({planned / r['peak_growth']:.2f}x)" if planned else "–"
+        less_kv = r["rest_growth"] - r["kv_bytes"]
         lines.append(
             f"| {r['file']} | {r['system']} | {r['workers']} | {r['worker']} | {mib(held)} | "
             f"{mib(r['peak_growth'])} ({r['peak_growth'] / held:.2f}x) | "
             f"{mib(r['rest_growth'])} ({r['rest_growth'] / held:.2f}x) | "
-            f"{mib(r['rest_anon_growth'])} / {mib(r['rest_file_growth'])} | {plan} | "
+            f"{mib(r['rest_anon_growth'])} / {mib(r['rest_file_growth'])} | {r['kv_bytes'] / 2**20:.1f} | "
+            f"{mib(less_kv)} ({less_kv / held:.2f}x) | {plan} | "
             f"{mib(r['coordinator']['VmHWM'])} / {mib(r['coordinator']['VmRSS'])} |"
         )
     return "\n".join(lines)
@@ -279,6 +319,12 @@ def main() -> int:
         help="shardwire's worker gets the weights from the coordinator into its cache (default: it reads "
         "its own copy of the file, as llama.cpp's rpc-server -c reads its cache)",
     )
+    p.add_argument("--ctx", type=int, default=CTX, help="the one sequence slot's context (default: %(default)s)")
+    p.add_argument(
+        "--swa-full",
+        action="store_true",
+        help="both servers' --swa-full: blocks on a sliding window keep every position (default: their window's)",
+    )
     p.add_argument("--out", default=None, help="JSON results (default: a temporary folder)")
     args = p.parse_args()
     prefix = None if args.no_llama_cpp else models.llama_cpp_prefix()
@@ -289,17 +335,21 @@ def main() -> int:
             path = models.ensure(models.WORKLOADS[name], prefix)
             for n in [int(k) for k in args.workers.split(",") if k]:
                 for system in systems:
-                    got = measure(system, path, prefix, Path(tmp), args.threads, not args.streamed, n)
+                    got = measure(
+                        system, path, prefix, Path(tmp), args.threads, not args.streamed, n, args.ctx, args.swa_full
+                    )
                     rows += got
                     print("\n".join(table(got).splitlines()[2:]), file=sys.stderr, flush=True)
             if args.one_process:
-                alone.append(one_process(path, args.threads))
+                alone.append(one_process(path, args.threads, args.ctx, args.swa_full))
     cpu = machine_info().get("cpu", "?")
     source = "weights streamed into its cache" if args.streamed else "its own copy of the file"
-    print(f"{cpu}, workers reading {source}, {args.threads} thread(s), one {CTX}-token slot\n")
+    kept = "every position (--swa-full)" if args.swa_full else "their window's"
+    print(f"{cpu}, workers reading {source}, {args.threads} thread(s), one {args.ctx}-token slot, ", end="")
+    print(f"sliding-window blocks keeping {kept}\n")
     print(table(rows))
     if alone:
-        print(f"\nshardwire in one process (no workers), {CTX - 48}-token prompt, 32 tokens:\n")
+        print(f"\nshardwire in one process (no workers), {args.ctx - 48}-token prompt, 32 tokens:\n")
         print("| file | file MiB | peak growth MiB (x file) | at rest growth MiB (x file) | load s |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for r in alone:
