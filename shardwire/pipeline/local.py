@@ -84,9 +84,7 @@ class Pipeline(Protocol):
     n_stages: int
     stages_overlap: bool  # its stages work on different steps at once (on workers), not one after another
     recurrent: bool  # some block keeps a recurrent state: a sequence cannot start past position 0
-    ring_step: (
-        int  # blocks on a sliding window keep a ring per slot, for steps of at most this many positions (0: none)
-    )
+    ring_step: int  # sliding windows keep a ring per slot: the most positions a step brings (0: no ring)
     on_result: Callable[[StepResult], None]
     on_wake: Callable[[], None]  # the pipeline broke, or wants rebalancing
 
