@@ -125,10 +125,9 @@ class Addresses:
         last position: those older than the ring's are stale, and the window masks them."""
         width = pages_for(n_keys) * PAGE
         rows = [ring_row(slot * size, size, width) for slot in slots]
-        read = rows[0] if len(rows) == 1 else array("i")
-        if len(rows) > 1:
-            for row in rows:
-                read += row
+        read = rows[0]  # ring_row's own copy
+        for row in rows[1:]:
+            read += row
         write = array("q", [slot * size + (s + t) % size for slot, s in zip(slots, starts) for t in range(T)])
         return cls(write, read, n_keys, width, device)
 
@@ -422,7 +421,7 @@ def stage_cache_nbytes(
     where `window_step` gives the most positions a step brings), the recurrent state of the
     delta-net ones."""
     n_linear = sum(cfg.linear(b) for b in range(start, end))
-    window_step = window_ring(cfg.sliding_window, window_step, n_slots, n_pages) if not n_linear else 0
+    window_step = window_ring(cfg, start, end, window_step, n_slots, n_pages)
     n_window = sum(window_blocks(cfg, start, end)) if window_step else 0
     heads, k_dim, v_dim = cfg.cache_widths
     keys = kv_dtype(dtype)
@@ -432,11 +431,15 @@ def stage_cache_nbytes(
     return kv + (RecurrentState.nbytes_for(cfg, n_linear, n_slots, dtype) if n_linear else 0)
 
 
-def window_ring(window: int, step: int, n_slots: int, n_pages: int) -> int:
-    """`step` where blocks on a `window` keep their keys in a ring per slot (WindowCache) sized for
-    steps of that many positions, or 0 where the slots' rings would hold as much as the pool of
-    `n_pages` (they keep every position then, as the other blocks)."""
-    return step if window and step and n_slots * ring_size(window, step) < n_pages * PAGE else 0
+def window_ring(cfg: ModelConfig, start: int, end: int, step: int, n_slots: int, n_pages: int) -> int:
+    """`step` where the blocks of [start, end) on a sliding window keep their keys in a ring per
+    slot (WindowCache) sized for steps of that many positions; 0 where they keep every position,
+    as the other blocks: there are none, delta-net blocks are beside them (their state takes a
+    step in one pass, the rings in pieces), or the slots' rings would hold as much as the pool of
+    `n_pages`."""
+    if not step or not any(window_blocks(cfg, start, end)) or any(cfg.linear(b) for b in range(start, end)):
+        return 0
+    return step if n_slots * ring_size(cfg.sliding_window, step) < n_pages * PAGE else 0
 
 
 def window_blocks(cfg: ModelConfig, start: int, end: int) -> list[bool]:

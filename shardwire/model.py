@@ -773,7 +773,7 @@ class Stage(nn.Module):
         heads, k_dim, v_dim = cfg.cache_widths
         n_full = n_attention - self.n_windowed
         self.cache = KVCache(n_full, heads, k_dim, n_pages, keys_in, self.device, recurrent, v_dim)
-        step = window_ring(cfg.sliding_window, window_step, n_slots, n_pages) if recurrent is None else 0
+        step = window_ring(cfg, self.start, self.end, window_step, n_slots, n_pages)
         if self.n_windowed and step:
             window = (self.n_windowed, heads, k_dim, n_slots, cfg.sliding_window, step, keys_in, self.device, v_dim)
             self.cache.window = WindowCache(*window)
@@ -794,12 +794,13 @@ class Stage(nn.Module):
             raise ValueError(f"position {n_keys - 1} is past the context size {self.ctx}")
         if pages is None:
             pages = [self.own_pages(slot, start + T) for slot, start in zip(slots, starts)]
-        self.cache.reserve(1 + max(max(t) for t in pages))
+        used = 1 + max(max(t) for t in pages)
+        self.cache.reserve(used)
         window, window_at = self.cache.window, None
         if isinstance(window, WindowCache):
             window_at = window.addresses(slots, starts, T, n_keys, device)
         elif window is not None:
-            window.reserve(1 + max(max(t) for t in pages))
+            window.reserve(used)
         return StepContext(
             KVCache.rows_for(slots, device),
             Addresses.of(pages, starts, T, n_keys, device),
@@ -814,10 +815,11 @@ class Stage(nn.Module):
         )
 
     @property
-    def step_limit(self) -> int | None:
-        """The most positions a step may bring at once (the sliding-window cache's ring), or None."""
+    def ring_step(self) -> int:
+        """The most positions a step may bring at once to the sliding-window cache's rings, or 0
+        where it keeps none."""
         window = self.cache.window
-        return window.step if isinstance(window, WindowCache) else None
+        return window.step if isinstance(window, WindowCache) else 0
 
     def _prompt_piece(self, x: torch.Tensor) -> int | None:
         """Where the blocks' runners take every block's rows a piece at a time: the rows of a prompt
@@ -828,8 +830,8 @@ class Stage(nn.Module):
         if self.cache.recurrent is None and runners and all(r is not None and r.takes(x) for r in runners):
             pieces = {r.piece for r in runners}
             piece = pieces.pop() if len(pieces) == 1 else None
-        limit = self.step_limit  # a step of more positions would overwrite keys its first rows see
-        if limit is not None:
+        limit = self.ring_step  # a step of more positions would overwrite keys its first rows see
+        if limit:
             piece = limit if piece is None else min(piece, limit)
         return piece if piece is not None and x.shape[1] > piece else None
 
@@ -903,7 +905,7 @@ class Stage(nn.Module):
         in turn. None where the runner does not take the rows."""
         T = len(x[0])
         flat, f_slots, f_starts, f_pages = _one_position_rows(x, slots, starts, pages)
-        if not self.runner.takes(flat, self.cache) or T > (self.step_limit or T):
+        if not self.runner.takes(flat, self.cache) or T > (self.ring_step or T):
             return None
         ctx, recurrent = self._context(f_slots, f_starts, 1, f_pages), self.cache.recurrent
         if recurrent is not None:

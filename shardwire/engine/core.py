@@ -501,7 +501,7 @@ class Engine:
             return
         # the void steps a sequence's next step goes back over must fit in the sliding windows'
         # rings, with the positions it brings
-        if self._ring_step and stages * (2 + MAX_PROPOSALS) > self._ring_step:
+        if self._ring_step and self._ring_stray() > self._ring_step:
             return
         for seq in decoding:
             while len(self._decoding) < stages and self._worth_ahead(seq, stages) and self._step_ahead(seq):
@@ -671,8 +671,12 @@ class Engine:
         n = min(n_full, _shared(held[:-1], tokens) // PAGE)  # its last token went through no stage
         seq.hashes = prefix_hashes(tokens, n_full, seq.hashes)
         reused, _ = self.pages.match(seq.hashes[:n])
-        stray = max(1, self.pipeline.n_stages) * (2 + MAX_PROPOSALS)
-        return reused if reused and len(held) + stray - len(reused) * PAGE <= self._ring_step else []
+        return reused if reused and len(held) + self._ring_stray() - len(reused) * PAGE <= self._ring_step else []
+
+    def _ring_stray(self) -> int:
+        """The most positions a sequence's steps may write past its tokens: a step's proposals and
+        guess refused on each stage's step in flight (those sent ahead, void)."""
+        return max(1, self.pipeline.n_stages) * (2 + MAX_PROPOSALS)
 
     def _hold(self, seq: _Sequence, positions: int) -> bool:
         """Give the sequence pages for its first `positions` positions; False, taking none, where
@@ -899,8 +903,9 @@ class Engine:
                 # every position but the last token's went through the stages: its full pages
                 # are a prefix the next turn of a chat may start with
                 self.pages.computed(self._filling(seq, len(seq.tokens) - 1), ok=True)
-            lost = seq.failed or seq.interrupted or seq.preempted  # its rings hold what, nobody knows
-            self._ring_held[seq.slot] = [] if lost else list(seq.tokens)
+            if self._ring_step:
+                lost = seq.failed or seq.interrupted or seq.preempted  # its rings hold what, nobody knows
+                self._ring_held[seq.slot] = [] if lost else list(seq.tokens)
             self._release_pages(seq)
             del self._running[seq.slot]
             self._publish_slots()

@@ -177,7 +177,7 @@ class LocalPipeline:
         self.recurrent = any(stage.n_linear for stage in stages)
         for stage in stages:
             stage.allocate_cache(n_slots, ctx, self.kv_pages, window_step)
-        self.ring_step = min((stage.step_limit for stage in stages if stage.step_limit), default=0)
+        self.ring_step = min((stage.ring_step for stage in stages if stage.ring_step), default=0)
         self.matchers = Matchers()
         self.on_result: Callable[[StepResult], None] = lambda result: None
         self.on_wake: Callable[[], None] = lambda: None

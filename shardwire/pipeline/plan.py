@@ -153,8 +153,8 @@ class Plan:
     def ring_step(self, cfg: ModelConfig) -> int:
         """Where the model's blocks on a sliding window keep only their window (a ring per slot):
         the most positions a step may bring them; else 0."""
-        step = window_ring(cfg.sliding_window, self.window_step, self.n_slots, self.kv_pages)
-        return ring_slack(cfg.sliding_window, ring_size(cfg.sliding_window, step)) if cfg.sliding_blocks and step else 0
+        step = window_ring(cfg, 0, cfg.n_layers, self.window_step, self.n_slots, self.kv_pages)
+        return ring_slack(cfg.sliding_window, ring_size(cfg.sliding_window, step)) if step else 0
 
     def shortfalls(self) -> list[tuple[PlannedStage, PlanDevice, int]]:
         """(stage, device, bytes short) for each stage whose device, or a device holding its -ot

@@ -2,8 +2,8 @@
 (kvcache.WindowCache), a window and a step's worth of positions, as llama.cpp's sliding-window
 cache does: the same logits as keeping every position while the ring wraps many times over, on
 the modules and on ggml's graphs; what the ring no longer holds is refused; the plan counts what
-is held; and a model whose windows keep only a ring reuses no prompt prefix (--swa-full keeps
-every position, and the prefix)."""
+is held; a prompt prefix is reused only in the slot whose rings still hold what came before it
+(--swa-full keeps every position, and reuses any cached prefix)."""
 
 import pytest
 import torch
@@ -110,7 +110,8 @@ def replies(window_step: int) -> tuple[list[list[int]], int]:
         engine.close()
 
 
-def test_a_model_whose_windows_keep_a_ring_reuses_no_prefix_and_with_every_position_kept_it_does():
+def test_rings_too_small_for_what_a_slot_may_have_written_past_its_tokens_reuse_no_prefix_keeping_all_does():
+    """13 positions of slack are fewer than a step's refused proposals may have written."""
     ringed, hits = replies(STEP)
     assert hits == 0
     kept, kept_hits = replies(0)
