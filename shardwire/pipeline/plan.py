@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.ggml.latent import expanded_workspace, turned_key_bytes
 from ..config import ModelConfig
 from ..deltanet import CHUNK
 from ..devices import parse_dtype
@@ -393,6 +394,12 @@ def stage_cost(
         default=0,
     )
     runtime = CPU_RUNTIME_BYTES if stage.device.type == "cpu" else 0
+    if cfg.kv_lora_rank and stage.device.type == "cpu" and dtype == torch.float32:
+        # where ggml's graphs may run a prompt's latent attention in expanded form (its choice is
+        # measured at the worker's start): the key matrices it holds turned, and what it computes in
+        key_matrices = [tensors.get(f"blk.{i}.attn_k_b.weight") for i in range(stage.start, stage.end)]
+        weight_bytes += sum(turned_key_bytes(cfg, None if t is None else t.dtype) for t in key_matrices)
+        activations += expanded_workspace(cfg, chunk, kv_pages * PAGE)
     return StageCost(
         weight_bytes,
         # keys and values, the delta-net state

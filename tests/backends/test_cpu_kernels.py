@@ -497,9 +497,11 @@ def test_a_prompt_chunks_blocks_write_their_queries_and_attention_into_the_same_
     assert len(seen["queries"]) == 1 and len(stage.blocks) > 1  # one buffer for every block
     stage(torch.tensor([PROMPT[12:24]]), [1], [0])
     assert torch.equal(hidden, kept)  # the stage's output is its own, not the next chunk's scratch
-    buffers = ggml_graph._local.scratch
+    buffers = ggml_graph._local.scratch  # this thread's, other tests' among them
     assert {"queries", "attention"} <= buffers.keys()
-    assert all(resident_bytes(b.memory.ctypes.data, b.nbytes) > 0 for b in buffers.values())
+    assert all(
+        resident_bytes(buffers[name].memory.ctypes.data, buffers[name].nbytes) > 0 for name in ("queries", "attention")
+    )
     backends.release_scratch()
     for buffer in buffers.values():
         assert resident_bytes(buffer.memory.ctypes.data, buffer.nbytes) == 0

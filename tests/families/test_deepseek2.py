@@ -14,12 +14,13 @@ import torch
 
 from shardwire.backends import ggml as ggml_backend
 from shardwire.backends.ggml import block as ggml_block
+from shardwire.backends.ggml import latent as ggml_latent
 from shardwire.config import ConfigError
 from shardwire.formats import open_model
 from shardwire.kvcache import stage_cache_nbytes
 from shardwire.models import variant
 from shardwire.pipeline.loading import load_stage
-from shardwire.pipeline.plan import PlanDevice, PlanError, make_plan
+from shardwire.pipeline.plan import PlanDevice, PlanError, make_plan, workspace_bytes
 from shardwire.weights import ggml_cpu
 
 from models import converted_checkpoint, llama_cpp_logits, transformers_greedy
@@ -142,7 +143,7 @@ def test_ggmls_graphs_take_its_blocks_and_give_what_the_modules_give():
     model = open_model(deepseek("gguf"))
     assert all(ggml_backend.refusal(variant(model.config, i)) is None for i in range(model.config.n_layers))
     stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
-    assert all(isinstance(block.runner, ggml_block.LatentGraphs) for block in stage.blocks)
+    assert all(isinstance(block.runner, ggml_latent.LatentGraphs) for block in stage.blocks)
     assert isinstance(stage.runner, ggml_block.StageGraph)
     assert_graphs_give_the_modules_outputs(stage, (6, 4))
 
@@ -177,6 +178,95 @@ def test_the_plan_counts_the_latent_queries_and_outputs_a_prompt_holds_between_a
     assert (held["queries"], held["attention"]) == (len(PROMPT) * queries * 4, len(PROMPT) * outputs * 4)
     rows = (2 * cfg.dim + queries + outputs) * len(PROMPT) * 4
     assert workspace_bytes(cfg, len(PROMPT), True, torch.float32, "cpu") >= rows
+
+
+def _graphs_stage():
+    if not ggml_cpu.available():
+        pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
+    model = open_model(deepseek("gguf"))
+    stage = load_stage(model, 0, model.config.n_layers, weights="fast", fastest={"F32": "ggml"})
+    return model.config, stage, [block.runner for block in stage.blocks]
+
+
+@pytest.mark.parametrize("heads, scores", [(None, None), (5000, 1)])
+def test_the_expanded_form_gives_what_the_modules_give_whatever_its_groups(heads, scores, monkeypatch):
+    """A prompt's rows in expanded form (each head's keys and values decompressed from the cached
+    latents, attention at the heads' widths), read whole and in two chunks: within the bound the
+    absorbed form is held to, with the same largest entry in every row. With its memory bounds
+    made small, the heads are decompressed two at a time and the rows attend eight at a time."""
+    cfg, stage, runners = _graphs_stage()
+    if heads is not None:
+        monkeypatch.setattr(ggml_latent, "UNPACKED", heads)  # 2 heads' keys and values at 10 positions
+        monkeypatch.setattr(ggml_latent, "SCORES", scores)
+    for graphs in runners:
+        graphs.expands()
+        graphs.expand_from = 1
+    for chunks in [(10,), (6, 4)]:
+        assert_graphs_give_the_modules_outputs(stage, chunks)
+    # the expanded form ran (but in the last block, whose last row alone comes out of a prompt)
+    assert all(ggml_latent.UNPACK in graphs._built for graphs in runners[:-1])
+
+
+def test_a_prompt_runs_in_the_form_measured_faster_here(caplog):
+    """The stage's start times both forms (choose_form) and says what it chose; a prompt chunk of
+    fewer rows than the expanded form measured faster from runs absorbed, one of as many or more
+    expanded; the turned key matrices are held only where the expanded form runs."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
+        cfg, stage, runners = _graphs_stage()
+    (line,) = [r.getMessage() for r in caplog.records if "latent attention" in r.getMessage()]
+    chosen = {graphs.expand_from for graphs in runners}
+    assert len(chosen) == 1
+    (expand_from,) = chosen
+    if expand_from:
+        assert f"chunks of {expand_from} rows or more in expanded form" in line
+    else:
+        assert "every row in absorbed form" in line
+    assert all((graphs.k_b_t is not None) == bool(expand_from) for graphs in runners)
+    stage.allocate_cache(2, 1024)
+    for slot, rows in enumerate(r for r in (expand_from - 1, expand_from or 16) if r > 0):
+        for graphs in runners:
+            graphs._built.pop(ggml_latent.UNPACK, None)
+        stage(torch.tensor([(PROMPT * 64)[:rows]]), [slot], [0])
+        expanded = bool(expand_from) and rows >= expand_from
+        assert all((ggml_latent.UNPACK in graphs._built) == expanded for graphs in runners[:-1]), (rows, line)
+
+
+def test_the_plan_counts_what_the_expanded_form_holds():
+    """The plan of a CPU stage counts each block's turned key matrices (as a stage holds them once
+    the expanded form is chosen) beside the file's tensors, and a prompt's decompressed keys and
+    values in its workspace, as a prompt in expanded form holds them."""
+    import threading
+
+    from shardwire.backends.ggml.graph import scratch_held
+
+    cfg, stage, runners = _graphs_stage()
+    model = open_model(deepseek("gguf"))
+    plan = make_plan(model, [PlanDevice("local", "cpu", 1 << 40)], n_slots=1, ctx=256)
+    (planned,) = plan.stages
+    files = sum(t.nbytes for t in model.stage_tensors(0, cfg.n_layers, True, True).values())
+    for graphs in runners:
+        graphs.expands()
+        graphs.expand_from = 1
+    turned = sum(graphs.k_b_t.nbytes for graphs in runners)
+    assert turned == cfg.n_layers * ggml_latent.turned_key_bytes(cfg, "F32") > 0
+    assert planned.weight_bytes == files + turned
+    stage.allocate_cache(1, 256)
+    held = {}
+
+    def prompt():  # in a thread of its own: its scratch is this prompt's alone
+        stage(torch.tensor([(PROMPT * 20)[:200]]), [0], [0])
+        held.update(scratch_held())
+
+    reader = threading.Thread(target=prompt)
+    reader.start()
+    reader.join()
+    unpacked = held["expanded keys"] + held["expanded values"]
+    assert 0 < unpacked <= ggml_latent.expanded_workspace(cfg, 200, 200) // 2
+    assert ggml_latent.expanded_workspace(cfg, 200, 256) <= ggml_latent.expanded_workspace(cfg, 512, 256)
+    no_latent = workspace_bytes(cfg, 512, True, torch.float32, "cpu")
+    assert planned.workspace_bytes >= no_latent + ggml_latent.expanded_workspace(cfg, 512, 256)
 
 
 @pytest.mark.slow

@@ -14,11 +14,12 @@ from dataclasses import fields
 
 import torch
 
-from ...model import rope_gain
+from ...model import LatentAttention, rope_gain
 from ...models import BlockVariant
 from .block import BlockGraphs, FeedForwardGraphs, StageGraph
 from .deltanet import DeltaNetGraphs
 from .graph import in_scratch, release_graph_memory
+from .latent import LatentGraphs, choose_form
 
 log = logging.getLogger("shardwire.ggml")
 
@@ -76,12 +77,19 @@ def attach(stage) -> None:
         if why is not None:
             refused.setdefault((block.variant, why), []).append(i)
             continue
-        block.runner = BlockGraphs.of(block, stage.inv_freq, stage.cfg.rope_theta, rope_gain(stage.cfg))
-        if block.runner is None:  # a token mixer the block's graphs do not take: a delta-net's
+        graphs = LatentGraphs if isinstance(block.attn, LatentAttention) else BlockGraphs
+        block.runner = graphs.of(block, stage.inv_freq, stage.cfg.rope_theta, rope_gain(stage.cfg))
+        if block.runner is None and graphs is BlockGraphs:  # a token mixer they do not take: a delta-net's
             block.feed_runner = FeedForwardGraphs.of(block)
             block.runner = DeltaNetGraphs.of(block, block.feed_runner)
     for (variant, why), blocks in refused.items():
         log.info("blocks %s (%s) run on PyTorch's modules: %s", _ranges(blocks), variant, why)
+    latent = {
+        i: b.runner for i, b in zip(range(stage.start, stage.end), stage.blocks) if isinstance(b.runner, LatentGraphs)
+    }
+    if latent:  # measured here, on the thread that loads the stage: its graphs' memory is given back
+        log.info("blocks %s: %s", _ranges(list(latent)), choose_form(list(latent.values())))
+        release_graph_memory()
     cfg = stage.cfg
     if cfg.embedding_scale != 1.0 or cfg.logit_softcap:  # what the stage graph's embedding and head do not do
         return

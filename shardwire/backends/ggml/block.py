@@ -16,7 +16,8 @@ piece as it is held (no dequantized GEMM that pieces would repeat). Attention ta
 alone over exactly the keys it sees (a graph's shapes follow each call's key counts), the values
 weighted one key after another, so each row meets the same arithmetic whether it is decoded or
 read in a prompt, and the keys and values a reply left in the cache are the ones a prompt
-holding it computes.
+holding it computes. (Latent attention's expanded form, for a prompt's many rows, rounds
+otherwise: latent.py.)
 
 A gated block (Qwen3.5) splits each head's queries from its gate rows and scales the attention's
 output by sigmoid(gate) before the output projection, in a decode step and in a prompt's pieces
@@ -39,10 +40,8 @@ from torch import nn
 from ...model import (
     Attention,
     FeedForward,
-    LatentAttention,
     Linear,
     MixtureOfExperts,
-    dense_weight,
     ffn_piece_rows,
     prefers_whole,
     swiglu,
@@ -146,6 +145,11 @@ def pool_addresses(cache, layers: range) -> list[int]:
     step = k.stride(0) * k.element_size()
     k_at, v_at = k.data_ptr(), v.data_ptr()
     return [at + i * step for i in layers for at in (k_at, v_at)]
+
+
+def layer_pools(cache, layer: int) -> list[int]:
+    """A layer's keys and values pools in a KV cache and the positions each holds."""
+    return [*pool_addresses(cache, range(layer, layer + 1)), cache.k.shape[2]]
 
 
 def slot_ids(rows) -> array:
@@ -363,6 +367,7 @@ class FeedForwardGraphs:
         return g.fields.data(self.residual_ffn(g.ctx, _input(g, "x", self.dim, rows)), "out")
 
     _BUILD = {FEED: _build_feed}
+    PROMPT_ONLY = (SHARED,)  # kinds whose intermediates go in the prompt's arena whatever their rows
 
     def _names(self, kind: str, rows: int) -> list[str]:
         """The values a graph of `kind` takes on each call, in order."""
@@ -377,7 +382,7 @@ class FeedForwardGraphs:
             graph = Graph(
                 (lambda g: build(self, g, rows, built, pool)) if built else (lambda g: build(self, g, rows)),
                 self._names(kind, rows),
-                PROMPT if kind == SHARED or rows > MAX_ROWS else rows,
+                PROMPT if kind in self.PROMPT_ONLY or rows > MAX_ROWS else rows,
                 64 + 20 * rows * (built > 0) + self.ffn.nodes,
                 torch.get_num_threads(),
             )
@@ -455,8 +460,6 @@ class BlockGraphs(FeedForwardGraphs):
         """The graphs for a block with attention and a feed-forward ggml can run as held (dense,
         or experts held as one GGMLExperts); its stage's RoPE frequencies, base and gain."""
         attn = block.attn
-        if ggml_cpu.available() and isinstance(attn, LatentAttention):
-            return LatentGraphs.of(block, inv_freq, rope_base, gain)
         if not ggml_cpu.available() or not isinstance(attn, Attention):
             return None
         ffn = _feed_forward(block.ffn)
@@ -483,9 +486,10 @@ class BlockGraphs(FeedForwardGraphs):
         t = ggml.ggml_rope_ext(ctx, t, positions, factors, dims, mode, 0, base, 1.0, 0.0, gain, 32.0, 1.0)
         return ggml.ggml_reshape_2d(ctx, t, self.head_dim * heads, rows)
 
-    def _project(self, ctx, x, rows: int, positions) -> list:
+    def _project(self, ctx, x, rows: int, positions, plain: bool = False) -> list:
         """Queries, keys and values of x [dim, rows], each [heads * D, rows], the first two turned
-        by RoPE; a gated block's queries come with their gates after them, [q, k, v, gate]."""
+        by RoPE; a gated block's queries come with their gates after them, [q, k, v, gate].
+        (`plain`: latent attention's other form of queries; these blocks have one.)"""
         h = _norm(ctx, x, self.attn_norm, self.eps_attn)
         q, k, v = (_linear(ctx, m, h) for m in self.qkv)
         gate = None
@@ -600,12 +604,12 @@ class BlockGraphs(FeedForwardGraphs):
 
     # -- a block's graphs -----------------------------------------------------------------------------
 
-    def _build_store(self, g: Graph, rows: int, built: int, kind: int):
+    def _build_store(self, g: Graph, rows: int, built: int, kind: int, plain: bool = False):
         """STORE, into pools `built` for (of type `kind`): the keys and values go to the pools,
         which attention reads; the queries alone out (and a gated block's gates)."""
         x = _input(g, "x", self.dim, rows)
         positions = _input(g, "positions", rows, kind=ggml.GGML_TYPE_I32)
-        q, k, v, *gate = self._project(g.ctx, x, rows, positions)
+        q, k, v, *gate = self._project(g.ctx, x, rows, positions, plain)
         write = _input(g, "write", rows, kind=ggml.GGML_TYPE_I64)
         for name, t in zip(self.POOLS, (k, v)):
             self._store(g, t, name, rows, built, kind, write)
@@ -722,12 +726,15 @@ class BlockGraphs(FeedForwardGraphs):
             SHARED: ["qkv", "out", "k", "v", self.size, "seen", "index0", *counts],
         }[kind]
 
-    def store(self, x: torch.Tensor, ctx, pools: list[int], kind: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def store(
+        self, x: torch.Tensor, ctx, pools: list[int], kind: int, form: str = STORE
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attn_norm(x) through Q, K and V, queries and keys turned by RoPE, the keys and values
         into a layer's `pools` (its keys', its values', the positions they hold) of type `kind`:
-        [B * T, dim] -> the queries [B * T, q] and a gated block's gates (else None)."""
+        [B * T, dim] -> the queries [B * T, q] and a gated block's gates (else None). `form`: the
+        graph kind (STORE; latent.py's blocks have another)."""
         rows = x.shape[0]
-        width = self.heads * self.head_dim
+        width = self.query_width(form)
         out = scratch("queries", rows, width)
         gate = scratch("gates", rows, width) if self.gated else None
         x_at, out_at, positions = x.data_ptr(), out.data_ptr(), ctx.positions_at
@@ -735,12 +742,18 @@ class BlockGraphs(FeedForwardGraphs):
             at = [x_at + a * self.dim * 4, positions + 4 * a, ctx.at.write_at + 8 * a, out_at + a * width * 4, *pools]
             if gate is not None:
                 at.append(gate.data_ptr() + a * width * 4)
-            self._graph(STORE, b - a, 1, kind)(at)
+            self._graph(form, b - a, 1, kind)(at)
         return out, gate
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    def query_width(self, form: str = STORE) -> int:
+        """Values of a row's queries (a gated block's gates apart) that STORE gives."""
+        return self.heads * self.head_dim
+
+    def finish(
+        self, x: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor | None = None, form: str = FINISH
+    ) -> torch.Tensor:
         """x + o(attn) (attn scaled by sigmoid(gate) where given), then that plus the feed-forward
-        of its norm."""
+        of its norm. `form`: the graph kind (FINISH; latent.py's blocks have another)."""
         rows = x.numel() // self.dim
         flat = x.reshape(rows, self.dim).contiguous()
         attn = attn.reshape(rows, -1).contiguous()
@@ -752,14 +765,13 @@ class BlockGraphs(FeedForwardGraphs):
             at = [x_at + a * self.dim * 4, attn_at + a * width, out_at + a * self.dim * 4]
             if gate is not None:
                 at.append(gate.data_ptr() + a * width)
-            self._graph(FINISH, b - a)(at)
+            self._graph(form, b - a)(at)
         return out.view(x.shape)
 
     def __call__(self, x: torch.Tensor, cache, layer: int, ctx, last_only: bool = False) -> torch.Tensor:
         """The block on x [B, T, dim] (only each sequence's last position out where `last_only`),
         attention over the cache, whose every type (kvcache.kv_dtype) ggml reads."""
-        kind = pool_type(cache)
-        pools = [*pool_addresses(cache, range(layer, layer + 1)), cache.k.shape[2]]
+        kind, pools = pool_type(cache), layer_pools(cache, layer)
         B, T, _ = x.shape
         flat = x.reshape(B * T, self.dim).contiguous()
         queries, gate = self.store(flat, ctx, pools, kind)
@@ -767,22 +779,31 @@ class BlockGraphs(FeedForwardGraphs):
 
     def _attend_finish(self, x, flat, qkv, gate, pools: list[int], ctx, kind: int, last_only: bool) -> torch.Tensor:
         B, T, _ = x.shape
+        if T == 1 and B <= MAX_ROWS:  # a decode step: one graph for the rest of the block
+            seen, indexes = zip(*(self._keys(ctx, s, 0) for s in range(B)))
+            out = torch.empty_like(flat)
+            at = [flat.data_ptr(), qkv.data_ptr(), out.data_ptr(), *pools, *seen, *indexes]
+            self._graph(STEP, B, max(seen), kind)(at + ([gate.data_ptr()] if gate is not None else []))
+            return out.view(x.shape)
+        attn = self.attend(qkv, pools, ctx, kind, B, T, last_only)
+        if last_only:
+            last = None if gate is None else gate.view(B, T, -1)[:, -1:]
+            return self.finish(x[:, -1:], attn.view(B, T, -1)[:, -1:], last)
+        return self.finish(x, attn, gate)
+
+    def _keys(self, ctx, s: int, t: int) -> tuple[int, int]:
+        """The keys row t of sequence s sees: how many, and where their list starts."""
+        index_at, index_row = ctx.at.read_at
+        n, first = self.seen(ctx.key_counts[s][t])
+        return n, index_at + s * index_row + 4 * first
+
+    def attend(self, qkv, pools: list[int], ctx, kind: int, B: int, T: int, last_only: bool = False) -> torch.Tensor:
+        """The attention of the rows of B sequences of T (their queries `qkv`, STORE's) over the
+        keys each sees -> [B * T, attn_width] (only each sequence's last row where `last_only`): a
+        few rows at a time (graphs of a few sizes, whatever the number of rows)."""
         qkv_at, qkv_row = qkv.data_ptr(), qkv.shape[-1] * 4
         index_at, index_row = ctx.at.read_at
         counts = ctx.key_counts
-
-        def keys_of(s: int, t: int) -> tuple[int, int]:  # the keys row t of sequence s sees: how many, where listed
-            n, first = self.seen(counts[s][t])
-            return n, index_at + s * index_row + 4 * first
-
-        if T == 1 and B <= MAX_ROWS:  # a decode step: one graph for the rest of the block
-            seen, indexes = zip(*(keys_of(s, 0) for s in range(B)))
-            out = torch.empty_like(flat)
-            at = [flat.data_ptr(), qkv_at, out.data_ptr(), *pools, *seen, *indexes]
-            self._graph(STEP, B, max(seen), kind)(at + ([gate.data_ptr()] if gate is not None else []))
-            return out.view(x.shape)
-        # more rows: their attention a few at a time (graphs of a few sizes, whatever the number
-        # of rows), then the rest in pieces
         attn = scratch("attention", B * T, self.attn_width)
         attn_at, attn_row = attn.data_ptr(), attn.shape[1] * 4
         if T == 1 or self.window:
@@ -792,7 +813,7 @@ class BlockGraphs(FeedForwardGraphs):
                 starts = range(T - 1, T) if last_only else range(0, T, MAX_ROWS)
                 groups = [[(s, t) for t in range(a, min(a + MAX_ROWS, T))] for s in range(B) for a in starts]
             for rows in groups:
-                seen, indexes = zip(*(keys_of(s, t) for s, t in rows))
+                seen, indexes = zip(*(self._keys(ctx, s, t) for s, t in rows))
                 first = rows[0][0] * T + rows[0][1]
                 at = [qkv_at + first * qkv_row, attn_at + first * attn_row, *pools, *seen, *indexes]
                 self._graph(EACH, len(rows), max(seen), kind)(at)
@@ -802,127 +823,7 @@ class BlockGraphs(FeedForwardGraphs):
                     seen, first = counts[s][a : a + MAX_ROWS], s * T + a
                     at = [qkv_at + first * qkv_row, attn_at + first * attn_row, *pools, max(seen)]
                     self._graph(SHARED, len(seen), max(seen), kind)(at + [index_at + s * index_row, *seen])
-        if last_only:
-            last = None if gate is None else gate.view(B, T, -1)[:, -1:]
-            return self.finish(x[:, -1:], attn.view(B, T, -1)[:, -1:], last)
-        return self.finish(x, attn, gate)
-
-
-class LatentGraphs(BlockGraphs):
-    """A block of multi-head latent attention (model.LatentAttention: DeepSeek-V2/V3, Kimi K2) in
-    the graphs, in absorbed form as llama.cpp's: the queries through their bottleneck, each head's
-    plain part taken into the latent space through its key matrix (k_b) beside its rotated part,
-    attending over the cached latents with the rotated key part every head shares (one key head
-    of kv_lora_rank + rope_dim, whose first kv_lora_rank values are its value), the latent each
-    head reads out through its value matrix (v_b), then the output projection. RoPE turns each
-    adjacent pair (GGML_ROPE_TYPE_NORM), as DeepSeek trains it."""
-
-    POOLS = ("k",)  # the cache keeps no values: they are the keys' latent part
-
-    def __init__(self, block: nn.Module, projections: dict, out: _Matrix, ffn, piece: int | None):
-        FeedForwardGraphs.__init__(self, block, ffn, piece)
-        attn = block.attn
-        self.attn_norm, self.eps_attn = _f32(block.attn_norm.weight), block.attn_norm.eps
-        self.projections, self.out = projections, out
-        for m in [*projections.values(), out]:
-            m.bias = _f32(m.bias)
-        q_a_norm = getattr(attn, "q_a_norm", None)  # where the queries go through a bottleneck
-        self.q_a_norm = None if q_a_norm is None else (_f32(q_a_norm.weight), q_a_norm.eps)
-        self.kv_a_norm = _f32(attn.kv_a_norm.weight), attn.kv_a_norm.eps
-        # each head's key and value matrices: [nope, latent, H] and [latent, v, H] as ggml sees them
-        self.k_b, self.v_b = (_per_head(m, attn.n_heads) for m in (attn.k_b, attn.v_b))
-        self.latent, self.rope_dim, self.nope, self.v_dim = attn.latent, attn.rope_dim, attn.nope, attn.v_dim
-        self.heads, self.kv_heads, self.head_dim = attn.n_heads, 1, attn.latent + attn.rope_dim
-        self.gated, self.head_norms, self.sinks, self.window = False, None, None, 0
-        self.scale = attn.scale
-        self.attn_width = self.heads * self.latent
-        self._place(block)
-
-    @classmethod
-    def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float, gain: float = 1.0) -> "LatentGraphs | None":
-        attn, ffn = block.attn, _feed_forward(block.ffn)
-        names = ("wq_a", "wq_b", "wkv_a") if hasattr(attn, "wq_a") else ("wq", "wkv_a")
-        found = {name: _matrices(getattr(attn, name)) for name in names}
-        out = _matrices(attn.wo)
-        if ffn is None or out is None or any(m is None for m in found.values()):
-            return None
-        graphs = cls(block, {name: m[0] for name, m in found.items()}, out[0], ffn, _piece(ffn, list(block.modules())))
-        graphs._set_rope(inv_freq, rope_base, gain)
-        return graphs
-
-    @staticmethod
-    def _tensor_3d(ctx, held):
-        """A per-head matrix (_per_head) as a ggml tensor [columns, rows per head, heads]."""
-        m, heads, dense = held
-        if m is None:
-            t = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, dense.shape[1], dense.shape[0] // heads, heads)
-            t.contents.data = dense.data_ptr()
-            return t
-        t = ggml.ggml_new_tensor_3d(ctx, m.qtype, m.K, m.N // heads, heads)
-        point_at(t, m.data)
-        return t
-
-    def _turn(self, ctx, t, heads: int, rows: int, positions):
-        """RoPE on each adjacent pair of t [rope_dim, heads, rows] (a view is made contiguous)."""
-        dims, base, factors, gain = self.rope
-        factors = None if factors is None else _vector(ctx, factors)
-        t = ggml.ggml_cont(ctx, t)
-        return ggml.ggml_rope_ext(ctx, t, positions, factors, dims, 0, 0, base, 1.0, 0.0, gain, 32.0, 1.0)
-
-    def _project(self, ctx, x, rows: int, positions) -> list:
-        """The absorbed queries [heads * (latent + rope_dim), rows] and the cached keys [latent +
-        rope_dim, rows] (no values)."""
-        H, L, R, N = self.heads, self.latent, self.rope_dim, self.nope
-        h = _norm(ctx, x, self.attn_norm, self.eps_attn)
-        p = self.projections
-        if self.q_a_norm is not None:
-            q = _linear(ctx, p["wq_b"], _norm(ctx, _linear(ctx, p["wq_a"], h), *self.q_a_norm))
-        else:
-            q = _linear(ctx, p["wq"], h)
-        q = ggml.ggml_reshape_3d(ctx, q, N + R, H, rows)
-        q_nope = ggml.ggml_view_3d(ctx, q, N, H, rows, q.contents.nb[1], q.contents.nb[2], 0)
-        q_rot = ggml.ggml_view_3d(ctx, q, R, H, rows, q.contents.nb[1], q.contents.nb[2], N * 4)
-        q_rot = self._turn(ctx, q_rot, H, rows, positions)  # [R, H, rows]
-        # each head's plain part through its key matrix: [N, rows, H] x [N, L, H] -> [L, rows, H]
-        heads_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q_nope, 0, 2, 1, 3))
-        absorbed = ggml.ggml_mul_mat(ctx, self._tensor_3d(ctx, self.k_b), heads_first)
-        absorbed = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, absorbed, 0, 2, 1, 3))  # [L, H, rows]
-        query = ggml.ggml_concat(ctx, absorbed, q_rot, 0)  # [L + R, H, rows]
-        kv = _linear(ctx, p["wkv_a"], h)  # [L + R, rows]
-        latent = ggml.ggml_view_2d(ctx, kv, L, rows, kv.contents.nb[1], 0)
-        latent = _norm(ctx, ggml.ggml_cont(ctx, latent), *self.kv_a_norm)
-        k_rot = ggml.ggml_view_3d(ctx, kv, R, 1, rows, kv.contents.nb[1], kv.contents.nb[1], L * 4)
-        k_rot = ggml.ggml_reshape_2d(ctx, self._turn(ctx, k_rot, 1, rows, positions), R, rows)
-        key = ggml.ggml_concat(ctx, latent, k_rot, 0)  # [L + R, rows]
-        return [ggml.ggml_reshape_2d(ctx, query, (L + R) * H, rows), key, None]
-
-    def _pair(self, g: Graph, gathered: list, n: str, built: int) -> tuple:
-        """The keys, and their latent part as the values (one key head: its stride between heads unused)."""
-        keys = gathered[0]
-        values = ggml.ggml_view_3d(g.ctx, keys, self.latent, built, 1, keys.contents.nb[1], keys.contents.nb[2], 0)
-        return keys, g.fields.follow(values, n, built, ne=(1,))
-
-    def _output(self, ctx, attn):
-        """Each head's latent [latent, heads, rows] through its value matrix, then the output
-        projection. (attn may be a call's input, which no view may read: the graphs place a view's
-        data once, at build, and an input's moves with each call.)"""
-        H, rows = self.heads, attn.contents.ne[1]
-        latents = ggml.ggml_reshape_3d(ctx, ggml.ggml_cont(ctx, attn), self.latent, H, rows)
-        heads_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, latents, 0, 2, 1, 3))  # [latent, rows, H]
-        read = ggml.ggml_mul_mat(ctx, self._tensor_3d(ctx, self.v_b), heads_first)  # [v, rows, H]
-        read = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, read, 0, 2, 1, 3))  # [v, H, rows]
-        return _linear(ctx, self.out, ggml.ggml_reshape_2d(ctx, read, self.v_dim * H, rows))
-
-
-def _per_head(module: nn.Module, heads: int) -> tuple:
-    """A matrix of every head's rows as the graphs multiply it a head at a time: its stored blocks
-    where ggml reads them (not a repacked layout), else a dense float32 copy; (matrix or None,
-    heads, copy or None)."""
-    found = _matrices(module)
-    if found is not None and found[0].repacked is None:
-        return found[0], heads, None
-    weight = dense_weight(module)
-    return None, heads, weight.detach().to(torch.float32).contiguous()
+        return attn
 
 
 def window_names(window: int) -> str:
