@@ -392,6 +392,7 @@ def expanded_workspace(cfg, chunk: int, seen: int) -> int:
     beside what the absorbed form holds: the keys and values of a group of heads (in scratch, and
     the graph's own of them before their copy), the gathered latents and their copy, and one head's
     scores and weights for a group of rows (attend_expanded)."""
+    seen = max(seen, 1)
     per_head = seen * (cfg.head_dim + cfg.v_head_dim) * 4
     heads = max(1, min(cfg.n_heads, UNPACKED // per_head))
     latents = seen * (2 * cfg.kv_lora_rank + cfg.rope_dim) * 4
