@@ -299,10 +299,10 @@ class LatentGraphs(BlockGraphs):
         index_at, index_row = ctx.at.read_at
         for s, counts in enumerate(ctx.key_counts):
             seen = counts[-1]
-            heads = max([1] + [n for n in range(1, H + 1) if H % n == 0 and n * seen * (D + V) * 4 <= UNPACKED])
+            heads = heads_at_once(H, seen * (D + V) * 4)
             keys, values = scratch("expanded keys", heads * seen, D), scratch("expanded values", heads * V, seen)
             unpack = self._graph(UNPACK, heads, seen, kind)
-            step = min(T, max(MAX_ROWS, SCORES // (4 * seen) // MAX_ROWS * MAX_ROWS))
+            step = rows_at_once(T, seen)
             groups = []
             for a in range(0, T, step):
                 rows = counts[a : a + step]
@@ -394,10 +394,20 @@ def expanded_workspace(cfg, chunk: int, seen: int) -> int:
     scores and weights for a group of rows (attend_expanded)."""
     seen = max(seen, 1)
     per_head = seen * (cfg.head_dim + cfg.v_head_dim) * 4
-    heads = max(1, min(cfg.n_heads, UNPACKED // per_head))
     latents = seen * (2 * cfg.kv_lora_rank + cfg.rope_dim) * 4
-    rows = min(chunk, max(MAX_ROWS, SCORES // (4 * seen)))
-    return 2 * heads * per_head + latents + 2 * rows * seen * 4
+    return 2 * heads_at_once(cfg.n_heads, per_head) * per_head + latents + 2 * rows_at_once(chunk, seen) * seen * 4
+
+
+def heads_at_once(heads: int, per_head: int) -> int:
+    """Of `heads`, how many a prompt decompresses at once where each takes `per_head` bytes: a
+    divisor of them, within UNPACKED bytes (one at least)."""
+    return max(n for n in range(1, heads + 1) if heads % n == 0 and (n == 1 or n * per_head <= UNPACKED))
+
+
+def rows_at_once(rows: int, seen: int) -> int:
+    """Of a sequence's `rows` in a prompt chunk over `seen` positions, how many attend at once:
+    a head's scores within SCORES bytes, MAX_ROWS at least."""
+    return min(rows, max(MAX_ROWS, SCORES // (4 * seen) // MAX_ROWS * MAX_ROWS))
 
 
 def choose_form(graphs: list[LatentGraphs]) -> str:
