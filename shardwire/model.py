@@ -743,6 +743,7 @@ class Stage(nn.Module):
         self.register_buffer("_dtype", torch.empty(0, dtype=dtype), persistent=False)
         self.runner = None  # backends.StageRunner, where a backend runs a decode step of all the blocks
         self.backend = None  # the backend whose runners it has (backends.attach)
+        self.choices: list[str] = []  # what the backend's start measured and chose beyond the weights' formats
         self.cache: KVCache | None = None
         self.ctx = 0  # positions a sequence may reach, set with the cache
         self.kv_dtype: torch.dtype | None = None  # keys and values: kvcache.kv_dtype(dtype) unless set

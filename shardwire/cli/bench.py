@@ -163,10 +163,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def weight_formats(pipeline, cluster) -> list[str]:
-    """Per stage, how its weights are held (which kernels run them), so figures from different
-    machines or choices are never mixed up."""
+    """Per stage, how its weights are held (which kernels run them) and what its start chose by
+    measuring, so figures from different machines or choices are never mixed up."""
     if cluster is not None:
-        return [f"{s.weights} ({s.device.held(s.formats)})" for s in cluster.plan.stages]
+        return [
+            "; ".join([f"{s.weights} ({s.device.held(s.formats)})", *cluster.stage_choices.get(i, [])])
+            for i, s in enumerate(cluster.plan.stages)
+        ]
     from ..model import Linear
     from ..weights import ggml_cpu
 
@@ -177,7 +180,7 @@ def weight_formats(pipeline, cluster) -> list[str]:
     out = []
     for stage in pipeline.stages:
         held = sorted({_held(m, products) for m in stage.modules() if isinstance(m, Linear) or hasattr(m, "fmt")})
-        out.append(f"{_name(stage.dtype)} activations ({' '.join(held)})")
+        out.append("; ".join([f"{_name(stage.dtype)} activations ({' '.join(held)})", *stage.choices]))
     return out
 
 

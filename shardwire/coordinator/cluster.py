@@ -51,6 +51,7 @@ class Cluster:
         self.plan_id = ""
         self.pipeline: RemotePipeline | None = None
         self.load_stats: dict = {}
+        self.stage_choices: dict[int, list[str]] = {}  # what each stage's start chose by measuring (READY)
         self.heartbeat = Heartbeat(lambda: self.links, self._answers)
         self.recovery_timeout = 60.0  # how long recovery waits for lost capacity to come back
         self.events: list[dict] = []  # recoveries and re-admissions, for the status endpoint
@@ -220,6 +221,7 @@ class Cluster:
             names = {n for s in plan.stages for n in model.stage_tensors(s.start, s.end, s.first, s.last)}
             hashes = HashIndex(self.cache_dir).hashes([model.tensors[n] for n in sorted(names)], reader)
             stats: dict[str, int] = {}
+            self.stage_choices = {}
             for i, (link, stages) in enumerate(groups):
                 assign = Assign(
                     self.plan_id,
@@ -235,6 +237,7 @@ class Cluster:
                     plan.window_step,
                 )
                 ready = assign_and_ship(link, assign, model, reader, self.show_progress)
+                self.stage_choices.update((report.index, report.choices) for report in ready.stages)
                 for kind, n in ready.sources.items():
                     stats[kind] = stats.get(kind, 0) + n
             self.load_stats = stats

@@ -27,8 +27,9 @@ MAGIC = b"SHWR"
 # 4: VOCAB, and FORWARD rows may carry grammar constraints; 5: FORWARD rows carry their KV page
 # tables; 6: DEVICES names each device's kernels (compute), ASSIGN's model config carries the
 # fields of the families' registry (sliding window, local RoPE, query and embedding scales, logit cap);
-# 7: FORWARD rows may carry proposed tokens, RESULT gives each row a list of sampled tokens
-PROTOCOL_VERSION = 7
+# 7: FORWARD rows may carry proposed tokens, RESULT gives each row a list of sampled tokens;
+# 8: ASSIGN carries the sliding windows' ring step, READY's stages what their start chose by measuring
+PROTOCOL_VERSION = 8
 _FIXED = struct.Struct("<4sHHHHQIQ")
 FIXED_SIZE = _FIXED.size
 

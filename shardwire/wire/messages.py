@@ -557,11 +557,17 @@ class StageReport:
     index: int
     weight_bytes: int
     kv_bytes: int
+    choices: list[str] = field(default_factory=list)  # what the stage's start measured and chose (Stage.choices)
 
     @classmethod
     def parse(cls, d) -> "StageReport":
         d, what = _map(d, "READY stage"), "READY stage"
-        return cls(_int(d, "index", what, 0, 1 << 16), _int(d, "weight_bytes", what), _int(d, "kv_bytes", what))
+        choices = _list(d, "choices", what, 8)
+        if not all(isinstance(c, str) and len(c) <= 400 for c in choices):
+            raise FrameError(f"{what}: choices must be lines of at most 400 characters")
+        return cls(
+            _int(d, "index", what, 0, 1 << 16), _int(d, "weight_bytes", what), _int(d, "kv_bytes", what), choices
+        )
 
 
 @message(MessageType.READY)

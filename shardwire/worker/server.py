@@ -406,10 +406,10 @@ class Worker:
         with self._ring_lock:
             self._ring = ring
         self.cache.evict(keep={t.hash for s in assign.stages for t in s.tensors})
-        reports = [
-            StageReport(r.spec.index, sum(p.nbytes for p in r.stage.parameters()), r.stage.cache.nbytes)
-            for r in ring.runners
-        ]
+        reports = []
+        for r in ring.runners:
+            held = sum(p.nbytes for p in r.stage.parameters())
+            reports.append(StageReport(r.spec.index, held, r.stage.cache.nbytes, r.stage.choices))
         conn.send(Ready(reports, found.bytes_by_source(assign)), request=request)
         log.info(
             "plan %s loaded: %s",

@@ -15,6 +15,7 @@ import torch
 from shardwire.backends import ggml as ggml_backend
 from shardwire.backends.ggml import block as ggml_block
 from shardwire.backends.ggml import latent as ggml_latent
+from shardwire.cli.bench import weight_formats
 from shardwire.config import ConfigError
 from shardwire.formats import open_model
 from shardwire.kvcache import stage_cache_nbytes
@@ -200,7 +201,7 @@ def test_the_expanded_form_gives_what_the_modules_give_whatever_its_groups(heads
         monkeypatch.setattr(ggml_latent, "SCORES", scores)
     for graphs in runners:
         graphs.expands()
-        graphs.expand_from = 1
+        graphs.crossover = ggml_latent.ALWAYS
     for chunks in [(10,), (6, 4)]:
         assert_graphs_give_the_modules_outputs(stage, chunks)
     # the expanded form ran (but in the last block, whose last row alone comes out of a prompt)
@@ -208,29 +209,53 @@ def test_the_expanded_form_gives_what_the_modules_give_whatever_its_groups(heads
 
 
 def test_a_prompt_runs_in_the_form_measured_faster_here(caplog):
-    """The stage's start times both forms (choose_form) and says what it chose; a prompt chunk of
-    fewer rows than the expanded form measured faster from runs absorbed, one of as many or more
-    expanded; the turned key matrices are held only where the expanded form runs."""
+    """The stage's start times both forms (choose_form) and says what it chose; a prompt chunk runs
+    expanded where the fitted crossover says so for its rows and the positions it sees, absorbed
+    elsewhere; the turned key matrices are held only where the expanded form runs."""
     import logging
 
     with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
         cfg, stage, runners = _graphs_stage()
     (line,) = [r.getMessage() for r in caplog.records if "latent attention" in r.getMessage()]
-    chosen = {graphs.expand_from for graphs in runners}
-    assert len(chosen) == 1
-    (expand_from,) = chosen
-    if expand_from:
-        assert f"chunks of {expand_from} rows or more in expanded form" in line
-    else:
-        assert "every row in absorbed form" in line
-    assert all((graphs.k_b_t is not None) == bool(expand_from) for graphs in runners)
+    (crossover,) = {graphs.crossover for graphs in runners}
+    (chosen,) = stage.choices  # as the worker reports it, for `shardwire bench` to print
+    assert chosen in line
+    assert chosen.startswith("latent attention: " + ("absorbed" if crossover is None else "prompt chunks expanded"))
+    assert all((graphs.k_b_t is not None) == (crossover is not None) for graphs in runners)
     stage.allocate_cache(2, 1024)
-    for slot, rows in enumerate(r for r in (expand_from - 1, expand_from or 16) if r > 0):
+    # (slot, first position, rows): a prompt read whole, then a long chunk and a short one after it
+    for slot, start, rows in [(0, 0, 16), (1, 0, 300), (1, 300, 40), (0, 16, 200)]:
         for graphs in runners:
             graphs._built.pop(ggml_latent.UNPACK, None)
-        stage(torch.tensor([(PROMPT * 64)[:rows]]), [slot], [0])
-        expanded = bool(expand_from) and rows >= expand_from
+        stage(torch.tensor([(PROMPT * 64)[start : start + rows]]), [slot], [start])
+        expanded = crossover is not None and crossover.expands(rows, start + rows)
         assert all((ggml_latent.UNPACK in graphs._built) == expanded for graphs in runners[:-1]), (rows, line)
+
+
+def _form_seconds(per_row_key, per_key, per_row, per_call):
+    return lambda rows, seen: per_row_key * rows * seen + per_key * seen + per_row * rows + per_call
+
+
+def test_the_crossover_is_where_the_fitted_forms_cross_at_each_context():
+    """Fitted to times of the shape each form takes (attention over every key per row, the keys
+    decompressed once a chunk, each row's projections, each call's cost), the crossover gives the
+    rows from which the expanded form is the faster at each context, more rows the longer the
+    context, as the arithmetic of DeepSeek-V3's heads has it (576 + 512 against 192 + 128 values
+    per row and key; 2 x 128 x 512 per key decompressed, as many per row projected); never where
+    the absorbed form is faster at every size."""
+    absorbed, expanded = _form_seconds(1088, 0, 131072, 1e4), _form_seconds(320, 131072, 0, 5e4)
+    points = {(r, p + r): (absorbed(r, p + r), expanded(r, p + r)) for p in (512, 2048) for r in (16, 64, 256)}
+    crossover = ggml_latent.Crossover.fit(points)
+    for seen in (600, 4096, 65536):
+        least = crossover.rows_from(seen)
+        assert absorbed(least, seen) > expanded(least, seen) and absorbed(least - 1, seen) <= expanded(least - 1, seen)
+    assert crossover.rows_from(600) < crossover.rows_from(4096) < crossover.rows_from(65536) <= 171
+    assert not crossover.expands(150, 8192) and crossover.expands(150, 600)
+    cheap = _form_seconds(320, 100, 0, 5e4)  # decompressing costs next to nothing: from the fewest rows timed
+    assert ggml_latent.Crossover.fit({k: (absorbed(*k), cheap(*k)) for k in points}).rows_from(4096) == 16
+    slower = _form_seconds(2000, 131072, 0, 5e4)
+    never = ggml_latent.Crossover.fit({k: (absorbed(*k), slower(*k)) for k in points})
+    assert all(never.rows_from(seen) is None for seen in (600, 4096, 65536))
 
 
 def test_the_plan_counts_what_the_expanded_form_holds():
@@ -248,7 +273,7 @@ def test_the_plan_counts_what_the_expanded_form_holds():
     files = sum(t.nbytes for t in model.stage_tensors(0, cfg.n_layers, True, True).values())
     for graphs in runners:
         graphs.expands()
-        graphs.expand_from = 1
+        graphs.crossover = ggml_latent.ALWAYS
     turned = sum(graphs.k_b_t.nbytes for graphs in runners)
     assert turned == cfg.n_layers * ggml_latent.turned_key_bytes(cfg, "F32") > 0
     assert planned.weight_bytes == files + turned
@@ -273,8 +298,16 @@ def test_the_plan_counts_what_the_expanded_form_holds():
 def test_two_workers_split_inside_the_expert_blocks_give_the_single_process_tokens(worker_pool, tmp_path):
     path = deepseek("gguf")
     workers = worker_pool(2)
+    formats = []
     got, plan, _ = distributed(
-        path, [w.address for w in workers], tmp_path / "coord", tensor_split=[1, 1], prompt=PROMPT
+        path,
+        [w.address for w in workers],
+        tmp_path / "coord",
+        tensor_split=[1, 1],
+        prompt=PROMPT,
+        loaded=lambda cluster: formats.extend(weight_formats(None, cluster)),
     )
     assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4)]
     assert_same(single_process(path, prompt=PROMPT), got)
+    if ggml_cpu.available():  # a worker's choice of latent attention's form, as `shardwire bench` prints it
+        assert len(formats) == 2 and any("; latent attention: " in line for line in formats), formats

@@ -49,9 +49,11 @@ def distributed(
     token=None,
     tls=TRUST_ON_FIRST_USE,
     plan_options=None,
+    loaded=None,
     **kw,
 ):
-    """generate() on a cluster of the workers at `addresses`; `plan_options`: make_plan's, beside these."""
+    """generate() on a cluster of the workers at `addresses`; `plan_options`: make_plan's, beside these;
+    `loaded`: called with the cluster once its workers are ready."""
     model = open_model(path)
     cluster = Cluster(
         addresses,
@@ -68,6 +70,8 @@ def distributed(
             tensor_split=tensor_split, n_gpu_layers=n_gpu_layers, ctx=256, dtype="float32", **(plan_options or {})
         )
         pipeline = cluster.load(plan)
+        if loaded is not None:
+            loaded(cluster)
         return generate(pipeline, **kw), plan, cluster.load_stats
     finally:
         cluster.close()

@@ -280,7 +280,10 @@ EXAMPLES = [
     ),
     Need(["a" * 64, "b" * 64]),
     Weights("a" * 64, 8 << 20, 9 << 20),
-    Ready([StageReport(0, 1000, 200), StageReport(1, 50, 20)], {"file": 10, "cache": 0, "streamed": 5}),
+    Ready(
+        [StageReport(0, 1000, 200), StageReport(1, 50, 20, ["latent attention: absorbed (every row)"])],
+        {"file": 10, "cache": 0, "streamed": 5},
+    ),
     Forward(
         "plan1",
         7,
@@ -348,6 +351,12 @@ def test_a_forward_with_bad_drafts_is_refused(drafts):
 def test_a_pong_with_bad_stage_times_is_refused(stages):
     with pytest.raises(FrameError, match="PONG"):
         Pong.parse({"t": 1.0, "stages": stages})
+
+
+@pytest.mark.parametrize("choices", [["x" * 401], [7], ["a"] * 9, "latent attention"])
+def test_a_ready_with_bad_choices_is_refused(choices):
+    with pytest.raises(FrameError, match="READY stage"):
+        Ready.parse({"stages": [{"index": 0, "weight_bytes": 1, "kv_bytes": 1, "choices": choices}], "sources": {}})
 
 
 @pytest.mark.parametrize(
@@ -512,7 +521,7 @@ def test_a_closed_connection_is_readable_so_that_recv_reports_it():
 def test_message_numbers_and_the_protocol_version_are_pinned():
     """Both sides of a link agree on these numbers: changing one is a new PROTOCOL_VERSION, with a
     line of its history in frames.py."""
-    assert PROTOCOL_VERSION == 7
+    assert PROTOCOL_VERSION == 8
     assert {m.name: m.value for m in MessageType} == {
         "HELLO": 1,
         "CHALLENGE": 2,

@@ -88,7 +88,9 @@ def attach(stage) -> None:
         i: b.runner for i, b in zip(range(stage.start, stage.end), stage.blocks) if isinstance(b.runner, LatentGraphs)
     }
     if latent:  # measured here, on the thread that loads the stage: its graphs' memory is given back
-        log.info("blocks %s: %s", _ranges(list(latent)), choose_form(list(latent.values())))
+        chosen, times = choose_form(list(latent.values()))
+        stage.choices.append(chosen)
+        log.info("blocks %s: %s (%s)", _ranges(list(latent)), chosen, times)
         release_graph_memory()
     cfg = stage.cfg
     if cfg.embedding_scale != 1.0 or cfg.logit_softcap:  # what the stage graph's embedding and head do not do

@@ -7,15 +7,18 @@ width (192 and 128 values per key in DeepSeek-V3): a third of the arithmetic per
 the decompression of every key the chunk sees. So it pays for a chunk of many rows, more the
 longer the context: the 1B-class DeepSeek-V3 layout in Q4_K_M reads a 4096-token prompt about
 twice as fast (benchmarks/latent_forms.py). Decode steps stay absorbed, and so does a prompt's
-chunk of fewer rows than choose_form measured the expanded form faster from on this CPU.
+chunk of fewer rows than choose_form found the expanded form faster from on this CPU, at the
+chunk's context (Crossover).
 
 Both forms cache the same latents; they differ in the rounding of the attention of a prompt's rows.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -51,9 +54,53 @@ from .graph import Graph, scratch
 # rows of one sequence over them), OUTPUT (FINISH without the value matrices)
 PLAIN, UNPACK, EXPANDED, OUTPUT = "plain", "unpack", "expanded", "output"
 
-# the rows of a sequence's prompt chunk the two forms are timed at, in turn, after PREFIX cached
+# the rows of a sequence's prompt chunk the two forms are timed at, after each of PREFIXES cached
 # positions, the least time of REPEATS each
-LADDER, PREFIX, REPEATS = (16, 32, 64, 128, 256, 512), 512, 3
+ROWS, PREFIXES, REPEATS = (16, 64, 256), (512, 2048), 3
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """How many seconds the absorbed form takes beyond the expanded form for a prompt chunk's
+    `rows` rows of a sequence that sees `seen` positions, fitted as a*rows*seen + b*seen + c*rows
+    + d: attention over every key for each row (a: the expanded form's is a third of the
+    arithmetic), the keys and values decompressed once a chunk (b: the expanded form's cost), each
+    row's queries and output through every head's key and value matrix (c: the absorbed form's),
+    and what each call costs. The expanded form runs where that is positive: from a number of rows
+    that grows with the context, and never from fewer rows than were timed (`least`): decode steps
+    stay absorbed."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    least: int = 1
+
+    def rows_from(self, seen: int) -> int | None:
+        """From how many rows a sequence's chunk over `seen` positions runs expanded (None: none)."""
+        gain = self.a * seen + self.c  # what each more row saves in expanded form
+        if gain <= 0:
+            return None
+        return max(self.least, math.floor(-(self.b * seen + self.d) / gain) + 1)
+
+    def expands(self, rows: int, seen: int) -> bool:
+        least = self.rows_from(seen)
+        return least is not None and rows >= least
+
+    @classmethod
+    def fit(cls, times: dict[tuple[int, int], tuple[float, float]]) -> "Crossover":
+        """The fit to (rows, seen) -> (absorbed, expanded) seconds, each point's difference taken
+        relative to its times (least squares), so that short chunks weigh as much as long ones."""
+        design, target = [], []
+        for (rows, seen), (absorbed, expanded) in times.items():
+            scale = 2 / (absorbed + expanded)
+            design.append([rows * seen * scale, seen * scale, rows * scale, scale])
+            target.append([(absorbed - expanded) * scale])
+        design, target = (torch.tensor(t, dtype=torch.float64) for t in (design, target))
+        return cls(*torch.linalg.lstsq(design, target).solution.flatten().tolist(), min(r for r, _ in times))
+
+
+ALWAYS = Crossover(0.0, 0.0, 1.0, 0.0)  # every chunk of a prompt expanded (tests, benchmarks)
 
 
 class LatentGraphs(BlockGraphs):
@@ -88,10 +135,9 @@ class LatentGraphs(BlockGraphs):
         self.scale = attn.scale
         self.attn_width = self.heads * self.latent
         self._place(block)
-        # the expanded form of a prompt: from how many rows of a sequence in a chunk it runs (0:
-        # never; choose_form measures it), and each head's key matrix the other way round, which
-        # it multiplies the cached latents by
-        self.expand_from = 0
+        # the expanded form of a prompt: where it runs (None: never; choose_form measures it), and
+        # each head's key matrix the other way round, which it multiplies the cached latents by
+        self.crossover: Crossover | None = None
         self._key_matrix, self.k_b_t = attn.k_b, None
 
     @classmethod
@@ -278,9 +324,14 @@ class LatentGraphs(BlockGraphs):
 
     def __call__(self, x: torch.Tensor, cache, layer: int, ctx, last_only: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
-        if last_only or not self.expand_from or T < self.expand_from or self.k_b_t is None:
+        if last_only or self.crossover is None or self.k_b_t is None or not self._expands(T, ctx):
             return super().__call__(x, cache, layer, ctx, last_only)
         return self.expanded(x, ctx, layer_pools(cache, layer), pool_type(cache))
+
+    def _expands(self, rows: int, ctx) -> bool:
+        """Whether a chunk of `rows` rows of each sequence runs expanded: where the crossover says
+        so for the sequence that sees the most positions."""
+        return self.crossover.expands(rows, max(counts[-1] for counts in ctx.key_counts))
 
     def expanded(self, x: torch.Tensor, ctx, pools: list[int], kind: int) -> torch.Tensor:
         """The block on a prompt chunk x [B, T, dim] in expanded form."""
@@ -410,27 +461,26 @@ def rows_at_once(rows: int, seen: int) -> int:
     return min(rows, max(MAX_ROWS, SCORES // (4 * seen) // MAX_ROWS * MAX_ROWS))
 
 
-def choose_form(graphs: list[LatentGraphs]) -> str:
-    """Time the two forms on the first of a stage's latent blocks (all have its shapes) at the
-    rows of LADDER in turn, until the expanded form is the faster; from those rows on, every block
-    runs a prompt chunk's rows expanded (holding each head's key matrix turned, expands), none
-    where it never was. -> a line saying what was chosen and the times it was chosen by."""
+def choose_form(graphs: list[LatentGraphs]) -> tuple[str, str]:
+    """Time the two forms on the first of a stage's latent blocks (all have its shapes) at ROWS
+    after each of PREFIXES, and fit where the expanded form is the faster (Crossover); every block
+    runs a prompt chunk's rows expanded there (holding each head's key matrix turned, expands),
+    none where it never is. -> what was chosen, and the times it was chosen by."""
     first = graphs[0]
     first.expands()
-    times = []
-    for rows in LADDER:
-        absorbed, expanded = first.time_forms(rows, PREFIX)
-        times.append(f"{rows} rows {absorbed * 1e3:.1f}/{expanded * 1e3:.1f} ms")
-        if expanded < absorbed:
-            for g in graphs:
-                g.expands()
-                g.expand_from = rows
-            break
+    times = {(rows, prefix + rows): first.time_forms(rows, prefix) for prefix in PREFIXES for rows in ROWS}
+    crossover = Crossover.fit(times)
+    contexts = [PREFIXES[0], 4 * PREFIXES[-1], 64 * PREFIXES[-1]]
+    rows_from = [crossover.rows_from(seen) for seen in contexts]
+    if any(rows_from):
+        for g in graphs:
+            g.expands()
+            g.crossover = crossover
+        (rows, seen), *more = [(rows, seen) for rows, seen in zip(rows_from, contexts) if rows]
+        chosen = f"latent attention: prompt chunks expanded from {rows} rows at {seen} positions seen"
+        chosen += "".join(f", {rows} at {seen}" for rows, seen in more)
     else:
         first.k_b_t = None
-    chosen = (
-        f"a sequence's prompt chunks of {graphs[0].expand_from} rows or more in expanded form"
-        if graphs[0].expand_from
-        else "every row in absorbed form"
-    )
-    return f"latent attention: {chosen} (absorbed/expanded after {PREFIX} positions: {', '.join(times)})"
+        chosen = "latent attention: absorbed (every row)"
+    measured = ", ".join(f"{r} rows over {s} {a * 1e3:.1f}/{e * 1e3:.1f} ms" for (r, s), (a, e) in times.items())
+    return chosen, f"absorbed/expanded: {measured}"
