@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.ggml.latent import expanded_workspace, turned_key_bytes
+from ..backends.ggml.latent import TIMED, expanded_workspace, turned_key_bytes
 from ..config import ModelConfig
 from ..deltanet import CHUNK
 from ..devices import parse_dtype
@@ -400,6 +400,10 @@ def stage_cost(
         key_matrices = [tensors.get(f"blk.{i}.attn_k_b.weight") for i in range(stage.start, stage.end)]
         weight_bytes += sum(turned_key_bytes(cfg, None if t is None else t.dtype) for t in key_matrices)
         activations += expanded_workspace(cfg, chunk, kv_pages * PAGE)
+        # the start's timing of both forms (choose_form), before the cache is allocated
+        rows, seen = TIMED
+        timing = workspace_bytes(cfg, rows, False, dtype, "cpu") + expanded_workspace(cfg, rows, seen)
+        loading = max(loading, timing + seen * (cfg.kv_lora_rank + cfg.rope_dim) * 2)
     return StageCost(
         weight_bytes,
         # keys and values, the delta-net state

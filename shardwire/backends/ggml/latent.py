@@ -57,6 +57,7 @@ PLAIN, UNPACK, EXPANDED, OUTPUT = "plain", "unpack", "expanded", "output"
 # the rows of a sequence's prompt chunk the two forms are timed at, after each of PREFIXES cached
 # positions, the least time of REPEATS each
 ROWS, PREFIXES, REPEATS = (16, 64, 256), (512, 2048), 3
+TIMED = ROWS[-1], PREFIXES[-1] + ROWS[-1]  # the largest chunk timed: its rows, the positions it sees
 
 
 @dataclass(frozen=True)
