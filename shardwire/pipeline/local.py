@@ -23,7 +23,7 @@ import torch
 
 from ..backends import release_scratch
 from ..constrain import Matchers, RowConstraint, Vocabulary
-from ..devices import free_memory
+from ..devices import free_memory, objects_held_for_good, objects_let_go
 from ..kvcache import pool_pages
 from ..model import Stage
 from ..sampling import Sampled, SamplingParams, sample
@@ -181,6 +181,7 @@ class LocalPipeline:
         self.matchers = Matchers()
         self.on_result: Callable[[StepResult], None] = lambda result: None
         self.on_wake: Callable[[], None] = lambda: None
+        objects_held_for_good()
 
     @property
     def n_stages(self) -> int:
@@ -250,3 +251,4 @@ class LocalPipeline:
     def close(self) -> None:
         self.stages = []
         self.matchers.close()
+        objects_let_go()

@@ -22,7 +22,7 @@ from ..averages import moved
 from ..backends import IDLE_S, release_scratch
 from ..config import ModelConfig
 from ..constrain import Matchers
-from ..devices import release_memory
+from ..devices import objects_let_go, release_memory
 from ..model import Stage
 from ..pipeline import Row, sample_rows
 from ..sampling import SamplingParams
@@ -250,6 +250,18 @@ class Ring:
             self.next_conn.close()
         with self._stepping:
             pass
+        self._stop_runners()
+        self.matchers.close()
+        self.weights.reader.close()
+        objects_let_go()
+        gc.collect()  # a stage that cycles keep alive would stay beside the next plan's until the collector ran
+        release_memory()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _stop_runners(self) -> None:
+        """Stop each stage's thread and drop the stages (in a call of its own: a loop's variable
+        would keep the last stage referenced through the collection that follows)."""
         for runner in self.runners:
             runner.queue.put(None)
         for runner in self.runners:
@@ -257,12 +269,6 @@ class Ring:
                 runner.thread.join(timeout=30)
             runner.stage.cache = None
         self.runners.clear()
-        self.matchers.close()
-        self.weights.reader.close()
-        gc.collect()  # a stage that cycles keep alive would stay beside the next plan's until the collector ran
-        release_memory()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def rest(conn: Connection, spin: float = SPIN_S) -> None:

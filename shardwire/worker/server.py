@@ -20,7 +20,7 @@ import numpy as np
 from .. import __version__
 from ..config import ConfigError
 from ..constrain import Vocabulary
-from ..devices import check_device, default_devices, free_memory, set_threads, torch_device
+from ..devices import check_device, default_devices, free_memory, objects_held_for_good, set_threads, torch_device
 from ..models import config_from_dict
 from ..weights.cache import WeightCache, default_cache_dir
 from ..weights.in_use import compute_line
@@ -402,6 +402,7 @@ class Worker:
             found.reader.close()
             conn.send_error("load", f"worker {self.worker_id} could not load its stages: {e}", request=request)
             return
+        objects_held_for_good()
         ring.start()
         with self._ring_lock:
             self._ring = ring
