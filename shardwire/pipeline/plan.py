@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.ggml.latent import TIMED, expanded_workspace, turned_key_bytes
+from ..backends.ggml.latent import TIMED, expanded_workspace, turned_key_bytes, widened_bytes
 from ..config import ModelConfig
 from ..deltanet import CHUNK
 from ..devices import parse_dtype
@@ -399,6 +399,10 @@ def stage_cost(
         # measured at the worker's start): the key matrices it holds turned, and what it computes in
         key_matrices = [tensors.get(f"blk.{i}.attn_k_b.weight") for i in range(stage.start, stage.end)]
         weight_bytes += sum(turned_key_bytes(cfg, None if t is None else t.dtype) for t in key_matrices)
+        # and each head's key and value matrices widened to Q8_0, where the start finds that faster
+        for i in range(stage.start, stage.end):
+            k_b, v_b = (tensors.get(f"blk.{i}.attn_{m}_b.weight") for m in "kv")
+            weight_bytes += widened_bytes(cfg, *(None if t is None else t.dtype for t in (k_b, v_b)))
         activations += expanded_workspace(cfg, chunk, kv_pages * PAGE)
         # the start's timing of both forms (choose_form), before the cache is allocated
         rows, seen = TIMED

@@ -23,9 +23,10 @@ from shardwire.models import variant
 from shardwire.pipeline.loading import load_stage
 from shardwire.pipeline.plan import PlanDevice, PlanError, make_plan, workspace_bytes
 from shardwire.weights import ggml_cpu
+from shardwire.weights.ggml_cpu import ggml
 
 from models import converted_checkpoint, llama_cpp_logits, transformers_greedy
-from parity import BACKENDS, assert_graphs_give_the_modules_outputs, greedy_tokens, our_logits
+from parity import BACKENDS, assert_graphs_give_the_modules_outputs, greedy_tokens, our_logits, stage_outputs
 from runs import assert_same, distributed, single_process
 
 transformers = pytest.importorskip("transformers")
@@ -230,6 +231,43 @@ def test_a_prompt_runs_in_the_form_measured_faster_here(caplog):
         stage(torch.tensor([(PROMPT * 64)[start : start + rows]]), [slot], [start])
         expanded = crossover is not None and crossover.expands(rows, start + rows)
         assert all((ggml_latent.UNPACK in graphs._built) == expanded for graphs in runners[:-1]), (rows, line)
+
+
+def test_value_matrices_stored_q5_0_run_widened_to_q8_0_or_as_stored_with_the_same_outputs(caplog, monkeypatch):
+    """Each head's value matrices stored Q5_0 (as llama-quantize leaves DeepSeek-V3's per-head
+    matrices in Q4_K_M files): the stage's start times a decode row's products through them as
+    stored and widened to Q8_0 (the same values) and says what it chose. Each way forced in turn,
+    the block graphs give the same outputs: both multiply the same values by the same rows rounded
+    to Q8_0."""
+    import logging
+
+    from shardwire.model import dense_weight
+    from shardwire.weights.ggml_cpu import GGMLLinear
+
+    cfg, stage, _ = _graphs_stage()
+    for block in stage.blocks:
+        weight = dense_weight(block.attn.v_b).float()
+        raw = ggml_cpu.quantized(weight, "Q5_0")
+        block.attn.v_b = GGMLLinear(raw, "Q5_0", weight.shape[1], torch.float32)
+    with caplog.at_level(logging.INFO, logger="shardwire.ggml"):
+        ggml_backend.attach(stage)
+    (chosen,) = [c for c in stage.choices if c.startswith("each head's key and value matrices: Q5_0 ")]
+    widened = chosen.endswith("widened to Q8_0")
+    for g in (block.runner for block in stage.blocks):
+        assert bool(g._widened) == widened and (g.v_b[0].qtype == ggml.GGML_TYPE_Q8_0) == widened
+    assert any(chosen in r.getMessage() and "as stored/widened" in r.getMessage() for r in caplog.records)
+    outputs = {}
+    for way, times in {"as stored": (1.0, 2.0), "widened to Q8_0": (2.0, 1.0)}.items():
+        monkeypatch.setattr(ggml_latent, "_per_head_seconds", lambda _, t=times: dict(zip(("stored", "widened"), t)))
+        ggml_backend.attach(stage)
+        assert any(c.endswith(way) for c in stage.choices)
+        assert all((block.runner.v_b[0].qtype == ggml.GGML_TYPE_Q8_0) == (way != "as stored") for block in stage.blocks)
+        outputs[way] = stage_outputs(stage, True, (6, 4))
+    copies = sum(c.nbytes for block in stage.blocks for c in block.runner._widened)
+    assert copies == cfg.n_layers * ggml_latent.widened_bytes(cfg, "F32", "Q5_0") > 0  # as the plan counts them
+    for a, b in zip(*outputs.values()):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def _form_seconds(per_row_key, per_key, per_row, per_call):

@@ -646,3 +646,22 @@ def test_stored_bytes_leave_the_mapping_a_piece_at_a_time(monkeypatch):
         s.allocate_cache(1, 32)
     tokens = torch.tensor([PROMPT[:12]])
     assert torch.equal(reference(tokens, [0], [0], all_logits=True), stage(tokens, [0], [0], all_logits=True))
+
+
+@pytest.mark.parametrize("stored", codecs.WIDENS)
+def test_q4_0_and_q5_0_blocks_widen_to_q8_0_blocks_of_the_same_values(stored):
+    """Each head's key and value matrices of a DeepSeek-V3 file may be held widened to Q8_0
+    (latent.choose_widening): the same scale, the same integers, so every value is the stored one."""
+    if not ggml_cpu.available():
+        pytest.skip(f"no ggml here: {ggml_cpu.MISSING}")
+    values = torch.randn(48, 256, generator=torch.Generator().manual_seed(3))
+    raw = ggml_cpu.quantized(values, stored)
+    wide = codecs.widened_to_q8_0(raw, stored)
+    assert wide.shape == (48, 256 // 32 * 34)
+    shape = (48, 256)
+    assert torch.equal(codecs.to_torch(wide.numpy(), "Q8_0", shape), codecs.to_torch(raw.numpy(), stored, shape))
+
+
+def test_only_blocks_of_the_same_values_widen():
+    with pytest.raises(codecs.QuantError, match="Q4_1 blocks do not widen"):
+        codecs.widened_to_q8_0(torch.zeros(1, 20, dtype=torch.uint8), "Q4_1")

@@ -19,7 +19,7 @@ from ...models import BlockVariant
 from .block import BlockGraphs, FeedForwardGraphs, StageGraph
 from .deltanet import DeltaNetGraphs
 from .graph import in_scratch, release_graph_memory
-from .latent import LatentGraphs, choose_form
+from .latent import LatentGraphs, choose_form, choose_widening
 
 log = logging.getLogger("shardwire.ggml")
 
@@ -71,7 +71,7 @@ def release() -> None:
 def attach(stage) -> None:
     """Give each block of `stage` (float32, on the CPU) its graphs where ggml implements its variant
     and can run its weights as held, and the stage its decode graph where every block has them."""
-    refused = {}
+    refused, stage.choices = {}, []
     for i, block in zip(range(stage.start, stage.end), stage.blocks):
         why = refusal(block.variant)
         if why is not None:
@@ -88,9 +88,9 @@ def attach(stage) -> None:
         i: b.runner for i, b in zip(range(stage.start, stage.end), stage.blocks) if isinstance(b.runner, LatentGraphs)
     }
     if latent:  # measured here, on the thread that loads the stage: its graphs' memory is given back
-        chosen, times = choose_form(list(latent.values()))
-        stage.choices.append(chosen)
-        log.info("blocks %s: %s (%s)", _ranges(list(latent)), chosen, times)
+        for chosen, times in filter(None, (choose_widening(list(latent.values())), choose_form(list(latent.values())))):
+            stage.choices.append(chosen)
+            log.info("blocks %s: %s (%s)", _ranges(list(latent)), chosen, times)
         release_graph_memory()
     cfg = stage.cfg
     if cfg.embedding_scale != 1.0 or cfg.logit_softcap:  # what the stage graph's embedding and head do not do

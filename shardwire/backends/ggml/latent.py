@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from ...model import dense_weight
 from ...weights import ggml_cpu
+from ...weights.codecs import WIDENS, widened_to_q8_0
 from ...weights.ggml_cpu import ggml
 from .block import (
     FINISH,
@@ -140,6 +142,9 @@ class LatentGraphs(BlockGraphs):
         # each head's key matrix the other way round, which it multiplies the cached latents by
         self.crossover: Crossover | None = None
         self._key_matrix, self.k_b_t = attn.k_b, None
+        # each head's key and value matrices' modules, and their Q8_0 copies where they are held so
+        # (widen)
+        self._per_head_modules, self._widened = (attn.k_b, attn.v_b), []
 
     @classmethod
     def of(cls, block: nn.Module, inv_freq: torch.Tensor, rope_base: float, gain: float = 1.0) -> "LatentGraphs | None":
@@ -309,6 +314,24 @@ class LatentGraphs(BlockGraphs):
         exact = m is None or m.qtype == ggml.GGML_TYPE_F32
         self.k_b_t = weight.contiguous() if exact else weight.to(torch.float16).contiguous()
         self.k_b_t_type = ggml.GGML_TYPE_F32 if exact else ggml.GGML_TYPE_F16
+
+    def widened(self) -> tuple[tuple, tuple, list[torch.Tensor]]:
+        """Each head's key and value matrices (as _per_head holds them) as Q8_0 where they are
+        stored Q4_0 or Q5_0 (the same values, codecs.widened_to_q8_0), and the copies they read."""
+        held, copies = [], []
+        for (m, heads, dense), module in zip((self.k_b, self.v_b), self._per_head_modules):
+            stored = None if m is None else GGMLQuantizationType(m.qtype).name
+            if stored in WIDENS:
+                copies.append(widened_to_q8_0(module.raw.view(m.N, -1), stored))
+                m = _Matrix(ggml.GGML_TYPE_Q8_0, m.K, m.N, copies[-1].data_ptr(), m.bias)
+            held.append((m, heads, dense))
+        return held[0], held[1], copies
+
+    def widen(self) -> None:
+        """Hold each head's key and value matrices widened (choose_widening found it faster)."""
+        if not self._widened:
+            self.k_b, self.v_b, self._widened = self.widened()
+            self._built.clear()
 
     @property
     def v_b_type(self) -> int:
@@ -485,3 +508,74 @@ def choose_form(graphs: list[LatentGraphs]) -> tuple[str, str]:
         chosen = "latent attention: absorbed (every row)"
     measured = ", ".join(f"{r} rows over {s} {a * 1e3:.1f}/{e * 1e3:.1f} ms" for (r, s), (a, e) in times.items())
     return chosen, f"absorbed/expanded: {measured}"
+
+
+class _PerHead(ggml_cpu._Built):
+    """One row for each head through a per-head matrix as held (_per_head): what a decode row's
+    query (the key matrices) or latent (the value matrices) goes through."""
+
+    def __init__(self, held: tuple, threads: int):
+        super().__init__(4, 4)
+        m, heads, dense = held
+        self.w = LatentGraphs._tensor_3d(self.ctx, held)
+        K, N = self.w.contents.ne[0], self.w.contents.ne[1]
+        self.x, self.y = torch.randn(heads, K), torch.empty(heads, N)
+        x = ggml.ggml_new_tensor_3d(self.ctx, ggml.GGML_TYPE_F32, K, 1, heads)
+        x.contents.data = self.x.data_ptr()
+        y = ggml.ggml_mul_mat(self.ctx, self.w, x)
+        y.contents.data = self.y.data_ptr()
+        self._finish(y, threads)
+
+    def run(self) -> None:
+        self._compute()
+
+
+CALLS = 50  # a timing of a decode row's per-head products: the least of REPEATS runs of CALLS each
+
+
+def _per_head_seconds(variants: dict[str, tuple]) -> dict[str, float]:
+    """Seconds of a decode row through each variant's key and value matrices, the variants timed
+    in turn, the least of REPEATS runs of CALLS each."""
+    graphs = {name: [_PerHead(held, torch.get_num_threads()) for held in pair] for name, pair in variants.items()}
+    best = dict.fromkeys(graphs, float("inf"))
+    for _ in range(REPEATS):
+        for name, pair in graphs.items():
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                for g in pair:
+                    g.run()
+            best[name] = min(best[name], (time.perf_counter() - start) / CALLS)
+    return best
+
+
+def choose_widening(graphs: list[LatentGraphs]) -> tuple[str, str] | None:
+    """Where each head's key and value matrices are stored Q4_0 or Q5_0: time a decode row's
+    products through the first block's as stored and widened to Q8_0, and widen every block's
+    where that is the faster (ggml's product of such short rows costs mostly its calls, and Q8_0's
+    calls are the cheaper on some CPUs). -> what was chosen and the times, or None where nothing
+    widens."""
+    first = graphs[0]
+    k_b, v_b, copies = first.widened()
+    if not copies:
+        return None
+    named = (GGMLQuantizationType(m.qtype).name for m, _, _ in (first.k_b, first.v_b) if m is not None)
+    stored = sorted({name for name in named if name in WIDENS})
+    seconds = _per_head_seconds({"stored": (first.k_b, first.v_b), "widened": (k_b, v_b)})
+    faster = seconds["widened"] < seconds["stored"]
+    if faster:
+        for g in graphs:
+            g.widen()
+    what = f"each head's key and value matrices: {'/'.join(stored)} " + ("widened to Q8_0" if faster else "as stored")
+    return (
+        what,
+        f"a decode row through them as stored/widened: {seconds['stored'] * 1e6:.0f}/{seconds['widened'] * 1e6:.0f} us",
+    )
+
+
+def widened_bytes(cfg, key_stored: str | None, value_stored: str | None) -> int:
+    """What a latent block holds beside its weights where each head's key and value matrices,
+    stored as given, are widened (choose_widening): the Q8_0 copies (34 bytes a 32 values) of those
+    stored Q4_0 or Q5_0."""
+    nope, rank = cfg.head_dim - cfg.rope_dim, cfg.kv_lora_rank
+    values = (nope * rank if key_stored in WIDENS else 0) + (cfg.v_head_dim * rank if value_stored in WIDENS else 0)
+    return cfg.n_heads * values // 32 * 34
