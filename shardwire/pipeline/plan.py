@@ -397,12 +397,10 @@ def stage_cost(
     if cfg.kv_lora_rank and stage.device.type == "cpu" and dtype == torch.float32:
         # where ggml's graphs may run a prompt's latent attention in expanded form (its choice is
         # measured at the worker's start): the key matrices it holds turned, and what it computes in
-        key_matrices = [tensors.get(f"blk.{i}.attn_k_b.weight") for i in range(stage.start, stage.end)]
-        weight_bytes += sum(turned_key_bytes(cfg, None if t is None else t.dtype) for t in key_matrices)
         # and each head's key and value matrices widened to Q8_0, where the start finds that faster
         for i in range(stage.start, stage.end):
-            k_b, v_b = (tensors.get(f"blk.{i}.attn_{m}_b.weight") for m in "kv")
-            weight_bytes += widened_bytes(cfg, *(None if t is None else t.dtype for t in (k_b, v_b)))
+            k_b, v_b = (getattr(tensors.get(f"blk.{i}.attn_{m}_b.weight"), "dtype", None) for m in "kv")
+            weight_bytes += turned_key_bytes(cfg, k_b) + widened_bytes(cfg, k_b, v_b)
         activations += expanded_workspace(cfg, chunk, kv_pages * PAGE)
         # the start's timing of both forms (choose_form), before the cache is allocated
         rows, seen = TIMED

@@ -327,10 +327,11 @@ class LatentGraphs(BlockGraphs):
             held.append((m, heads, dense))
         return held[0], held[1], copies
 
-    def widen(self) -> None:
-        """Hold each head's key and value matrices widened (choose_widening found it faster)."""
+    def widen(self, widened: tuple | None = None) -> None:
+        """Hold each head's key and value matrices widened (choose_widening found it faster;
+        `widened`: what widened() gave, where made already)."""
         if not self._widened:
-            self.k_b, self.v_b, self._widened = self.widened()
+            self.k_b, self.v_b, self._widened = widened or self.widened()
             self._built.clear()
 
     @property
@@ -516,7 +517,7 @@ class _PerHead(ggml_cpu._Built):
 
     def __init__(self, held: tuple, threads: int):
         super().__init__(4, 4)
-        m, heads, dense = held
+        heads = held[1]
         self.w = LatentGraphs._tensor_3d(self.ctx, held)
         K, N = self.w.contents.ne[0], self.w.contents.ne[1]
         self.x, self.y = torch.randn(heads, K), torch.empty(heads, N)
@@ -555,15 +556,16 @@ def choose_widening(graphs: list[LatentGraphs]) -> tuple[str, str] | None:
     calls are the cheaper on some CPUs). -> what was chosen and the times, or None where nothing
     widens."""
     first = graphs[0]
-    k_b, v_b, copies = first.widened()
-    if not copies:
+    widened = first.widened()
+    if not widened[2]:
         return None
     named = (GGMLQuantizationType(m.qtype).name for m, _, _ in (first.k_b, first.v_b) if m is not None)
     stored = sorted({name for name in named if name in WIDENS})
-    seconds = _per_head_seconds({"stored": (first.k_b, first.v_b), "widened": (k_b, v_b)})
+    seconds = _per_head_seconds({"stored": (first.k_b, first.v_b), "widened": widened[:2]})
     faster = seconds["widened"] < seconds["stored"]
     if faster:
-        for g in graphs:
+        first.widen(widened)
+        for g in graphs[1:]:
             g.widen()
     what = f"each head's key and value matrices: {'/'.join(stored)} " + ("widened to Q8_0" if faster else "as stored")
     return (
