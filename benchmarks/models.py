@@ -157,6 +157,7 @@ WORKLOADS = {
         Workload("1b-q4_0", "1b", "Q4_0"),
         Workload("1b-q4_k", "1b", "Q4_K"),  # llama-quantize's Q4_K_M mix
         Workload("1b-f16", "1b", "F16"),
+        Workload("1b-bf16", "1b", "BF16"),  # as the big models' own weights are published
         # the codebook types of unsloth's big-MoE files, llama-quantize's recipes with an importance
         # matrix from llama-imatrix (IQ2_XXS needs one)
         Workload("1b-iq4_xs", "1b", "IQ4_XS"),

@@ -41,7 +41,7 @@ from .policy import FAST, PRODUCT_FORMATS
 
 log = logging.getLogger("shardwire.measure")
 
-MEASURED_TYPES = QUANT_TYPES + ("F16", "F32")
+MEASURED_TYPES = QUANT_TYPES + ("F16", "BF16", "F32")
 SHAPE = (4096, 2048)  # [out, in]: a 1B-class projection, larger than most CPUs' L2
 SECONDS = 0.01  # per candidate and turn, at least 3 runs
 PROMPT_ROWS = 64

@@ -1,6 +1,6 @@
-"""Files in the codebook types as llama.cpp's own tools make them (llama-imatrix's importance matrix,
-llama-quantize's per-tensor mixes: an IQ2_XXS file keeps some matrices Q2_K, an IQ1_S one Q5_K), run by
-`shardwire generate`'s path: the greedy tokens llama.cpp gives. Skips unless llama.cpp was built by
+"""Files in the codebook types and BF16 as llama.cpp's own tools make them (llama-imatrix's importance
+matrix, llama-quantize's per-tensor mixes: an IQ2_XXS file keeps some matrices Q2_K, an IQ1_S one Q5_K),
+run by `shardwire generate`'s path: the greedy tokens llama.cpp gives. Skips unless llama.cpp was built by
 benchmarks/build_llama_cpp.sh."""
 
 import numpy as np
@@ -24,7 +24,7 @@ if not (LLAMA_CPP / "bin" / "llama-imatrix").is_file():
 STEPS = 24
 # the llama-quantize recipe that stores each type (its IQ2_S recipe stores IQ2_XS; MXFP4 is for
 # experts only, as gpt-oss's, so a mixture of experts)
-RECIPES = {t: t for t in CODEBOOK_TYPES} | {"IQ2_S": "IQ2_M", "MXFP4": "MXFP4_MOE"}
+RECIPES = {t: t for t in (*CODEBOOK_TYPES, "BF16")} | {"IQ2_S": "IQ2_M", "MXFP4": "MXFP4_MOE"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def quantized(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("stored", CODEBOOK_TYPES)
+@pytest.mark.parametrize("stored", [*CODEBOOK_TYPES, "BF16"])
 def test_llama_quantize_files_give_llama_cpp_greedy_tokens(quantized, stored):
     from shardwire.formats import open_model
     from shardwire.weights.measure import fastest_formats
