@@ -350,7 +350,10 @@ def test_ggml_matrices_switch_to_a_gemm_from_the_measured_row_count(dtype):
     assert float((by_ggml - by_gemm).abs().max()) <= 1e-2 * float(by_gemm.abs().max())
 
 
-LAYOUTS = ["Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored", "Q4_K repacked", "Q4_K stored", "Q6_K stored"]
+LAYOUTS = [
+    "Q8_0 stored", "Q4_0 repacked", "F32 stored", "F16 stored", "BF16 stored", "Q4_K repacked", "Q4_K stored",
+    "Q6_K stored",
+]  # fmt: skip
 
 
 @pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
@@ -366,7 +369,8 @@ def test_a_prompt_chunk_gives_each_row_what_its_one_row_product_gives(layout, ou
     quantized ones; 72 rows of weights, not a whole number of its tiles, and other CPUs:
     tinyBLAS, the repacked GEMM); one row goes to kernels/' one-row products (Q8_0, F16; ggml's
     dot products where those are off or absent, and for F32) or the repacked GEMV. Both
-    take the same activations (8-bit, or F16 for F16 weights, as ggml converts them), and the
+    take the same activations (8-bit, or F16 for F16 weights, as ggml converts them; BF16's go to
+    tinyBLAS and ggml's dot products, rounded to BF16), and the
     quantized ones sum exact integer products of blocks, each scaled by its two blocks' scales:
     they differ by float rounding only, whatever the tile, group of tiles or thread a weight row
     or activation row falls in (on 2 threads, the threads pack the activation rows together), and
