@@ -88,3 +88,35 @@ def stage_outputs(stage, use_graphs: bool, chunks: tuple[int, ...] = (3,)) -> li
         stage.runner = kept_stage
         for b, (graphs, feed) in zip(stage.blocks, kept):
             b.runner, b.feed_runner = graphs, feed
+
+
+def decode_logits(stage) -> torch.Tensor:
+    """A loaded stage's logits after each token of PROMPT, fed one at a time (the decode path: one
+    row per product)."""
+    stage.allocate_cache(1, 64)
+    return torch.stack([stage(torch.tensor([[t]]), [0], [i])[0, -1].float() for i, t in enumerate(PROMPT)])
+
+
+def assert_near_the_dense_logits(held: torch.Tensor, dense: torch.Tensor, within: float) -> None:
+    """Logits of weights held as stored against those of the same weights dequantized: within
+    `within` of the dense logits' mean spread, and the same top token wherever no error that large
+    could change it. A wrongly wired type is off by the whole spread."""
+    spread = float((dense.max(-1).values - dense.min(-1).values).mean())
+    worst = float((held - dense).abs().max())
+    assert worst < within * spread, (worst, spread)
+    top2 = dense.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * worst
+    assert torch.equal(held.argmax(-1)[clear], dense.argmax(-1)[clear])
+
+
+def assert_decoded_as_ggml_decodes(info) -> None:
+    """A tensor of the file (a TensorInfo) decodes to ggml's own dequantization, bit for bit."""
+    import numpy as np
+
+    from shardwire.weights import codecs
+
+    raw = np.fromfile(info.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    ours = codecs.to_torch(raw, info.dtype, info.shape).float()
+    rows = torch.from_numpy(raw).view(info.shape[0], -1)
+    ggmls = ggml_cpu.GGMLLinear(rows, info.dtype, info.shape[1], torch.float32).dequantize()
+    assert torch.equal(ours.view(torch.int32), ggmls.view(torch.int32)), info.name

@@ -16,7 +16,7 @@ from shardwire.weights import codecs, ggml_cpu, policy
 from shardwire_kit.synthetic import random_model, tiny_vocab_metadata
 from shardwire_kit.writer import write_gguf
 
-from models import PROMPT
+from parity import assert_decoded_as_ggml_decodes, assert_near_the_dense_logits, decode_logits
 
 pytestmark = pytest.mark.skipif(not ggml_cpu.available(), reason="ggml's kernels are not built here")
 
@@ -60,20 +60,14 @@ def test_every_tensor_decodes_as_ggml_decodes_it_bit_for_bit(files, stored):
         if info.dtype not in CODEBOOK_TYPES:
             continue
         types.add(info.dtype)
-        raw = _raw(info)
-        ours = codecs.to_torch(raw, info.dtype, info.shape)
-        rows = torch.from_numpy(raw).view(info.shape[0], -1)
-        ggmls = ggml_cpu.GGMLLinear(rows, info.dtype, info.shape[1], torch.float32).dequantize()
-        assert torch.equal(ours.view(torch.int32), ggmls.view(torch.int32)), name
+        assert_decoded_as_ggml_decodes(info)
     assert types == {stored}
 
 
 def _decode_logits(path, weights: str, fastest: dict) -> torch.Tensor:
-    """Logits after each token of PROMPT, fed one at a time (the decode path: one row per product)."""
     model = open_model(path)
     stage = load_stage(model, 0, model.config.n_layers, weights=weights, dtype=torch.float32, fastest=fastest)
-    stage.allocate_cache(1, 64)
-    return torch.stack([stage(torch.tensor([[t]]), [0], [i])[0, -1].float() for i, t in enumerate(PROMPT)])
+    return decode_logits(stage)
 
 
 @pytest.mark.parametrize("stored", [*CODEBOOK_TYPES, "mixed"])
@@ -81,13 +75,7 @@ def test_blocks_held_as_stored_compute_what_the_dequantized_weights_do(files, st
     """ggml's kernels on the stored blocks (8-bit activations, as llama.cpp's) against the same
     weights dequantized to float32: a wrongly wired type would be off by the logits' whole spread."""
     held = _decode_logits(files[stored], "fast", ALL_ON_GGML)
-    dense = _decode_logits(files[stored], "dequant", {})
-    spread = float((dense.max(-1).values - dense.min(-1).values).mean())
-    worst = float((held - dense).abs().max())
-    assert worst < 0.04 * spread, (worst, spread)
-    top2 = dense.topk(2, -1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 2 * worst  # steps whose top token no error this size could change
-    assert torch.equal(held.argmax(-1)[clear], dense.argmax(-1)[clear])
+    assert_near_the_dense_logits(held, _decode_logits(files[stored], "dequant", {}), 0.04)
 
 
 def test_the_plan_holds_codebook_blocks_on_ggml_and_counts_their_stored_bytes(files):
